@@ -1,0 +1,234 @@
+"""Command line: `gossipcomp simulate`, `gossipcomp peer`, `gossipcomp topology show`.
+
+Argument parsing, progress display and reports only; the work happens in simulation.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from gossipcomp.experiment import TrainConfig
+from gossipcomp.gossip import ALGORITHMS
+from gossipcomp.report import Report
+from gossipcomp.simulation import run_peer, run_simulation
+from gossipcomp.topology import Topology, TopologyError, format_topology, load_topology
+from gossipcomp.transport.base import HandshakeError, PeerUnreachableError
+
+DEFAULT_TOPOLOGY = "ring8"
+
+
+def resolve_topology(spec: str) -> Topology:
+    """Load a topology from a file path, or by the name of a shipped one (e.g. 'ring8')."""
+    path = Path(spec)
+    if path.exists():
+        return load_topology(path)
+    shipped = resources.files("gossipcomp.topologies").joinpath(f"{spec}.yaml")
+    if shipped.is_file():
+        with resources.as_file(shipped) as shipped_path:
+            return load_topology(shipped_path)
+    names = sorted(
+        p.name.removesuffix(".yaml")
+        for p in resources.files("gossipcomp.topologies").iterdir()
+        if p.name.endswith(".yaml")
+    )
+    raise TopologyError(f"{spec}: no such file, and not a shipped topology (shipped: {names})")
+
+
+def _consensus_step(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+
+
+def _add_training_flags(parser: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    g = parser.add_argument_group("training")
+    g.add_argument(
+        "--algorithm", default=d.algorithm, choices=sorted(ALGORITHMS), help="gossip algorithm"
+    )
+    g.add_argument(
+        "--rounds", type=int, default=d.rounds, help="local steps, each then a gossip round"
+    )
+    g.add_argument("--lr", type=float, default=d.lr, help="SGD learning rate")
+    g.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum (per peer)")
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="examples per local step")
+    g.add_argument(
+        "--partition",
+        default=d.partition,
+        help="how the training data is split: iid | by-label | dirichlet:ALPHA",
+    )
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of data split, model and batches")
+    g.add_argument(
+        "--consensus-step",
+        type=_consensus_step,
+        default=d.consensus_step,
+        help="gossip step gamma in x += gamma (W x - x), or 'auto' = 2/(2 - lambda_2 - lambda_min)",
+    )
+    g.add_argument(
+        "--eval-every", type=int, default=d.eval_every, help="rounds between accuracy checkpoints"
+    )
+    g.add_argument(
+        "--round-timeout",
+        type=float,
+        default=d.round_timeout,
+        help="seconds a round waits for neighbours before leaving them out",
+    )
+    parser.add_argument("--report", type=Path, help="write the JSON report here")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or table")
+
+
+def _config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        algorithm=args.algorithm,
+        rounds=args.rounds,
+        lr=args.lr,
+        momentum=args.momentum,
+        batch_size=args.batch_size,
+        partition=args.partition,
+        seed=args.seed,
+        consensus_step=args.consensus_step,
+        eval_every=args.eval_every,
+        round_timeout=args.round_timeout,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gossipcomp",
+        description="Communication-efficient decentralized training over gRPC.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sim = sub.add_parser(
+        "simulate",
+        help="every peer of a topology in this process, real gRPC on loopback, digits data",
+    )
+    sim.add_argument(
+        "--topology",
+        default=DEFAULT_TOPOLOGY,
+        help="topology YAML file, or a shipped name (default: ring8)",
+    )
+    _add_training_flags(sim)
+
+    peer = sub.add_parser("peer", help="one peer in this process, at its address in the topology")
+    peer.add_argument("--topology", required=True, help="topology YAML file (or shipped name)")
+    peer.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="this peer's rank (default: the RANK environment variable, as set by torchrun)",
+    )
+    peer.add_argument("--bind", help="address to listen on (default: the topology's address)")
+    peer.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for neighbours to come up before giving up",
+    )
+    _add_training_flags(peer)
+
+    topo = sub.add_parser("topology", help="inspect topology files")
+    topo_sub = topo.add_subparsers(dest="topology_command", required=True)
+    show = topo_sub.add_parser("show", help="peers, degrees, spectral gap and mixing weights")
+    show.add_argument("file", help="topology YAML file (or shipped name)")
+    return parser
+
+
+class _ProgressDisplay:
+    """A rich progress bar over rounds x peers, or nothing when quiet."""
+
+    def __init__(self, console: Console, total: int, label: str, quiet: bool) -> None:
+        self._progress = (
+            None
+            if quiet
+            else Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=console,
+                transient=True,
+            )
+        )
+        self._task = self._progress.add_task(label, total=total) if self._progress else None
+
+    def __enter__(self) -> _ProgressDisplay:
+        if self._progress:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress:
+            self._progress.stop()
+
+    def advance(self, rank: int, round: int) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.advance(self._task)
+
+
+def _finish(report: Report, args: argparse.Namespace, console: Console) -> None:
+    if not args.quiet:
+        console.print(report.summary_table())
+    if args.report:
+        report.write_json(args.report)
+        if not args.quiet:
+            console.print(f"report written to {args.report}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        if args.command == "topology":
+            Console().print(format_topology(resolve_topology(args.file)))
+            return 0
+        config = _config(args)
+        topology = resolve_topology(args.topology)
+        torch.set_num_threads(1)  # many small peers share the cores; intra-op threads only contend
+        if args.command == "simulate":
+            label = f"{config.algorithm} on {topology.name}"
+            with _ProgressDisplay(console, config.rounds * topology.n, label, args.quiet) as bar:
+                report = run_simulation(config, topology, progress=bar.advance)
+        else:
+            rank = args.rank if args.rank is not None else _rank_from_env()
+            label = f"peer {rank}: {config.algorithm} on {topology.name}"
+            with _ProgressDisplay(console, config.rounds, label, args.quiet) as bar:
+                report = run_peer(
+                    config,
+                    topology,
+                    rank,
+                    bind=args.bind,
+                    progress=bar.advance,
+                    startup_timeout=args.startup_timeout,
+                )
+        _finish(report, args, console)
+        return 0
+    except (TopologyError, ValueError, HandshakeError, PeerUnreachableError) as error:
+        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        return 2
+
+
+def _rank_from_env() -> int:
+    value = os.environ.get("RANK")
+    if value is None:
+        raise ValueError("no --rank given and no RANK environment variable set")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"RANK environment variable must be an integer, got {value!r}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

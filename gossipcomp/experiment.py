@@ -1,0 +1,128 @@
+"""One peer's training run on digits: configuration, the local-step/gossip loop, and its outcome.
+
+Shared by `gossipcomp simulate` (every peer in one process) and `gossipcomp peer` (one peer per
+process), so both train exactly the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from gossipcomp.data import DigitsSplit, parse_partition, partition_indices
+from gossipcomp.gossip import GossipAlgorithm, make_algorithm
+from gossipcomp.peer import Peer, PeerStats
+from gossipcomp.topology import Topology
+from gossipcomp.training import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_LR,
+    DEFAULT_MOMENTUM,
+    BatchStream,
+    evaluate_accuracy,
+    local_step,
+    make_optimizer,
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides a training run (the same on every peer)."""
+
+    algorithm: str = "dpsgd"  # a name from gossipcomp.gossip.ALGORITHMS
+    rounds: int = 600  # local steps, each followed by one gossip round
+    lr: float = DEFAULT_LR  # SGD learning rate
+    momentum: float = DEFAULT_MOMENTUM  # SGD momentum (each peer keeps its own buffer)
+    batch_size: int = DEFAULT_BATCH_SIZE  # examples per local step
+    partition: str = "iid"  # iid | by-label | dirichlet:ALPHA
+    seed: int = 0  # data split, model init (identical on all peers) and batch order
+    consensus_step: float | str = 1.0  # gossip step gamma, or "auto" for the topology's optimum
+    eval_every: int = 50  # rounds between test-accuracy checkpoints (0: only at the end)
+    round_timeout: float = 30.0  # seconds a round may wait for its neighbours
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        if isinstance(self.consensus_step, str) and self.consensus_step != "auto":
+            raise ValueError(
+                f"consensus_step must be a number or 'auto', got {self.consensus_step!r}"
+            )
+        parse_partition(self.partition)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def build_algorithm(config: TrainConfig, topology: Topology) -> GossipAlgorithm:
+    """The configured gossip algorithm, with 'auto' resolved against the topology's spectrum."""
+    step = config.consensus_step
+    if step == "auto":
+        step = topology.optimal_consensus_step
+    return make_algorithm(config.algorithm, consensus_step=float(step))
+
+
+def peer_examples(
+    data: DigitsSplit, topology: Topology, rank: int, config: TrainConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training examples that `rank` holds under the configured partition."""
+    parts = partition_indices(
+        data.y_train.numpy(), topology.n, parse_partition(config.partition), config.seed
+    )
+    index = torch.as_tensor(parts[rank], dtype=torch.int64)
+    return data.x_train[index], data.y_train[index]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Test accuracy and cumulative bytes sent at a round."""
+
+    round: int
+    test_accuracy: float
+    bytes_sent: int
+
+
+@dataclass
+class PeerOutcome:
+    """How one peer's run ended."""
+
+    rank: int
+    test_accuracy: float
+    stats: PeerStats
+    history: list[Checkpoint] = field(default_factory=list)
+
+
+class TrainingAborted(RuntimeError):
+    """Another peer of the same simulation failed, so this one stopped."""
+
+
+def train_peer(
+    peer: Peer,
+    data: DigitsSplit,
+    config: TrainConfig,
+    *,
+    on_round: Callable[[int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> PeerOutcome:
+    """Run `config.rounds` rounds of (one local SGD step, one gossip round) on `peer`'s model."""
+    model = peer.model
+    x, y = peer_examples(data, peer.topology, peer.rank, config)
+    stream = BatchStream(x, y, config.batch_size, config.seed, peer.rank)
+    optimizer = make_optimizer(model, config.lr, config.momentum)
+    history: list[Checkpoint] = []
+    for r in range(1, config.rounds + 1):
+        if should_stop is not None and should_stop():
+            raise TrainingAborted(f"peer {peer.rank} stopped at round {r}")
+        local_step(model, optimizer, stream.next_batch())
+        peer.gossip()
+        if (config.eval_every and r % config.eval_every == 0) or r == config.rounds:
+            accuracy = evaluate_accuracy(model, data.x_test, data.y_test)
+            history.append(Checkpoint(r, accuracy, peer.stats.bytes_sent_total))
+        if on_round is not None:
+            on_round(r)
+    return PeerOutcome(peer.rank, history[-1].test_accuracy, peer.stats, history)

@@ -1,0 +1,33 @@
+"""Gossip algorithms over a neighbourhood, and a registry to build them by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gossipcomp.gossip.base import GossipAlgorithm, LinkStats, NamedParams, Neighbourhood
+from gossipcomp.gossip.dpsgd import DPSGD
+
+ALGORITHMS: dict[str, Callable[..., GossipAlgorithm]] = {
+    DPSGD.name: DPSGD,
+}
+
+
+def make_algorithm(name: str, **options: Any) -> GossipAlgorithm:
+    """Build a registered algorithm; an unknown name lists the ones that exist."""
+    try:
+        factory = ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}") from None
+    return factory(**options)
+
+
+__all__ = [
+    "ALGORITHMS",
+    "DPSGD",
+    "GossipAlgorithm",
+    "LinkStats",
+    "NamedParams",
+    "Neighbourhood",
+    "make_algorithm",
+]

@@ -1,0 +1,50 @@
+"""Exact gossip averaging (D-PSGD, Lian et al. 2017): every round each peer sends its full model.
+
+x_i <- x_i + gamma * sum_j w_ij (x_j - x_i), which for gamma = 1 is x_i <- sum_j w_ij x_j (with
+w_ii = 1 - sum_j w_ij). gamma > 1 over-relaxes: gamma* = 2 / (2 - lambda_2 - lambda_min) of W
+contracts disagreement fastest. A neighbour that failed this round is left out; its weight stays
+with the peer itself, which keeps the live mixing matrix symmetric and doubly stochastic when
+both ends of the edge miss each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gossipcomp.gossip.base import NamedParams, Neighbourhood
+from gossipcomp.transport.base import PayloadSpec
+from gossipcomp.transport.codec import decode_raw, encode_raw, tensor_spec
+
+MODEL_PHASE = "model"
+
+
+class DPSGD:
+    """Exact (uncompressed) gossip of every parameter."""
+
+    name = "dpsgd"
+
+    def __init__(self, consensus_step: float = 1.0, phase: str = MODEL_PHASE) -> None:
+        if not 0.0 < consensus_step < 2.0:
+            raise ValueError(f"consensus_step must lie in (0, 2), got {consensus_step}")
+        self.consensus_step = consensus_step
+        self.phase = phase
+
+    def setup(self, params: NamedParams, neighbours: Sequence[int]) -> dict[str, PayloadSpec]:
+        return {self.phase: tuple(tensor_spec(name, p) for name, p in params)}
+
+    def step(self, params: NamedParams, hood: Neighbourhood) -> None:
+        payload = tuple(encode_raw(name, p) for name, p in params)
+        result = hood.exchange(self.phase, payload)
+        live = {j: hood.weights[j] for j in result.received}
+        if not live:
+            return
+        with torch.no_grad():
+            for index, (_, p) in enumerate(params):
+                pull = torch.zeros_like(p)
+                for j, w in live.items():
+                    pull.add_(decode_raw(result.received[j].tensors[index]), alpha=w)
+                # sum_j w_ij (x_j - x_i) = pull - (sum_j w_ij) x_i
+                pull.add_(p, alpha=-sum(live.values()))
+                p.add_(pull, alpha=self.consensus_step)

@@ -1,0 +1,1 @@
+"""Generated protocol buffer and gRPC stubs; regenerate with scripts/generate_protos.py."""

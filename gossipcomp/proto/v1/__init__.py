@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for gossipcomp.v1 (scripts/generate_protos.py)."""

@@ -1,0 +1,75 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorHeader(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "codec", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    codec: str
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class EnvelopeHeader(_message.Message):
+    __slots__ = ("protocol_version", "sender", "round", "phase", "schedule_epoch", "tensors")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    sender: int
+    round: int
+    phase: str
+    schedule_epoch: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
+    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., schedule_epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ...) -> None: ...
+
+class EnvelopeChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: EnvelopeHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[EnvelopeHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("received_bytes",)
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ("protocol_version", "sender", "topology_hash", "model_signature")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_HASH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    sender: int
+    topology_hash: str
+    model_signature: str
+    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ...) -> None: ...
+
+class HelloReply(_message.Message):
+    __slots__ = ("protocol_version", "receiver", "topology_hash", "model_signature")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_HASH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    receiver: int
+    topology_hash: str
+    model_signature: str
+    def __init__(self, protocol_version: _Optional[int] = ..., receiver: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,138 @@
+"""The report of a run: JSON for machines (written atomically), a summary table for people."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.table import Table
+
+from gossipcomp.experiment import PeerOutcome
+
+
+@dataclass(frozen=True)
+class PeerReport:
+    rank: int
+    test_accuracy: float
+    bytes_sent: int
+    bytes_received: int
+    compute_seconds: float
+    comm_seconds: float
+    failed_exchanges: int
+    consensus_distance: float  # squared distance of this peer's model to the network average
+
+
+@dataclass(frozen=True)
+class HistoryPoint:
+    round: int
+    mean_test_accuracy: float
+    min_test_accuracy: float
+    bytes_sent_total: int
+
+
+@dataclass(frozen=True)
+class Report:
+    """Fields every run reports; `per_peer` holds one entry per peer this process ran."""
+
+    mode: str  # "simulate" or "peer"
+    algorithm: str
+    topology: str
+    rounds: int
+    final_test_accuracy: float  # mean over the peers reported
+    min_test_accuracy: float
+    consensus_distance: float  # mean over peers of ||x_i - mean x||^2
+    average_model_test_accuracy: float  # test accuracy of the network-average model
+    average_model_norm: float  # L2 norm of the network-average model's parameters
+    bytes_sent_total: int  # serialised bytes, all links of the peers reported
+    wall_seconds: float
+    per_peer: list[PeerReport]
+    history: list[HistoryPoint] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def write_json(self, path: str | os.PathLike[str]) -> None:
+        """Write the report atomically: a temporary file in the same folder, fsync, rename."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump(self.to_dict(), handle, indent=2)
+                handle.write("\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def summary_table(self) -> Table:
+        table = Table(
+            title=f"{self.algorithm} on {self.topology}, {self.rounds} rounds ({self.mode})",
+            caption=(
+                f"mean accuracy {self.final_test_accuracy:.4f}, min {self.min_test_accuracy:.4f}, "
+                f"average model {self.average_model_test_accuracy:.4f}, consensus distance "
+                f"{self.consensus_distance:.3e}, {self.bytes_sent_total / 1e6:.2f} MB sent, "
+                f"{self.wall_seconds:.1f} s"
+            ),
+        )
+        for column in ("peer", "test acc", "MB sent", "MB recv", "compute s", "comm s", "fails"):
+            table.add_column(column, justify="right")
+        for p in self.per_peer:
+            table.add_row(
+                str(p.rank),
+                f"{p.test_accuracy:.4f}",
+                f"{p.bytes_sent / 1e6:.2f}",
+                f"{p.bytes_received / 1e6:.2f}",
+                f"{p.compute_seconds:.2f}",
+                f"{p.comm_seconds:.2f}",
+                str(p.failed_exchanges),
+            )
+        return table
+
+
+def flat(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """All parameters as one float64 vector."""
+    return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in params])
+
+
+def peer_reports(outcomes: Sequence[PeerOutcome], distances: Sequence[float]) -> list[PeerReport]:
+    return [
+        PeerReport(
+            rank=o.rank,
+            test_accuracy=o.test_accuracy,
+            bytes_sent=o.stats.bytes_sent_total,
+            bytes_received=sum(o.stats.bytes_received.values()),
+            compute_seconds=o.stats.compute_seconds,
+            comm_seconds=o.stats.comm_seconds,
+            failed_exchanges=sum(o.stats.failed_exchanges.values()),
+            consensus_distance=d,
+        )
+        for o, d in zip(outcomes, distances, strict=True)
+    ]
+
+
+def merge_history(outcomes: Sequence[PeerOutcome]) -> list[HistoryPoint]:
+    """Network-wide accuracy and bytes at each checkpoint round all peers recorded."""
+    by_round: dict[int, list[tuple[float, int]]] = {}
+    for outcome in outcomes:
+        for point in outcome.history:
+            by_round.setdefault(point.round, []).append((point.test_accuracy, point.bytes_sent))
+    return [
+        HistoryPoint(
+            round=r,
+            mean_test_accuracy=sum(a for a, _ in rows) / len(rows),
+            min_test_accuracy=min(a for a, _ in rows),
+            bytes_sent_total=sum(b for _, b in rows),
+        )
+        for r, rows in sorted(by_round.items())
+        if len(rows) == len(outcomes)
+    ]

@@ -1,0 +1,469 @@
+"""Topologies: YAML -> networkx graph -> mixing matrix W, validation and spectral quantities.
+
+A topology fixes who talks to whom (an undirected connected graph on ranks 0..n-1), how much each
+peer trusts each neighbour (a symmetric doubly-stochastic W supported on edges and the diagonal),
+and where each rank listens ("host:port"). Every peer loads the same file, so everything derived
+here is deterministic; ``Topology.hash`` lets peers check in the handshake that they agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import numpy as np
+import yaml
+from rich.console import Group, RenderableType
+from rich.table import Table
+
+DEFAULT_BASE_PORT = 50100
+MAX_PEERS = 4096  # W is dense (n x n) and its spectrum is computed eagerly
+_TOL = 1e-9
+_TOP_KEYS = tuple(
+    "name kind n rows cols dim degree p seed edges weights weights_matrix base_port peers".split()
+)
+# kind -> (required parameters, optional parameters)
+_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "ring": (("n",), ()),
+    "torus": (("rows", "cols"), ("n",)),
+    "hypercube": ((), ("n", "dim")),
+    "complete": (("n",), ()),
+    "star": (("n",), ()),
+    "exponential": (("n",), ()),
+    "random_regular": (("n", "degree"), ("seed",)),
+    "erdos_renyi": (("n", "p"), ("seed",)),
+    "edges": (("edges",), ("n",)),
+}
+_PARAMS = {p for required, optional in _KINDS.values() for p in required + optional}
+_RANDOM_KINDS = ("random_regular", "erdos_renyi")
+WEIGHT_SCHEMES = ("metropolis", "uniform", "explicit")
+
+
+class TopologyError(ValueError):
+    """A topology file or spec is invalid; the message names the source, the problem, the fix."""
+
+
+def _fail(source: str, problem: str, expected: str | None = None) -> TopologyError:
+    return TopologyError(f"{source}: {problem}" + (f"; expected {expected}" if expected else ""))
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True, eq=False)
+class Topology:
+    """A validated topology. Construction checks every invariant, so holders can trust it."""
+
+    name: str
+    kind: str
+    graph: nx.Graph  # nodes 0..n-1, undirected, connected, no self loops (frozen copy)
+    weights: np.ndarray = field(repr=False)  # (n, n) mixing matrix W, read-only
+    addresses: tuple[str, ...]  # "host:port" per rank
+    public_keys: tuple[str | None, ...] = field(repr=False)  # per rank, None if not given
+    source: str = "<dict>"  # file path or "<dict>", used in error messages
+
+    def __post_init__(self) -> None:
+        n = self.graph.number_of_nodes()
+        _check_graph(self.graph, self.source, self.kind)
+        g = nx.Graph()  # canonical copy: nodes in rank order, frozen so the hash cannot go stale
+        g.add_nodes_from(range(n))
+        g.add_edges_from(sorted((min(e), max(e)) for e in self.graph.edges()))
+        object.__setattr__(self, "graph", nx.freeze(g))
+        w = np.array(self.weights, dtype=np.float64)
+        _check_weights(w, g, self.source)
+        w.flags.writeable = False
+        object.__setattr__(self, "weights", w)
+        object.__setattr__(self, "addresses", _check_addresses(self.addresses, n, self.source))
+        keys = tuple(self.public_keys)
+        if len(keys) != n or any(k is not None and not isinstance(k, str) for k in keys):
+            raise _fail(self.source, f"got {len(keys)} public_keys", f"{n}, each a str or None")
+        object.__setattr__(self, "public_keys", keys)
+        if self.spectral_gap <= 1e-12:
+            slem = self.second_largest_eigenvalue_modulus
+            raise _fail(self.source, f"W does not converge (SLEM {slem:.6g})", "SLEM < 1")
+
+    @property
+    def n(self) -> int:
+        """Number of peers."""
+        return self.graph.number_of_nodes()
+
+    def _rank(self, rank: int) -> int:
+        if not _is_int(rank) or not 0 <= rank < self.n:
+            raise _fail(self.source, f"rank {rank!r} out of range", f"an int in 0..{self.n - 1}")
+        return int(rank)
+
+    def neighbors(self, rank: int) -> list[int]:
+        """Sorted neighbour ranks of ``rank`` (itself excluded)."""
+        return sorted(self.graph.neighbors(self._rank(rank)))
+
+    def neighbor_weights(self, rank: int) -> dict[int, float]:
+        """{j: w_ij} over the neighbours j of ``rank``: what rank i applies to j's model."""
+        i = self._rank(rank)
+        return {j: float(self.weights[i, j]) for j in self.neighbors(i)}
+
+    def self_weight(self, rank: int) -> float:
+        """w_ii: the weight a peer keeps on its own model."""
+        i = self._rank(rank)
+        return float(self.weights[i, i])
+
+    def edges(self) -> list[tuple[int, int]]:
+        """All edges as sorted (i, j) pairs with i < j."""
+        return sorted((min(e), max(e)) for e in self.graph.edges())
+
+    @cached_property
+    def eigenvalues(self) -> np.ndarray:
+        """Eigenvalues of W (real, since W is symmetric), largest first; the first is 1."""
+        return np.linalg.eigvalsh(self.weights)[::-1].copy()
+
+    @property
+    def second_largest_eigenvalue_modulus(self) -> float:
+        """max(|lambda_2|, |lambda_n|): exact gossip shrinks disagreement by this per round."""
+        ev = self.eigenvalues
+        return float(max(abs(ev[1]), abs(ev[-1])))
+
+    @property
+    def spectral_gap(self) -> float:
+        """1 - SLEM; larger means faster consensus."""
+        return 1.0 - self.second_largest_eigenvalue_modulus
+
+    @property
+    def optimal_consensus_step(self) -> float:
+        """gamma* = 2 / (2 - lambda_2 - lambda_min): the step of x <- x + gamma (W x - x) that
+        minimises the spectral radius on the disagreement subspace (1.308 on an 8-ring)."""
+        ev = self.eigenvalues
+        return float(2.0 / (2.0 - ev[1] - ev[-1]))
+
+    @cached_property
+    def hash(self) -> str:
+        """sha256 hex over n, edges and W rounded to 12 decimals; addresses are left out so a
+        topology whose ports were rebound still matches."""
+        w = np.round(self.weights, 12) + 0.0  # + 0.0 turns -0.0 into 0.0
+        rows = [[f"{v:.12f}" for v in row] for row in w]
+        blob = json.dumps({"n": self.n, "edges": self.edges(), "weights": rows})
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle through the constructor, so a copy is re-validated and W stays read-only."""
+        fields = (self.name, self.kind, self.graph, self.weights, self.addresses)
+        return (Topology, (*fields, self.public_keys, self.source))
+
+    def with_addresses(self, addresses: Sequence[str]) -> Topology:
+        """A copy listening on ``addresses`` (one "host:port" per rank, validated)."""
+        return dataclasses.replace(self, addresses=tuple(addresses))
+
+
+def _check_graph(graph: nx.Graph, source: str, kind: str) -> None:
+    if not isinstance(graph, nx.Graph) or graph.is_directed() or graph.is_multigraph():
+        raise _fail(source, f"graph is a {type(graph).__name__}", "an undirected simple nx.Graph")
+    n = graph.number_of_nodes()
+    if n < 2:
+        raise _fail(source, f"topology has {n} peer(s)", "at least 2")
+    if set(graph.nodes()) != set(range(n)):
+        raise _fail(source, "graph nodes are not the ranks", f"ints 0..{n - 1}")
+    for u, v in graph.edges():
+        if u == v:
+            raise _fail(source, f"self-loop on node {u}", "edges between distinct peers")
+    components = nx.number_connected_components(graph)
+    if components > 1:
+        hint = " (try another seed or a larger degree / p)" if kind in _RANDOM_KINDS else ""
+        problem = f"graph is disconnected ({components} components)"
+        raise _fail(source, problem, "a connected graph" + hint)
+
+
+def _check_weights(w: np.ndarray, graph: nx.Graph, source: str) -> None:
+    n = graph.number_of_nodes()
+    if w.shape != (n, n):
+        raise _fail(source, f"weights_matrix has shape {w.shape}", f"({n}, {n}) for {n} peers")
+    if not np.all(np.isfinite(w)):
+        raise _fail(source, "weights_matrix has NaN or infinite entries", "finite numbers")
+    if (w < 0).any():
+        i, j = (int(k) for k in np.argwhere(w < 0)[0])
+        raise _fail(source, f"negative weight {w[i, j]:.6g} at ({i}, {j})", "entries >= 0")
+    for i, j in zip(*np.nonzero(w), strict=True):
+        if i != j and not graph.has_edge(int(i), int(j)):
+            problem = f"weight {w[i, j]:.6g} on non-edge ({i}, {j})"
+            raise _fail(source, problem, "zero off the edges and diagonal")
+    for i, j in graph.edges():
+        if w[i, j] <= 0:
+            raise _fail(source, f"zero weight on edge ({i}, {j})", "a positive weight per edge")
+    asym = np.argwhere(np.abs(w - w.T) > _TOL)
+    if len(asym):
+        i, j = (int(k) for k in asym[0])
+        problem = f"W is not symmetric: w[{i},{j}]={w[i, j]:.12g}, w[{j},{i}]={w[j, i]:.12g}"
+        raise _fail(source, problem, "w_ij == w_ji")
+    sums = w.sum(axis=1)
+    bad = np.flatnonzero(np.abs(sums - 1.0) > _TOL)
+    if len(bad):
+        problem = f"W is not doubly stochastic: row {bad[0]} sums to {sums[bad[0]]:.12g}"
+        raise _fail(source, problem, "every row and column to sum to 1")
+
+
+def _check_address(addr: object, what: str, source: str) -> str:
+    expected = '"host:port" with port 1..65535 (IPv6 as "[::1]:50100")'
+    if not isinstance(addr, str):
+        raise _fail(source, f"{what} address {addr!r} is not a string", expected)
+    host, sep, port = addr.rpartition(":")
+    ipv6_ok = ":" not in host or (host.startswith("[") and host.endswith("]"))
+    host_ok = bool(host) and ipv6_ok and not any(c.isspace() for c in host)
+    if not sep or not host_ok or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise _fail(source, f"{what} address {addr!r} is not host:port", expected)
+    return addr
+
+
+def _check_addresses(addresses: Sequence[str], n: int, source: str) -> tuple[str, ...]:
+    addrs = (addresses,) if isinstance(addresses, str) else tuple(addresses)
+    if len(addrs) != n:
+        raise _fail(source, f"got {len(addrs)} addresses", f"one per rank ({n})")
+    seen: dict[str, int] = {}
+    for r, a in enumerate(addrs):
+        _check_address(a, f"rank {r}", source)
+        if a in seen:
+            problem = f"duplicate address {a!r} for ranks {seen[a]} and {r}"
+            raise _fail(source, problem, "a distinct address per rank")
+        seen[a] = r
+    return addrs
+
+
+def _int(spec: Mapping[str, Any], key: str, source: str, kind: str, low: int) -> int:
+    v, high = spec[key], {"seed": 2**63, "dim": MAX_PEERS.bit_length() - 1}.get(key, MAX_PEERS)
+    if not _is_int(v) or not low <= v <= high:
+        size = "" if not _is_int(v) else " (too small)" if v < low else " (too large)"
+        raise _fail(
+            source, f"{kind} parameter {key!r} is {v!r}{size}", f"an integer in {low}..{high}"
+        )
+    return int(v)
+
+
+def _edge_list(spec: Mapping[str, Any], source: str) -> nx.Graph:
+    raw = spec["edges"]
+    n = _int(spec, "n", source, "edges", 2) if "n" in spec else None
+    if not isinstance(raw, list | tuple) or not raw:
+        raise _fail(source, f"edges is {raw!r}", "a non-empty list of [i, j] pairs")
+    pairs: list[tuple[int, int]] = []
+    for e in raw:
+        if not (isinstance(e, list | tuple) and len(e) == 2 and all(map(_is_int, e))):
+            raise _fail(source, f"edge {e!r} is malformed", "a pair of integer peer ids [i, j]")
+        i, j = e
+        if i == j:
+            raise _fail(source, f"self-loop on node {i}", "edges between distinct peers")
+        if min(i, j) < 0 or max(i, j) >= (n or MAX_PEERS):
+            ids = f"ids in 0..{(n or MAX_PEERS) - 1}"
+            raise _fail(source, f"edge {[i, j]} refers to a peer out of range", ids)
+        pairs.append((i, j))
+    g = nx.empty_graph(n if n is not None else max(max(p) for p in pairs) + 1)
+    g.add_edges_from(pairs)
+    return g
+
+
+def _exponential(n: int) -> nx.Graph:
+    """i linked to i +- 2^k (mod n) for every 2^k < n: log-degree with a fast-mixing spectrum."""
+    g = nx.empty_graph(n)
+    hops = [2**k for k in range(n.bit_length()) if 2**k < n]
+    g.add_edges_from((i, (i + s) % n) for i in range(n) for s in hops if (i + s) % n != i)
+    return g
+
+
+def _build_graph(kind: str, spec: Mapping[str, Any], source: str) -> nx.Graph:
+    def num(key: str, low: int = 2) -> int:
+        return _int(spec, key, source, kind, low)
+
+    if kind == "edges":
+        return _edge_list(spec, source)
+    seed = num("seed", 0) if "seed" in spec else 0
+    if kind == "torus":
+        rows, cols = num("rows", 1), num("cols", 1)
+        if not 2 <= rows * cols <= MAX_PEERS or ("n" in spec and num("n") != rows * cols):
+            but = f" but n={spec['n']}" if "n" in spec else ""
+            problem = f"torus {rows}x{cols} has {rows * cols} peers{but}"
+            raise _fail(source, problem, f"n == rows * cols in 2..{MAX_PEERS}")
+        grid = nx.grid_2d_graph(rows, cols, periodic=True)
+        return nx.relabel_nodes(grid, {(r, c): r * cols + c for r, c in grid.nodes()})
+    if kind == "hypercube":
+        if "n" not in spec and "dim" not in spec:
+            raise _fail(source, "missing parameter 'n' or 'dim' for kind 'hypercube'", "either")
+        dim = num("dim", 1) if "dim" in spec else num("n").bit_length() - 1
+        if "n" in spec and num("n") != 2**dim:
+            problem = f"hypercube n={spec['n']} is not a power of two (or 2**dim, dim={dim})"
+            raise _fail(source, problem, "n = 2**dim")
+        cube = nx.hypercube_graph(dim)
+        return nx.relabel_nodes(cube, {t: int("".join(map(str, t)), 2) for t in cube.nodes()})
+    if kind == "random_regular":
+        n, degree = num("n"), num("degree", 1)
+        if degree >= n or (n * degree) % 2:
+            raise _fail(
+                source, f"no {degree}-regular graph on {n} peers", "degree < n, n*degree even"
+            )
+        return nx.random_regular_graph(degree, n, seed=seed)
+    if kind == "erdos_renyi":
+        p = spec["p"]
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
+            raise _fail(source, f"erdos_renyi parameter 'p' is {p!r}", "a probability in (0, 1]")
+        return nx.gnp_random_graph(num("n"), float(p), seed=seed)
+    builders: dict[str, Callable[[int], nx.Graph]] = {
+        "ring": lambda n: nx.path_graph(2) if n == 2 else nx.cycle_graph(n),
+        "complete": nx.complete_graph,
+        "star": lambda n: nx.star_graph(n - 1),  # centre 0
+        "exponential": _exponential,
+    }
+    return builders[kind](num("n"))
+
+
+def _weights(graph: nx.Graph, scheme: object, spec: Mapping[str, Any], source: str) -> np.ndarray:
+    n = graph.number_of_nodes()
+    if scheme == "explicit":
+        expected = f"weights_matrix: an {n} x {n} list of lists of numbers"
+        if "weights_matrix" not in spec:
+            raise _fail(source, "weights: explicit without weights_matrix", expected)
+        try:
+            return np.array(spec["weights_matrix"], dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise _fail(source, f"weights_matrix is not numeric ({exc})", expected) from None
+    if "weights_matrix" in spec:
+        raise _fail(source, f"weights_matrix given with weights: {scheme}", "weights: explicit")
+    if scheme not in WEIGHT_SCHEMES:
+        raise _fail(source, f"unknown weights scheme {scheme!r}", f"one of {WEIGHT_SCHEMES}")
+    deg = dict(graph.degree())
+    w = np.zeros((n, n))
+    dmax = max(deg.values())
+    for i, j in graph.edges():
+        w[i, j] = w[j, i] = 1.0 / (1 + (max(deg[i], deg[j]) if scheme == "metropolis" else dmax))
+    w[np.diag_indices(n)] = 1.0 - w.sum(axis=1)
+    return w
+
+
+def _peers(raw: object, n: int, base_port: int, source: str) -> tuple[list[str], list[str | None]]:
+    addresses = [f"127.0.0.1:{base_port + r}" for r in range(n)]
+    keys: list[str | None] = [None] * n
+    if raw is None:
+        return addresses, keys
+    if not isinstance(raw, Mapping):
+        raise _fail(source, f"peers is {type(raw).__name__}", "a mapping rank -> address")
+    for r_raw, value in raw.items():
+        r = int(r_raw) if isinstance(r_raw, str) and r_raw.isdigit() else r_raw
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n:
+            raise _fail(source, f"peers has rank {r_raw!r} out of range", f"ranks 0..{n - 1}")
+        if isinstance(value, Mapping):
+            extra = set(value) - {"address", "public_key"}
+            if "address" not in value or extra:
+                problem = f"peer {r} entry has keys {sorted(map(str, value))}"
+                raise _fail(source, problem, "address (required) and public_key (optional)")
+            key = value.get("public_key")
+            if key is not None and not isinstance(key, str):
+                raise _fail(source, f"peer {r} public_key is {key!r}", "a string")
+            value, keys[r] = value["address"], key
+        addresses[r] = _check_address(value, f"peer {r}", source)
+    return addresses, keys
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys instead of silently keeping the last."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_topology(path: str | os.PathLike[str]) -> Topology:
+    """Read and validate a topology YAML file (schema: see ``topology_from_dict``)."""
+    source = os.fspath(path)
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise _fail(source, "topology file not found", "an existing YAML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _fail(source, f"cannot read topology file ({exc})", "a UTF-8 YAML file") from None
+    try:
+        spec = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise _fail(source, f"not valid YAML ({' '.join(str(exc).split())})", "YAML") from None
+    if not isinstance(spec, Mapping):
+        problem = f"top level is {type(spec).__name__}, not a mapping"
+        raise _fail(source, problem, f"a mapping with keys from {list(_TOP_KEYS)}")
+    return topology_from_dict(spec, source=source)
+
+
+def topology_from_dict(spec: Mapping[str, Any], source: str = "<dict>") -> Topology:
+    """Build a Topology from a parsed spec. Keys: name, kind, kind parameters (n, rows, cols, dim,
+    degree, p, seed, edges), weights (metropolis | uniform | explicit, with weights_matrix),
+    base_port (default 50100: rank r at 127.0.0.1:base_port+r) and peers (rank -> "host:port"
+    or {address, public_key})."""
+    if not isinstance(spec, Mapping):
+        raise _fail(source, f"spec is {type(spec).__name__}, not a mapping", "a mapping")
+    unknown = [str(k) for k in spec if k not in _TOP_KEYS]
+    if unknown:
+        raise _fail(source, f"unknown key(s) {unknown}", f"keys from {list(_TOP_KEYS)}")
+    if "kind" not in spec:
+        raise _fail(source, "missing parameter 'kind'", f"one of {list(_KINDS)}")
+    kind = spec["kind"]
+    if not isinstance(kind, str) or kind not in _KINDS:
+        raise _fail(source, f"unknown kind {kind!r}", f"one of {list(_KINDS)}")
+    required, optional = _KINDS[kind]
+    takes = f"kind {kind!r} takes {list(required + optional)}"
+    for key in required:
+        if key not in spec:
+            raise _fail(source, f"missing parameter {key!r} for kind {kind!r}", takes)
+    stray = sorted(k for k in spec if k in _PARAMS and k not in required + optional)
+    if stray:
+        raise _fail(source, f"parameter(s) {stray} do not apply to kind {kind!r}", takes)
+    graph = _build_graph(kind, spec, source)  # validated with W by Topology.__post_init__
+    n = graph.number_of_nodes()
+    w = _weights(graph, spec.get("weights", "metropolis"), spec, source)
+    base_port = spec.get("base_port", DEFAULT_BASE_PORT)
+    if not _is_int(base_port) or not 1 <= base_port <= 65536 - n:
+        raise _fail(source, f"base_port is {base_port!r}", f"an integer in 1..{65536 - n}")
+    addresses, keys = _peers(spec.get("peers"), n, base_port, source)
+    name = spec.get("name")
+    if name is None:
+        name = Path(source).stem if source != "<dict>" else f"{kind}{n}"
+    if not isinstance(name, str) or not name:
+        raise _fail(source, f"name is {name!r}", "a non-empty string")
+    return Topology(name, kind, graph, w, tuple(addresses), tuple(keys), source)
+
+
+def build_topology(
+    kind: str, *, name: str | None = None, weights: str = "metropolis", **params: Any
+) -> Topology:
+    """Programmatic form of a spec, e.g. ``build_topology("torus", rows=4, cols=4)``."""
+    spec = {"kind": kind, "weights": weights, **params}
+    if name is not None:
+        spec["name"] = name
+    return topology_from_dict(spec)
+
+
+def format_topology(topology: Topology) -> RenderableType:
+    """A summary (name, kind, n, hash, spectral quantities) and one row per peer."""
+    t = topology
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column(overflow="fold")
+    summary.add_row("name", t.name)
+    summary.add_row("kind", t.kind)
+    summary.add_row("n / edges", f"{t.n} / {len(t.edges())}")
+    summary.add_row("hash", t.hash)
+    summary.add_row("spectral gap", f"{t.spectral_gap:.4f}")
+    summary.add_row("SLEM", f"{t.second_largest_eigenvalue_modulus:.4f}")
+    summary.add_row("optimal consensus step", f"{t.optimal_consensus_step:.4f}")
+    peers = Table(title="peers")
+    for col in ("rank", "address", "degree", "self weight", "neighbour:weight"):
+        peers.add_column(col, justify="left" if col.startswith(("addr", "neigh")) else "right")
+    for r in range(t.n):
+        nbrs = ", ".join(f"{j}:{w:.4f}" for j, w in t.neighbor_weights(r).items())
+        degree, self_w = str(t.graph.degree(r)), f"{t.self_weight(r):.4f}"
+        peers.add_row(str(r), t.addresses[r], degree, self_w, nbrs)
+    return Group(summary, peers)

@@ -1,0 +1,142 @@
+"""What the transport layer moves and promises: named tensors, envelopes, and the Transport protocol.
+
+The transport moves named payloads between neighbours and knows no algorithm. A gossip algorithm
+hands it one payload per neighbour for a (round, phase) and gets back what each neighbour sent for
+that same (round, phase), plus the neighbours that failed to deliver in time.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+PROTOCOL_VERSION = 1
+RAW_CODEC = "raw"
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    """One named tensor as it travels: its decoded dtype and shape, the codec and the bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    codec: str
+    data: bytes | bytearray | memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) if not isinstance(self.data, memoryview) else self.data.nbytes
+
+
+Payload = tuple[WireTensor, ...]
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A payload together with who sent it, for which round and phase, under which schedule."""
+
+    sender: int
+    round: int
+    phase: str
+    tensors: Payload
+    schedule_epoch: int = 0
+    protocol_version: int = PROTOCOL_VERSION
+
+    def tensor(self, name: str) -> WireTensor:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(f"envelope from peer {self.sender} has no tensor named {name!r}")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a receiver expects of one incoming tensor; checked before anything is used."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    codec: str
+    nbytes: int
+    require_finite: bool = True
+
+
+PayloadSpec = tuple[TensorSpec, ...]
+
+
+class RejectCode(enum.Enum):
+    """Why an incoming envelope was refused; maps one to one onto gRPC status codes."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+
+
+class EnvelopeRejected(Exception):
+    """An incoming envelope failed validation; the message names field, expected and actual."""
+
+    def __init__(self, code: RejectCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class HandshakeError(RuntimeError):
+    """A neighbour speaks another protocol version, topology or model."""
+
+
+class PeerUnreachableError(RuntimeError):
+    """Neighbours could not be reached within the start-up timeout."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What two peers must agree on before exchanging anything (checked by the Hello handshake)."""
+
+    rank: int
+    topology_hash: str
+    model_signature: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass
+class ExchangeResult:
+    """Outcome of one exchange: what arrived, who failed, and the serialised bytes per link."""
+
+    received: dict[int, Envelope] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)
+    bytes_sent: dict[int, int] = field(default_factory=dict)
+    bytes_received: dict[int, int] = field(default_factory=dict)
+
+
+class Transport(Protocol):
+    """Moves one payload per neighbour per (round, phase) and returns what the neighbours sent."""
+
+    rank: int
+
+    def expect(self, phase: str, specs: Mapping[int, PayloadSpec] | PayloadSpec) -> None:
+        """Declare what envelopes of `phase` must contain (per sender, or one spec for all)."""
+        ...
+
+    def connect(self, neighbours: Sequence[int], timeout: float) -> None:
+        """Wait until every neighbour answers the handshake, or raise PeerUnreachableError."""
+        ...
+
+    def exchange(
+        self,
+        round: int,
+        phase: str,
+        outgoing: Mapping[int, Payload],
+        timeout: float,
+        schedule_epoch: int = 0,
+    ) -> ExchangeResult:
+        """Send outgoing[j] to each neighbour j and wait, until the deadline, for j's payload."""
+        ...
+
+    def close(self) -> None:
+        """Release sockets and threads; safe to call twice."""
+        ...

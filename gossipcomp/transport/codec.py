@@ -1,0 +1,153 @@
+"""Raw tensor <-> bytes, dtype names, and validation of what an envelope declares.
+
+Raw tensors travel as their little-endian bytes (torch's in-memory layout on every platform we
+support); nothing is pickled. `validate_header` checks an envelope against what the receiver
+expects before a single data byte is read; `check_finite` checks decoded floats afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Mapping
+
+import torch
+
+from gossipcomp.transport.base import (
+    PROTOCOL_VERSION,
+    RAW_CODEC,
+    EnvelopeRejected,
+    PayloadSpec,
+    RejectCode,
+    TensorSpec,
+    WireTensor,
+)
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype; ValueError for dtypes the wire does not carry."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot travel; supported: {sorted(DTYPES)}") from None
+
+
+def raw_nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
+    """Bytes of a raw tensor of this dtype and shape."""
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def encode_raw(name: str, tensor: torch.Tensor) -> WireTensor:
+    """Snapshot a tensor's bytes (a copy: the caller may modify the tensor while it travels)."""
+    flat = tensor.detach().to("cpu", copy=True).contiguous().reshape(-1)
+    data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return WireTensor(name, dtype_name(tensor.dtype), tuple(tensor.shape), RAW_CODEC, data)
+
+
+def decode_raw(wire: WireTensor) -> torch.Tensor:
+    """Rebuild a raw tensor (validated already: dtype known, byte count matching the shape)."""
+    dtype = DTYPES[wire.dtype]
+    if wire.nbytes == 0:
+        return torch.empty(wire.shape, dtype=dtype)
+    view = memoryview(wire.data).cast("B")
+    if isinstance(wire.data, bytes):
+        view = memoryview(bytearray(view))  # torch wants a writable buffer
+    tensor = torch.frombuffer(view, dtype=dtype)
+    if tensor.data_ptr() % tensor.element_size():
+        tensor = tensor.clone()  # keep vectorised kernels on aligned memory
+    return tensor.reshape(wire.shape)
+
+
+def tensor_spec(name: str, tensor: torch.Tensor, require_finite: bool = True) -> TensorSpec:
+    """The spec of a raw tensor shaped like `tensor` (what a D-PSGD neighbour sends)."""
+    return TensorSpec(
+        name=name,
+        dtype=dtype_name(tensor.dtype),
+        shape=tuple(tensor.shape),
+        codec=RAW_CODEC,
+        nbytes=raw_nbytes(tensor.dtype, tensor.shape),
+        require_finite=require_finite and tensor.is_floating_point(),
+    )
+
+
+def validate_header(
+    *,
+    protocol_version: int,
+    sender: int,
+    phase: str,
+    tensors: tuple[WireTensor, ...] | list[TensorSpec],
+    neighbours: Collection[int],
+    specs: Mapping[str, Mapping[int, PayloadSpec]],
+    max_envelope_bytes: int,
+) -> PayloadSpec:
+    """Check an envelope header against the receiver's expectations; return the matching spec.
+
+    `tensors` carries the declared name, dtype, shape, codec and nbytes of each tensor. Raises
+    EnvelopeRejected naming the field, the expected and the actual value.
+    """
+    if protocol_version != PROTOCOL_VERSION:
+        raise EnvelopeRejected(
+            RejectCode.FAILED_PRECONDITION,
+            f"protocol_version: expected {PROTOCOL_VERSION}, got {protocol_version}",
+        )
+    if sender not in neighbours:
+        raise EnvelopeRejected(
+            RejectCode.PERMISSION_DENIED,
+            f"sender: peer {sender} is not a neighbour (expected one of {sorted(neighbours)})",
+        )
+    by_sender = specs.get(phase)
+    if by_sender is None:
+        raise EnvelopeRejected(
+            RejectCode.INVALID_ARGUMENT,
+            f"phase: expected one of {sorted(specs)}, got {phase!r}",
+        )
+    expected = by_sender[sender]
+    declared_total = sum(t.nbytes for t in tensors)
+    if declared_total > max_envelope_bytes:
+        raise EnvelopeRejected(
+            RejectCode.RESOURCE_EXHAUSTED,
+            f"envelope size: at most {max_envelope_bytes} bytes accepted, {declared_total} declared",
+        )
+    if len(tensors) != len(expected):
+        raise EnvelopeRejected(
+            RejectCode.INVALID_ARGUMENT,
+            f"tensors: expected {len(expected)} ({[s.name for s in expected][:8]}...), "
+            f"got {len(tensors)}",
+        )
+    for got, want in zip(tensors, expected, strict=True):
+        for field in ("name", "dtype", "shape", "codec", "nbytes"):
+            actual, wanted = getattr(got, field), getattr(want, field)
+            if field == "shape":
+                actual = tuple(actual)
+            if actual != wanted:
+                raise EnvelopeRejected(
+                    RejectCode.INVALID_ARGUMENT,
+                    f"tensor {want.name!r} {field}: expected {wanted!r}, got {actual!r}",
+                )
+    return expected
+
+
+def check_finite(tensors: Iterable[WireTensor], spec: PayloadSpec) -> None:
+    """Refuse raw floating-point tensors holding NaN or Inf where the spec requires finite."""
+    for wire, want in zip(tensors, spec, strict=True):
+        if want.require_finite and wire.codec == RAW_CODEC:
+            values = decode_raw(wire)
+            if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+                bad = int((~torch.isfinite(values)).sum())
+                raise EnvelopeRejected(
+                    RejectCode.INVALID_ARGUMENT,
+                    f"tensor {want.name!r} values: expected finite, got {bad} NaN/Inf entries",
+                )

@@ -1,0 +1,272 @@
+"""The real transport: one gRPC server per peer, envelopes client-streamed to each neighbour.
+
+Each peer serves `Gossip.Hello` (handshake) and `Gossip.Push` (receive one envelope) plus the
+standard gRPC health service, and pushes its own envelopes to its neighbours. Every call has a
+deadline; message size limits are set on both ends; every envelope is validated (header before
+data, values after) before it reaches the mailbox, so nothing invalid is ever handed to an
+algorithm.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gossipcomp.proto.v1 import gossip_pb2 as pb
+from gossipcomp.proto.v1 import gossip_pb2_grpc as pb_grpc
+from gossipcomp.transport.base import (
+    Envelope,
+    EnvelopeRejected,
+    ExchangeResult,
+    HandshakeError,
+    Identity,
+    Payload,
+    PayloadSpec,
+    PeerUnreachableError,
+)
+from gossipcomp.transport.inbox import Inbox
+from gossipcomp.transport.wire import DEFAULT_CHUNK_BYTES, envelope_chunks, read_envelope
+
+SERVICE_NAME = "gossipcomp.v1.Gossip"
+
+
+@dataclass(frozen=True)
+class GrpcOptions:
+    """Limits and timings of the gRPC transport."""
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # data bytes per streamed chunk
+    max_message_bytes: int = 16 << 20  # one gRPC message (a chunk plus its header), both ends
+    max_envelope_bytes: int = 1 << 30  # a whole envelope, checked from its header
+    hello_timeout: float = 2.0  # deadline of one handshake attempt
+    mailbox_window: int = 4  # rounds a neighbour may run ahead
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+        ]
+
+
+_STATUS = {code.name: code for code in grpc.StatusCode}
+
+
+class _GossipService(pb_grpc.GossipServicer):
+    """Server side: handshake checks and validated delivery into the inbox."""
+
+    def __init__(self, identity: Identity, inbox: Inbox) -> None:
+        self._identity = identity
+        self._inbox = inbox
+
+    def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
+        mine = self._identity
+        checks = [
+            ("protocol_version", mine.protocol_version, request.protocol_version),
+            ("topology_hash", mine.topology_hash, request.topology_hash),
+            ("model_signature", mine.model_signature, request.model_signature),
+        ]
+        for field, ours, theirs in checks:
+            if ours != theirs:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{field} mismatch: peer {mine.rank} has {ours!r}, "
+                    f"peer {request.sender} sent {theirs!r}",
+                )
+        if request.sender not in self._inbox.neighbours:
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"sender: peer {request.sender} is not a neighbour of peer {mine.rank} "
+                f"(expected one of {sorted(self._inbox.neighbours)})",
+            )
+        return pb.HelloReply(
+            protocol_version=mine.protocol_version,
+            receiver=mine.rank,
+            topology_hash=mine.topology_hash,
+            model_signature=mine.model_signature,
+        )
+
+    def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
+        try:
+            envelope, spec, wire_bytes = read_envelope(request_iterator, self._inbox.check_header)
+            self._inbox.accept(envelope, spec, wire_bytes)
+        except EnvelopeRejected as rejected:
+            context.abort(_STATUS[rejected.code.value], str(rejected))
+        return pb.PushReply(received_bytes=wire_bytes)
+
+
+class GrpcTransport:
+    """A peer's gRPC endpoint: serves its neighbours and pushes envelopes to them."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        neighbours: Collection[int],
+        bind: str = "127.0.0.1:0",
+        options: GrpcOptions | None = None,
+    ) -> None:
+        self.rank = identity.rank
+        self._identity = identity
+        self._neighbours = sorted(neighbours)
+        self._options = options or GrpcOptions()
+        self._inbox = Inbox(
+            self.rank, neighbours, self._options.max_envelope_bytes, self._options.mailbox_window
+        )
+        self._service = _GossipService(identity, self._inbox)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=2 * len(self._neighbours) + 4,
+                thread_name_prefix=f"gossip-server-{self.rank}",
+            ),
+            options=self._options.channel_options(),
+        )
+        pb_grpc.add_GossipServicer_to_server(self._service, self._server)
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        host = bind.rsplit(":", 1)[0]
+        port = self._server.add_insecure_port(bind)
+        if port == 0:
+            raise OSError(f"peer {self.rank}: cannot bind gRPC server to {bind}")
+        self.address = f"{host}:{port}"
+        self._server.start()
+        for service in ("", SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._pool = futures.ThreadPoolExecutor(
+            max_workers=max(2, len(self._neighbours)), thread_name_prefix=f"gossip-push-{self.rank}"
+        )
+        self._channels: dict[int, grpc.Channel] = {}
+        self._stubs: dict[int, pb_grpc.GossipStub] = {}
+        self._closed = False
+
+    def expect(self, phase: str, specs: Mapping[int, PayloadSpec] | PayloadSpec) -> None:
+        self._inbox.expect(phase, specs)
+
+    def connect(self, addresses: Mapping[int, str], timeout: float) -> None:
+        """Open channels to every neighbour and handshake, retrying until `timeout` seconds.
+
+        Neighbours may start in any order: unreachable ones are retried with backoff. A
+        mismatching neighbour raises HandshakeError at once; still unreachable ones at the end
+        raise PeerUnreachableError naming them and their addresses.
+        """
+        missing = [j for j in self._neighbours if j not in addresses]
+        if missing:
+            raise ValueError(f"peer {self.rank}: no address for neighbours {missing}")
+        for j in self._neighbours:
+            if j not in self._channels:
+                channel = grpc.insecure_channel(
+                    addresses[j], options=self._options.channel_options()
+                )
+                self._channels[j] = channel
+                self._stubs[j] = pb_grpc.GossipStub(channel)
+        request = pb.HelloRequest(
+            protocol_version=self._identity.protocol_version,
+            sender=self.rank,
+            topology_hash=self._identity.topology_hash,
+            model_signature=self._identity.model_signature,
+        )
+        deadline = time.monotonic() + timeout
+        pending = set(self._neighbours)
+        last_error: dict[int, str] = {}
+        backoff = 0.05
+        while pending:
+            for j in sorted(pending):
+                attempt = min(self._options.hello_timeout, max(0.05, deadline - time.monotonic()))
+                try:
+                    self._stubs[j].Hello(request, timeout=attempt)
+                    pending.discard(j)
+                except grpc.RpcError as error:
+                    code = error.code()
+                    if code in (
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        grpc.StatusCode.PERMISSION_DENIED,
+                    ):
+                        raise HandshakeError(
+                            f"peer {self.rank}: handshake with peer {j} at {addresses[j]} refused: "
+                            f"{error.details()}"
+                        ) from None
+                    last_error[j] = f"{code.name}: {error.details()}"
+            if not pending:
+                break
+            if time.monotonic() >= deadline:
+                described = ", ".join(
+                    f"peer {j} at {addresses[j]} ({last_error.get(j, 'no answer')})"
+                    for j in sorted(pending)
+                )
+                raise PeerUnreachableError(
+                    f"peer {self.rank}: neighbours not reachable within {timeout:g} s: {described}"
+                )
+            time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+            backoff = min(backoff * 2, 1.0)
+
+    def _push(self, neighbour: int, envelope: Envelope, deadline: float) -> int:
+        sent = 0
+
+        def counted():
+            nonlocal sent
+            for chunk in envelope_chunks(envelope, self._options.chunk_bytes):
+                sent += chunk.ByteSize()
+                yield chunk
+
+        timeout = max(0.001, deadline - time.monotonic())
+        self._stubs[neighbour].Push(counted(), timeout=timeout)
+        return sent
+
+    def exchange(
+        self,
+        round: int,
+        phase: str,
+        outgoing: Mapping[int, Payload],
+        timeout: float,
+        schedule_epoch: int = 0,
+    ) -> ExchangeResult:
+        if not self._stubs:
+            raise RuntimeError(f"peer {self.rank}: exchange before connect()")
+        deadline = time.monotonic() + timeout
+        self._inbox.mailbox.open_round(round)
+        pushes = {
+            j: self._pool.submit(
+                self._push,
+                j,
+                Envelope(self.rank, round, phase, payload, schedule_epoch),
+                deadline,
+            )
+            for j, payload in outgoing.items()
+        }
+        arrived = self._inbox.mailbox.collect(round, phase, outgoing.keys(), deadline)
+        result = ExchangeResult()
+        for j, push in pushes.items():
+            try:
+                result.bytes_sent[j] = push.result(timeout=max(0.0, deadline - time.monotonic()))
+            except grpc.RpcError as error:
+                result.failed[j] = f"push failed: {error.code().name}: {error.details()}"
+            except futures.TimeoutError:
+                result.failed[j] = f"push not finished within {timeout:g} s"
+        for j in outgoing:
+            if j in result.failed:
+                continue
+            if j not in arrived:
+                result.failed[j] = f"no envelope for round {round} phase {phase!r} in {timeout:g} s"
+                continue
+            envelope, wire_bytes = arrived[j]
+            result.received[j] = envelope
+            result.bytes_received[j] = wire_bytes
+        return result
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace=0.5).wait()
+        for channel in self._channels.values():
+            channel.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> GrpcTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,88 @@
+"""Where validated envelopes wait until the local peer asks for them, keyed by (round, phase, sender).
+
+A peer's neighbours may run up to a round ahead, so envelopes for the current and a few future
+rounds are held; anything for a round already finished is late and refused, a second envelope
+for the same (round, phase, sender) is a duplicate and refused, so nothing is applied twice or
+to the wrong round.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Collection
+
+from gossipcomp.transport.base import Envelope, EnvelopeRejected, RejectCode
+
+
+class Mailbox:
+    """Thread-safe store of envelopes for rounds in [floor, floor + window]."""
+
+    def __init__(self, window: int = 4) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1 round, got {window}")
+        self._window = window
+        self._floor = 0
+        self._items: dict[tuple[int, str, int], tuple[Envelope, int]] = {}
+        self._consumed: set[tuple[int, str, int]] = set()
+        self._cond = threading.Condition()
+
+    def open_round(self, round: int) -> None:
+        """Mark rounds before `round` finished: their envelopes are dropped and refused from now."""
+        with self._cond:
+            if round > self._floor:
+                self._floor = round
+                self._items = {k: v for k, v in self._items.items() if k[0] >= round}
+                self._consumed = {k for k in self._consumed if k[0] >= round}
+
+    def deliver(self, envelope: Envelope, wire_bytes: int) -> None:
+        """Store a validated envelope, or refuse it as late, too early or a duplicate."""
+        key = (envelope.round, envelope.phase, envelope.sender)
+        with self._cond:
+            if envelope.round < self._floor:
+                raise EnvelopeRejected(
+                    RejectCode.FAILED_PRECONDITION,
+                    f"round: expected >= {self._floor} (earlier rounds are finished), "
+                    f"got {envelope.round}",
+                )
+            if envelope.round > self._floor + self._window:
+                raise EnvelopeRejected(
+                    RejectCode.FAILED_PRECONDITION,
+                    f"round: expected <= {self._floor + self._window} "
+                    f"(at most {self._window} ahead of {self._floor}), got {envelope.round}",
+                )
+            if key in self._items or key in self._consumed:
+                raise EnvelopeRejected(
+                    RejectCode.ALREADY_EXISTS,
+                    f"duplicate envelope for round {envelope.round}, phase {envelope.phase!r} "
+                    f"from peer {envelope.sender}",
+                )
+            self._items[key] = (envelope, wire_bytes)
+            self._cond.notify_all()
+
+    def collect(
+        self, round: int, phase: str, senders: Collection[int], deadline: float
+    ) -> dict[int, tuple[Envelope, int]]:
+        """Wait until every sender's envelope for (round, phase) is here or the deadline passes.
+
+        Returns (and removes) the envelopes that arrived, with their wire bytes.
+        """
+        wanted = set(senders)
+        with self._cond:
+            while True:
+                missing = [s for s in wanted if (round, phase, s) not in self._items]
+                remaining = deadline - time.monotonic()
+                if not missing or remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            arrived = {}
+            for s in wanted:
+                key = (round, phase, s)
+                if key in self._items:
+                    arrived[s] = self._items.pop(key)
+                    self._consumed.add(key)
+            return arrived
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._items)
