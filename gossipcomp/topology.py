@@ -289,7 +289,7 @@ def _build_graph(kind: str, spec: Mapping[str, Any], source: str) -> nx.Graph:
         return nx.relabel_nodes(grid, {(r, c): r * cols + c for r, c in grid.nodes()})
     if kind == "hypercube":
         if "n" not in spec and "dim" not in spec:
-            raise _fail(source, "missing parameter 'n' or 'dim' for kind 'hypercube'", "either")
+            raise _fail(source, "missing parameter 'n' or 'dim' for kind 'hypercube'", "n or dim")
         dim = num("dim", 1) if "dim" in spec else num("n").bit_length() - 1
         if "n" in spec and num("n") != 2**dim:
             problem = f"hypercube n={spec['n']} is not a power of two (or 2**dim, dim={dim})"
@@ -320,7 +320,7 @@ def _build_graph(kind: str, spec: Mapping[str, Any], source: str) -> nx.Graph:
 def _weights(graph: nx.Graph, scheme: object, spec: Mapping[str, Any], source: str) -> np.ndarray:
     n = graph.number_of_nodes()
     if scheme == "explicit":
-        expected = f"weights_matrix: an {n} x {n} list of lists of numbers"
+        expected = f"weights_matrix: {n} x {n} list of lists of numbers"
         if "weights_matrix" not in spec:
             raise _fail(source, "weights: explicit without weights_matrix", expected)
         try:
@@ -330,7 +330,7 @@ def _weights(graph: nx.Graph, scheme: object, spec: Mapping[str, Any], source: s
     if "weights_matrix" in spec:
         raise _fail(source, f"weights_matrix given with weights: {scheme}", "weights: explicit")
     if scheme not in WEIGHT_SCHEMES:
-        raise _fail(source, f"unknown weights scheme {scheme!r}", f"one of {WEIGHT_SCHEMES}")
+        raise _fail(source, f"unknown weights scheme {scheme!r}", f"one of {list(WEIGHT_SCHEMES)}")
     deg = dict(graph.degree())
     w = np.zeros((n, n))
     dmax = max(deg.values())
@@ -391,7 +391,9 @@ def load_topology(path: str | os.PathLike[str]) -> Topology:
     try:
         spec = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
-        raise _fail(source, f"not valid YAML ({' '.join(str(exc).split())})", "YAML") from None
+        mark, what = getattr(exc, "problem_mark", None), getattr(exc, "problem", None) or exc
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise _fail(source, f"not valid YAML{where}: {what}", "a YAML mapping") from None
     if not isinstance(spec, Mapping):
         problem = f"top level is {type(spec).__name__}, not a mapping"
         raise _fail(source, problem, f"a mapping with keys from {list(_TOP_KEYS)}")

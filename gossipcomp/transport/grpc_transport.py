@@ -201,7 +201,11 @@ class GrpcTransport:
             time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
             backoff = min(backoff * 2, 1.0)
 
-    def _push(self, neighbour: int, envelope: Envelope, deadline: float) -> int:
+    def send(self, neighbour: int, envelope: Envelope, deadline: float) -> int:
+        """Stream one envelope to a neighbour before `deadline` (time.monotonic); return its bytes.
+
+        Raises grpc.RpcError with the receiver's status when it refuses the envelope.
+        """
         sent = 0
 
         def counted():
@@ -228,7 +232,7 @@ class GrpcTransport:
         self._inbox.mailbox.open_round(round)
         pushes = {
             j: self._pool.submit(
-                self._push,
+                self.send,
                 j,
                 Envelope(self.rank, round, phase, payload, schedule_epoch),
                 deadline,

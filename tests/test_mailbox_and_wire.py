@@ -1,0 +1,80 @@
+"""Chunking, byte accounting, the mailbox's round/duplicate rules, and the in-memory transport."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import run_in_threads
+
+from gossipcomp.transport.base import Envelope, EnvelopeRejected, Identity, RejectCode
+from gossipcomp.transport.codec import decode_raw, encode_raw, tensor_spec
+from gossipcomp.transport.mailbox import Mailbox
+from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
+from gossipcomp.transport.wire import envelope_chunks, envelope_wire_bytes, read_envelope
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 1 << 20])
+def test_chunks_reassemble_exactly_across_tensor_boundaries(chunk_bytes):
+    tensors = [torch.arange(n, dtype=torch.float32) for n in (0, 1, 5, 33)]
+    envelope = Envelope(3, 9, "x", tuple(encode_raw(f"t{i}", t) for i, t in enumerate(tensors)), 2)
+    chunks = list(envelope_chunks(envelope, chunk_bytes))
+    assert all(len(c.data) <= chunk_bytes for c in chunks)
+    assert chunks[0].HasField("header") and not any(c.HasField("header") for c in chunks[1:])
+    back, _, wire_bytes = read_envelope(chunks, lambda header: ())
+    assert wire_bytes == sum(len(c.SerializeToString()) for c in chunks)
+    assert wire_bytes == envelope_wire_bytes(envelope, chunk_bytes)
+    assert (back.sender, back.round, back.phase, back.schedule_epoch) == (3, 9, "x", 2)
+    for i, t in enumerate(tensors):
+        assert torch.equal(decode_raw(back.tensor(f"t{i}")), t)
+
+
+def test_stream_with_missing_or_extra_bytes_is_refused():
+    envelope = Envelope(0, 0, "x", (encode_raw("t", torch.ones(100)),))
+    chunks = list(envelope_chunks(envelope, 64))
+    with pytest.raises(EnvelopeRejected, match="declared 400, received 384"):
+        read_envelope(chunks[:-1], lambda header: ())
+    with pytest.raises(EnvelopeRejected, match="received more"):
+        read_envelope([*chunks, chunks[-1].__class__(data=b"x")], lambda header: ())
+    with pytest.raises(EnvelopeRejected, match="header"):
+        read_envelope(chunks[1:], lambda header: ())
+
+
+def test_mailbox_refuses_late_duplicate_and_far_future():
+    box = Mailbox(window=2)
+    envelope = Envelope(1, 0, "p", ())
+    box.deliver(envelope, 10)
+    with pytest.raises(EnvelopeRejected) as dup:
+        box.deliver(envelope, 10)
+    assert dup.value.code == RejectCode.ALREADY_EXISTS
+    assert box.collect(0, "p", [1], time.monotonic() + 1) == {1: (envelope, 10)}
+    with pytest.raises(EnvelopeRejected):  # consumed: still a duplicate, never applied twice
+        box.deliver(envelope, 10)
+    box.open_round(1)
+    with pytest.raises(EnvelopeRejected, match="earlier rounds are finished"):
+        box.deliver(Envelope(1, 0, "p", ()), 10)
+    with pytest.raises(EnvelopeRejected, match="at most 2 ahead"):
+        box.deliver(Envelope(1, 4, "p", ()), 10)
+    box.deliver(Envelope(1, 3, "p", ()), 10)
+    assert box.collect(1, "p", [1], time.monotonic() + 0.05) == {}
+    assert box.pending() == 1
+
+
+def test_in_memory_transport_validates_and_counts_like_grpc():
+    hub = InMemoryHub()
+    spec = (tensor_spec("w", torch.zeros(3)),)
+    a = InMemoryTransport(Identity(0, "t", "m"), [1], hub)
+    b = InMemoryTransport(Identity(1, "t", "m"), [0], hub)
+    for t in (a, b):
+        t.expect("p", spec)
+        t.connect({}, timeout=1)
+    payload = (encode_raw("w", torch.tensor([1.0, 2.0, 3.0])),)
+    ra, rb = run_in_threads(
+        [lambda: a.exchange(0, "p", {1: payload}, 5), lambda: b.exchange(0, "p", {0: payload}, 5)]
+    )
+    assert torch.equal(decode_raw(rb.received[0].tensor("w")), torch.tensor([1.0, 2.0, 3.0]))
+    assert ra.bytes_sent[1] == envelope_wire_bytes(Envelope(0, 0, "p", payload))
+    bad = (encode_raw("w", torch.zeros(4)),)
+    result = a.exchange(1, "p", {1: bad}, 0.2)
+    assert "shape" in result.failed[1]

@@ -1,0 +1,249 @@
+"""The gRPC transport over real loopback connections: integrity, handshake, validation, health."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+from conftest import run_in_threads
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gossipcomp.proto.v1 import gossip_pb2 as pb
+from gossipcomp.proto.v1 import gossip_pb2_grpc as pb_grpc
+from gossipcomp.transport.base import (
+    Envelope,
+    HandshakeError,
+    Identity,
+    PeerUnreachableError,
+    TensorSpec,
+    WireTensor,
+)
+from gossipcomp.transport.codec import DTYPES, decode_raw, encode_raw, tensor_spec
+from gossipcomp.transport.grpc_transport import SERVICE_NAME, GrpcOptions, GrpcTransport
+from gossipcomp.transport.wire import envelope_chunks
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 100).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def _exchange_both(a, b, round, phase, payload_a, payload_b, timeout=20.0):
+    return run_in_threads(
+        [
+            lambda: a.exchange(round, phase, {1: payload_a}, timeout),
+            lambda: b.exchange(round, phase, {0: payload_b}, timeout),
+        ]
+    )
+
+
+def test_every_dtype_round_trips_bit_exact(grpc_pair):
+    a, b = grpc_pair()
+    shapes = [(), (0,), (7,), (3, 5), (2, 3, 4)]
+    tensors = {
+        f"{name}/{i}": _sample(dtype, shape, seed=i)
+        for name, dtype in DTYPES.items()
+        for i, shape in enumerate(shapes)
+    }
+    spec = tuple(tensor_spec(n, t) for n, t in tensors.items())
+    a.expect("p", spec)
+    b.expect("p", spec)
+    payload = tuple(encode_raw(n, t) for n, t in tensors.items())
+    ra, rb = _exchange_both(a, b, 0, "p", payload, payload)
+    for result in (ra, rb):
+        assert not result.failed
+        envelope = next(iter(result.received.values()))
+        for n, t in tensors.items():
+            got = decode_raw(envelope.tensor(n))
+            assert got.dtype == t.dtype and got.shape == t.shape
+            assert torch.equal(got.view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), n
+
+
+def test_64_mib_envelope_arrives_intact_and_bytes_are_counted(grpc_pair):
+    a, b = grpc_pair()
+    big = torch.randn(16 << 20, generator=torch.Generator().manual_seed(3))
+    spec = (tensor_spec("big", big),)
+    a.expect("big", spec)
+    b.expect("big", spec)
+    envelope_a = (encode_raw("big", big),)
+    envelope_b = (encode_raw("big", -big),)
+    ra, rb = _exchange_both(a, b, 0, "big", envelope_a, envelope_b, timeout=60)
+    assert torch.equal(decode_raw(rb.received[0].tensor("big")), big)
+    assert torch.equal(decode_raw(ra.received[1].tensor("big")), -big)
+    expected = sum(c.ByteSize() for c in envelope_chunks(Envelope(0, 0, "big", envelope_a)))
+    assert ra.bytes_sent[1] == expected == rb.bytes_received[0]
+    assert expected > 64 << 20  # data plus per-chunk framing, never a formula
+
+
+@pytest.mark.parametrize(
+    "field, ours, theirs",
+    [
+        ("topology_hash", Identity(1, "topo-A", "model"), Identity(0, "topo-B", "model")),
+        ("model_signature", Identity(1, "topo", "model-A"), Identity(0, "topo", "model-B")),
+        ("protocol_version", Identity(1, "topo", "model"), Identity(0, "topo", "model", 99)),
+    ],
+)
+def test_handshake_mismatch_is_refused_naming_both_values(field, ours, theirs):
+    server = GrpcTransport(ours, [0])
+    client = GrpcTransport(theirs, [1])
+    try:
+        with pytest.raises(HandshakeError) as caught:
+            client.connect({1: server.address}, timeout=10)
+        message = str(caught.value)
+        assert field in message and "refused" in message
+        assert str(getattr(ours, field)) in message and str(getattr(theirs, field)) in message
+    finally:
+        server.close()
+        client.close()
+
+
+def test_handshake_status_is_failed_precondition():
+    server = GrpcTransport(Identity(1, "topo-A", "m"), [0])
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            with pytest.raises(grpc.RpcError) as caught:
+                pb_grpc.GossipStub(channel).Hello(
+                    pb.HelloRequest(
+                        protocol_version=1, sender=0, topology_hash="topo-B", model_signature="m"
+                    ),
+                    timeout=5,
+                )
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "'topo-A'" in caught.value.details() and "'topo-B'" in caught.value.details()
+    finally:
+        server.close()
+
+
+def test_unreachable_neighbour_times_out_with_clear_error():
+    lonely = GrpcTransport(Identity(0, "t", "m"), [1])
+    try:
+        start = time.monotonic()
+        with pytest.raises(PeerUnreachableError, match=r"peer 1 at 127\.0\.0\.1:1 "):
+            lonely.connect({1: "127.0.0.1:1"}, timeout=1.5)
+        assert time.monotonic() - start < 6
+    finally:
+        lonely.close()
+
+
+def _refused(sender: GrpcTransport, envelope: Envelope) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        sender.send(1, envelope, time.monotonic() + 10)
+    return caught.value
+
+
+def test_invalid_envelopes_are_refused_with_field_expected_and_actual(grpc_pair):
+    a, b = grpc_pair(options=GrpcOptions(max_envelope_bytes=1 << 20))
+    good = torch.zeros(4, 3)
+    b.expect("p", (tensor_spec("w", good),))
+    cases = [
+        (encode_raw("w", torch.zeros(3, 4)), grpc.StatusCode.INVALID_ARGUMENT, "shape"),
+        (
+            encode_raw("w", torch.zeros(4, 3, dtype=torch.float64)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "dtype",
+        ),
+        (encode_raw("v", good), grpc.StatusCode.INVALID_ARGUMENT, "name"),
+        (
+            WireTensor("w", "float32", (4, 3), "zstd", bytes(48)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "codec",
+        ),
+        (
+            WireTensor("w", "float32", (4, 3), "raw", bytes(40)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "nbytes",
+        ),
+        (
+            encode_raw("w", torch.full((4, 3), float("nan"))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "NaN",
+        ),
+        (
+            WireTensor("w", "float32", (4, 3), "raw", bytes(2 << 20)),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "envelope size",
+        ),
+    ]
+    for round_, (tensor, code, word) in enumerate(cases):
+        error = _refused(a, Envelope(0, round_, "p", (tensor,)))
+        assert error.code() == code, (word, error.details())
+        assert word in error.details()
+    # phase nobody expects, wrong protocol version
+    assert _refused(a, Envelope(0, 0, "q", (encode_raw("w", good),))).code() == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    error = _refused(a, Envelope(0, 0, "p", (encode_raw("w", good),), protocol_version=7))
+    assert (
+        error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        and "protocol_version" in error.details()
+    )
+    assert b._inbox.mailbox.pending() == 0  # nothing was stored
+    # the channel still works for a valid envelope
+    assert a.send(1, Envelope(0, 0, "p", (encode_raw("w", good),)), time.monotonic() + 10) > 0
+    assert b._inbox.mailbox.pending() == 1
+
+
+def test_sender_that_is_not_a_neighbour_is_denied():
+    b = GrpcTransport(Identity(1, "t", "m"), [0])
+    stranger = GrpcTransport(Identity(5, "t", "m"), [1])
+    try:
+        b.expect("p", (tensor_spec("w", torch.zeros(2)),))
+        with pytest.raises(HandshakeError, match="peer 5 is not a neighbour"):
+            stranger.connect({1: b.address}, timeout=5)
+        chunks = envelope_chunks(Envelope(5, 0, "p", (encode_raw("w", torch.zeros(2)),)))
+        with grpc.insecure_channel(b.address) as channel:
+            with pytest.raises(grpc.RpcError) as caught:
+                pb_grpc.GossipStub(channel).Push(chunks, timeout=5)
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "peer 5 is not a neighbour" in caught.value.details()
+        assert b._inbox.mailbox.pending() == 0
+    finally:
+        b.close()
+        stranger.close()
+
+
+def test_duplicate_and_late_envelopes_are_refused(grpc_pair):
+    a, b = grpc_pair()
+    spec = (tensor_spec("w", torch.zeros(2)),)
+    a.expect("p", spec)
+    b.expect("p", spec)
+    envelope = Envelope(0, 0, "p", (encode_raw("w", torch.ones(2)),))
+    a.send(1, envelope, time.monotonic() + 5)
+    assert _refused(a, envelope).code() == grpc.StatusCode.ALREADY_EXISTS
+    _exchange_both(a, b, 0, "p", envelope.tensors, envelope.tensors)
+    _exchange_both(a, b, 1, "p", envelope.tensors, envelope.tensors)
+    late = _refused(a, Envelope(0, 0, "p", envelope.tensors))
+    assert late.code() == grpc.StatusCode.FAILED_PRECONDITION and "round" in late.details()
+    too_early = _refused(a, Envelope(0, 100, "p", envelope.tensors))
+    assert too_early.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_missing_neighbour_fails_the_exchange_within_its_deadline(grpc_pair):
+    a, _ = grpc_pair()
+    a.expect("p", (tensor_spec("w", torch.zeros(2)),))
+    start = time.monotonic()
+    result = a.exchange(0, "p", {1: (encode_raw("w", torch.zeros(2)),)}, timeout=0.5)
+    assert time.monotonic() - start < 1.5
+    assert set(result.failed) == {1} and not result.received
+
+
+def test_health_service_reports_serving(grpc_pair):
+    a, _ = grpc_pair()
+    with grpc.insecure_channel(a.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", SERVICE_NAME):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_spec_mismatch_detected_for_per_sender_specs(grpc_pair):
+    a, b = grpc_pair()
+    b.expect("p", {0: (TensorSpec("w", "float32", (2,), "raw", 8),)})
+    assert a.send(1, Envelope(0, 0, "p", (encode_raw("w", torch.zeros(2)),)), time.monotonic() + 5)
