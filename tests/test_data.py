@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -32,6 +34,17 @@ SPECS = ["iid", "by-label", "dirichlet:0.5", "dirichlet:0.05"]
 @pytest.fixture(scope="module")
 def digits() -> DigitsSplit:
     return load_digits_split(seed=0)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny matmuls: one intra-op thread avoids stalls when another process holds a core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # --- the split -----------------------------------------------------------------------------
@@ -239,6 +252,7 @@ def test_make_optimizer_validates() -> None:
         make_optimizer(model, lr=0.1, momentum=1.0)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_centralized_training_reaches_high_accuracy(digits: DigitsSplit) -> None:
     model = build_mlp(0)
     optimizer = make_optimizer(model, DEFAULT_LR, DEFAULT_MOMENTUM)

@@ -8,11 +8,17 @@ import pytest
 import torch
 from conftest import run_in_threads
 
+from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.transport.base import Envelope, EnvelopeRejected, Identity, RejectCode
 from gossipcomp.transport.codec import decode_raw, encode_raw, tensor_spec
 from gossipcomp.transport.mailbox import Mailbox
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
-from gossipcomp.transport.wire import envelope_chunks, envelope_wire_bytes, read_envelope
+from gossipcomp.transport.wire import (
+    envelope_chunks,
+    envelope_wire_bytes,
+    header_of,
+    read_envelope,
+)
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 1 << 20])
@@ -20,11 +26,16 @@ def test_chunks_reassemble_exactly_across_tensor_boundaries(chunk_bytes):
     tensors = [torch.arange(n, dtype=torch.float32) for n in (0, 1, 5, 33)]
     envelope = Envelope(3, 9, "x", tuple(encode_raw(f"t{i}", t) for i, t in enumerate(tensors)), 2)
     chunks = list(envelope_chunks(envelope, chunk_bytes))
-    assert all(len(c.data) <= chunk_bytes for c in chunks)
-    assert chunks[0].HasField("header") and not any(c.HasField("header") for c in chunks[1:])
+    # every chunk is a canonical protobuf EnvelopeChunk: parsing and re-serialising gives it back
+    parsed = [pb.EnvelopeChunk.FromString(c) for c in chunks]
+    assert [p.SerializeToString() for p in parsed] == chunks
+    assert all(len(p.data) <= chunk_bytes for p in parsed)
+    assert parsed[0].HasField("header") and not any(p.HasField("header") for p in parsed[1:])
+    assert parsed[0].header == header_of(envelope)
     back, _, wire_bytes = read_envelope(chunks, lambda header: ())
-    assert wire_bytes == sum(len(c.SerializeToString()) for c in chunks)
-    assert wire_bytes == envelope_wire_bytes(envelope, chunk_bytes)
+    assert wire_bytes == sum(len(c) for c in chunks) == envelope_wire_bytes(envelope, chunk_bytes)
+    # a sender using protobuf objects (any gRPC client) is read the same way
+    assert read_envelope([p.SerializeToString() for p in parsed], lambda h: ())[0] == back
     assert (back.sender, back.round, back.phase, back.schedule_epoch) == (3, 9, "x", 2)
     for i, t in enumerate(tensors):
         assert torch.equal(decode_raw(back.tensor(f"t{i}")), t)
@@ -36,9 +47,13 @@ def test_stream_with_missing_or_extra_bytes_is_refused():
     with pytest.raises(EnvelopeRejected, match="declared 400, received 384"):
         read_envelope(chunks[:-1], lambda header: ())
     with pytest.raises(EnvelopeRejected, match="received more"):
-        read_envelope([*chunks, chunks[-1].__class__(data=b"x")], lambda header: ())
+        read_envelope([*chunks, pb.EnvelopeChunk(data=b"x").SerializeToString()], lambda h: ())
     with pytest.raises(EnvelopeRejected, match="header"):
         read_envelope(chunks[1:], lambda header: ())
+    with pytest.raises(EnvelopeRejected, match="expected an EnvelopeChunk"):
+        read_envelope([b"\x12\xff\xff\xff"], lambda header: ())
+    with pytest.raises(EnvelopeRejected, match="header: expected only in the first chunk"):
+        read_envelope([chunks[0], chunks[0]], lambda header: ())
 
 
 def test_mailbox_refuses_late_duplicate_and_far_future():

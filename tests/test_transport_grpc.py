@@ -77,7 +77,7 @@ def test_64_mib_envelope_arrives_intact_and_bytes_are_counted(grpc_pair):
     ra, rb = _exchange_both(a, b, 0, "big", envelope_a, envelope_b, timeout=60)
     assert torch.equal(decode_raw(rb.received[0].tensor("big")), big)
     assert torch.equal(decode_raw(ra.received[1].tensor("big")), -big)
-    expected = sum(c.ByteSize() for c in envelope_chunks(Envelope(0, 0, "big", envelope_a)))
+    expected = sum(len(c) for c in envelope_chunks(Envelope(0, 0, "big", envelope_a)))
     assert ra.bytes_sent[1] == expected == rb.bytes_received[0]
     assert expected > 64 << 20  # data plus per-chunk framing, never a formula
 
@@ -197,7 +197,10 @@ def test_sender_that_is_not_a_neighbour_is_denied():
         b.expect("p", (tensor_spec("w", torch.zeros(2)),))
         with pytest.raises(HandshakeError, match="peer 5 is not a neighbour"):
             stranger.connect({1: b.address}, timeout=5)
-        chunks = envelope_chunks(Envelope(5, 0, "p", (encode_raw("w", torch.zeros(2)),)))
+        chunks = (
+            pb.EnvelopeChunk.FromString(c)  # sent through the generated stub, as any client would
+            for c in envelope_chunks(Envelope(5, 0, "p", (encode_raw("w", torch.zeros(2)),)))
+        )
         with grpc.insecure_channel(b.address) as channel:
             with pytest.raises(grpc.RpcError) as caught:
                 pb_grpc.GossipStub(channel).Push(chunks, timeout=5)

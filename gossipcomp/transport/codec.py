@@ -140,12 +140,26 @@ def validate_header(
     return expected
 
 
+def all_finite(values: torch.Tensor) -> bool:
+    """True when no element is NaN or Inf.
+
+    A float sum is finite exactly when every element is finite, unless the sum overflows: so
+    the cheap sum decides, and only an overflowing sum pays for the element-wise check
+    (torch.isfinite(x).all() is ~15x slower than a sum on 16M elements).
+    """
+    if not values.is_floating_point() or values.numel() == 0:
+        return True
+    if bool(torch.isfinite(values.sum())):
+        return True
+    return bool(torch.isfinite(values).all())
+
+
 def check_finite(tensors: Iterable[WireTensor], spec: PayloadSpec) -> None:
     """Refuse raw floating-point tensors holding NaN or Inf where the spec requires finite."""
     for wire, want in zip(tensors, spec, strict=True):
         if want.require_finite and wire.codec == RAW_CODEC:
             values = decode_raw(wire)
-            if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+            if not all_finite(values):
                 bad = int((~torch.isfinite(values)).sum())
                 raise EnvelopeRejected(
                     RejectCode.INVALID_ARGUMENT,

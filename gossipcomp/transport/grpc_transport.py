@@ -10,7 +10,7 @@ algorithm.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -89,13 +89,32 @@ class _GossipService(pb_grpc.GossipServicer):
             model_signature=mine.model_signature,
         )
 
-    def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
+    def Push(
+        self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
+    ) -> pb.PushReply:
         try:
             envelope, spec, wire_bytes = read_envelope(request_iterator, self._inbox.check_header)
             self._inbox.accept(envelope, spec, wire_bytes)
         except EnvelopeRejected as rejected:
             context.abort(_STATUS[rejected.code.value], str(rejected))
         return pb.PushReply(received_bytes=wire_bytes)
+
+
+def _handlers(service: _GossipService) -> grpc.GenericRpcHandler:
+    """The Gossip service with Push reading serialised chunks (parsed in wire.py, not by gRPC)."""
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Hello": grpc.unary_unary_rpc_method_handler(
+                service.Hello,
+                request_deserializer=pb.HelloRequest.FromString,
+                response_serializer=pb.HelloReply.SerializeToString,
+            ),
+            "Push": grpc.stream_unary_rpc_method_handler(
+                service.Push, response_serializer=pb.PushReply.SerializeToString
+            ),
+        },
+    )
 
 
 class GrpcTransport:
@@ -123,7 +142,7 @@ class GrpcTransport:
             ),
             options=self._options.channel_options(),
         )
-        pb_grpc.add_GossipServicer_to_server(self._service, self._server)
+        self._server.add_generic_rpc_handlers((_handlers(self._service),))
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         host = bind.rsplit(":", 1)[0]
@@ -139,6 +158,7 @@ class GrpcTransport:
         )
         self._channels: dict[int, grpc.Channel] = {}
         self._stubs: dict[int, pb_grpc.GossipStub] = {}
+        self._pushers: dict[int, grpc.StreamUnaryMultiCallable] = {}
         self._closed = False
 
     def expect(self, phase: str, specs: Mapping[int, PayloadSpec] | PayloadSpec) -> None:
@@ -161,6 +181,9 @@ class GrpcTransport:
                 )
                 self._channels[j] = channel
                 self._stubs[j] = pb_grpc.GossipStub(channel)
+                self._pushers[j] = channel.stream_unary(  # chunks arrive serialised already
+                    f"/{SERVICE_NAME}/Push", response_deserializer=pb.PushReply.FromString
+                )
         request = pb.HelloRequest(
             protocol_version=self._identity.protocol_version,
             sender=self.rank,
@@ -211,11 +234,11 @@ class GrpcTransport:
         def counted():
             nonlocal sent
             for chunk in envelope_chunks(envelope, self._options.chunk_bytes):
-                sent += chunk.ByteSize()
+                sent += len(chunk)
                 yield chunk
 
         timeout = max(0.001, deadline - time.monotonic())
-        self._stubs[neighbour].Push(counted(), timeout=timeout)
+        self._pushers[neighbour](counted(), timeout=timeout)
         return sent
 
     def exchange(

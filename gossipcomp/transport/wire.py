@@ -1,13 +1,19 @@
-"""Envelopes <-> streams of protobuf chunks (~1 MiB each), with byte accounting.
+"""Envelopes <-> streams of serialised EnvelopeChunk messages (~1 MiB each), with byte accounting.
 
 Large messages move through gRPC far faster as a client stream of ~1 MiB chunks than as one
-unary message (measured on loopback: ~0.6x vs ~0.12x of a raw socket), so every envelope is
-streamed: the header in the first chunk, then the tensors' bytes back to back.
+unary message, so every envelope is streamed: the header in the first chunk, then the tensors'
+bytes back to back. Chunks are valid, canonical protobuf `EnvelopeChunk` messages (any gRPC
+client may send them), but data chunks are written and read here directly, field tag, length and
+bytes, because building and parsing them through protobuf objects copies every byte three more
+times, which cost a 64 MiB envelope about half its loopback throughput.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+
+import numpy
+from google.protobuf.message import DecodeError
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.transport.base import (
@@ -19,6 +25,33 @@ from gossipcomp.transport.base import (
 )
 
 DEFAULT_CHUNK_BYTES = 1 << 20
+_HEADER_TAG = b"\x0a"  # EnvelopeChunk field 1 (header), length-delimited
+_DATA_TAG = b"\x12"  # EnvelopeChunk field 2 (data), length-delimited
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """Decode a varint at `pos`; return (value, position after it). ValueError if truncated."""
+    value = shift = 0
+    while pos < len(data) and shift < 64:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    raise ValueError("truncated varint")
 
 
 def header_of(envelope: Envelope) -> pb.EnvelopeHeader:
@@ -37,41 +70,72 @@ def header_of(envelope: Envelope) -> pb.EnvelopeHeader:
     )
 
 
-def envelope_chunks(
-    envelope: Envelope, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> Iterator[pb.EnvelopeChunk]:
-    """Yield the chunks of an envelope: the header first, then data pieces of <= chunk_bytes."""
-    pending: list[memoryview] = []
-    pending_bytes = 0
-    header: pb.EnvelopeHeader | None = header_of(envelope)
+def _chunk(header: bytes | None, pieces: list[memoryview], size: int) -> bytes:
+    parts: list[bytes | memoryview] = []
+    if header is not None:
+        parts += [_HEADER_TAG, _varint(len(header)), header]
+    if size:  # proto3 leaves an empty bytes field out
+        parts += [_DATA_TAG, _varint(size), *pieces]
+    return b"".join(parts)
+
+
+def envelope_chunks(envelope: Envelope, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+    """Yield the serialised chunks of an envelope: header first, data pieces of <= chunk_bytes."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    header: bytes | None = header_of(envelope).SerializeToString()
+    pieces: list[memoryview] = []
+    size = 0
     for tensor in envelope.tensors:
         view = memoryview(tensor.data).cast("B")
         offset = 0
         while offset < len(view):
-            take = min(chunk_bytes - pending_bytes, len(view) - offset)
-            pending.append(view[offset : offset + take])
-            pending_bytes += take
+            take = min(chunk_bytes - size, len(view) - offset)
+            pieces.append(view[offset : offset + take])
+            size += take
             offset += take
-            if pending_bytes == chunk_bytes:
-                data = bytes(pending[0]) if len(pending) == 1 else b"".join(pending)
-                yield pb.EnvelopeChunk(header=header, data=data)
-                header, pending, pending_bytes = None, [], 0
-    if pending or header is not None:
-        yield pb.EnvelopeChunk(header=header, data=b"".join(pending))
+            if size == chunk_bytes:
+                yield _chunk(header, pieces, size)
+                header, pieces, size = None, [], 0
+    if pieces or header is not None:
+        yield _chunk(header, pieces, size)
 
 
 def envelope_wire_bytes(envelope: Envelope, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Serialised size of an envelope's chunks: what gRPC puts on the wire (before HTTP/2 framing)."""
-    return sum(chunk.ByteSize() for chunk in envelope_chunks(envelope, chunk_bytes))
+    """Serialised size of an envelope's chunks: what gRPC carries (before HTTP/2 framing)."""
+    return sum(len(chunk) for chunk in envelope_chunks(envelope, chunk_bytes))
+
+
+def parse_chunk(raw: bytes) -> tuple[pb.EnvelopeHeader | None, memoryview]:
+    """Split one serialised chunk into its header (if any) and a view of its data bytes.
+
+    A chunk that is exactly one data field is sliced without copying; anything else (the
+    header chunk, or another valid encoding) goes through protobuf. Malformed bytes are refused.
+    """
+    if raw[:1] == _DATA_TAG:
+        try:
+            length, start = _read_varint(raw, 1)
+        except ValueError:
+            length, start = -1, 0
+        if start + length == len(raw):
+            return None, memoryview(raw)[start:]
+    try:
+        message = pb.EnvelopeChunk.FromString(raw)
+    except DecodeError as error:
+        raise EnvelopeRejected(
+            RejectCode.INVALID_ARGUMENT, f"chunk: expected an EnvelopeChunk message ({error})"
+        ) from None
+    header = message.header if message.HasField("header") else None
+    return header, memoryview(message.data)
 
 
 HeaderCheck = Callable[[pb.EnvelopeHeader], PayloadSpec]
 
 
 def read_envelope(
-    chunks: Iterable[pb.EnvelopeChunk], check_header: HeaderCheck
+    chunks: Iterable[bytes], check_header: HeaderCheck
 ) -> tuple[Envelope, PayloadSpec, int]:
-    """Assemble an envelope from its chunks, validating the header before reading any data.
+    """Assemble an envelope from serialised chunks, validating the header before any data.
 
     Returns the envelope, the spec it was checked against, and the serialised bytes read.
     Raises EnvelopeRejected for a missing or repeated header and for a byte count that does not
@@ -79,23 +143,15 @@ def read_envelope(
     """
     iterator = iter(chunks)
     first = next(iterator, None)
-    if first is None or not first.HasField("header"):
+    header, data = parse_chunk(first) if first is not None else (None, memoryview(b""))
+    if header is None:
         raise EnvelopeRejected(RejectCode.INVALID_ARGUMENT, "header: expected in the first chunk")
-    header = first.header
     spec = check_header(header)
     total = sum(t.nbytes for t in header.tensors)
-    buffer = bytearray(total)
-    wire_bytes = first.ByteSize()
+    buffer = memoryview(numpy.empty(total, dtype=numpy.uint8))  # no memset: every byte is written
+    wire_bytes = len(first)
     filled = 0
-    chunk: pb.EnvelopeChunk | None = first
-    while chunk is not None:
-        if chunk is not first:
-            if chunk.HasField("header"):
-                raise EnvelopeRejected(
-                    RejectCode.INVALID_ARGUMENT, "header: expected only in the first chunk"
-                )
-            wire_bytes += chunk.ByteSize()
-        data = chunk.data
+    while True:
         if filled + len(data) > total:
             raise EnvelopeRejected(
                 RejectCode.INVALID_ARGUMENT,
@@ -103,13 +159,20 @@ def read_envelope(
             )
         buffer[filled : filled + len(data)] = data
         filled += len(data)
-        chunk = next(iterator, None)
+        raw = next(iterator, None)
+        if raw is None:
+            break
+        wire_bytes += len(raw)
+        extra_header, data = parse_chunk(raw)
+        if extra_header is not None:
+            raise EnvelopeRejected(
+                RejectCode.INVALID_ARGUMENT, "header: expected only in the first chunk"
+            )
     if filled != total:
         raise EnvelopeRejected(
-            RejectCode.INVALID_ARGUMENT,
-            f"data bytes: header declared {total}, received {filled}",
+            RejectCode.INVALID_ARGUMENT, f"data bytes: header declared {total}, received {filled}"
         )
-    view = memoryview(buffer)
+    view = buffer
     tensors: list[WireTensor] = []
     offset = 0
     for t in header.tensors:
