@@ -10,7 +10,7 @@ algorithm.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -229,11 +229,16 @@ class GrpcTransport:
 
         Raises grpc.RpcError with the receiver's status when it refuses the envelope.
         """
+        return self._send_chunks(
+            neighbour, envelope_chunks(envelope, self._options.chunk_bytes), deadline
+        )
+
+    def _send_chunks(self, neighbour: int, chunks: Iterable[bytes], deadline: float) -> int:
         sent = 0
 
-        def counted():
+        def counted() -> Iterator[bytes]:
             nonlocal sent
-            for chunk in envelope_chunks(envelope, self._options.chunk_bytes):
+            for chunk in chunks:
                 sent += len(chunk)
                 yield chunk
 
@@ -253,13 +258,14 @@ class GrpcTransport:
             raise RuntimeError(f"peer {self.rank}: exchange before connect()")
         deadline = time.monotonic() + timeout
         self._inbox.mailbox.open_round(round)
+        # The envelope names no receiver: one payload sent to several neighbours is chunked once.
+        chunked: dict[int, list[bytes]] = {}
+        for payload in outgoing.values():
+            if id(payload) not in chunked:
+                envelope = Envelope(self.rank, round, phase, payload, schedule_epoch)
+                chunked[id(payload)] = list(envelope_chunks(envelope, self._options.chunk_bytes))
         pushes = {
-            j: self._pool.submit(
-                self.send,
-                j,
-                Envelope(self.rank, round, phase, payload, schedule_epoch),
-                deadline,
-            )
+            j: self._pool.submit(self._send_chunks, j, chunked[id(payload)], deadline)
             for j, payload in outgoing.items()
         }
         arrived = self._inbox.mailbox.collect(round, phase, outgoing.keys(), deadline)
