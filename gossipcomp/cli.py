@@ -52,7 +52,9 @@ def _consensus_step(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
 
 
-def _add_training_flags(parser: argparse.ArgumentParser) -> None:
+def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) -> None:
+    """Training flags shared by simulate and peer. `--low-rank` is PowerGossip's rank; simulate
+    also takes it as `--rank`, which for `peer` is the peer's own rank."""
     d = TrainConfig()
     g = parser.add_argument_group("training")
     g.add_argument(
@@ -74,7 +76,20 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
         "--consensus-step",
         type=_consensus_step,
         default=d.consensus_step,
-        help="gossip step gamma in x += gamma (W x - x), or 'auto' = 2/(2 - lambda_2 - lambda_min)",
+        help="dpsgd, powergossip, choco: gossip step gamma in x += gamma (W x - x); 'auto' (the "
+        "default for dpsgd and powergossip) = 2/(2 - lambda_2 - lambda_min) of W",
+    )
+    g.add_argument(
+        "--low-rank",
+        *(["--rank"] if rank_is_low_rank else []),
+        dest="low_rank",
+        type=int,
+        default=d.rank,
+        help="powergossip: rank of the power iteration"
+        + (" (--rank is the same flag here)" if rank_is_low_rank else ""),
+    )
+    g.add_argument(
+        "--power-steps", type=int, default=d.power_steps, help="powergossip: power steps per round"
     )
     g.add_argument(
         "--eval-every", type=int, default=d.eval_every, help="rounds between accuracy checkpoints"
@@ -99,6 +114,8 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         partition=args.partition,
         seed=args.seed,
         consensus_step=args.consensus_step,
+        rank=args.low_rank,
+        power_steps=args.power_steps,
         eval_every=args.eval_every,
         round_timeout=args.round_timeout,
     )
@@ -120,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TOPOLOGY,
         help="topology YAML file, or a shipped name (default: ring8)",
     )
-    _add_training_flags(sim)
+    _add_training_flags(sim, rank_is_low_rank=True)
 
     peer = sub.add_parser("peer", help="one peer in this process, at its address in the topology")
     peer.add_argument("--topology", required=True, help="topology YAML file (or shipped name)")
@@ -137,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="seconds to wait for neighbours to come up before giving up",
     )
-    _add_training_flags(peer)
+    _add_training_flags(peer, rank_is_low_rank=False)
 
     topo = sub.add_parser("topology", help="inspect topology files")
     topo_sub = topo.add_subparsers(dest="topology_command", required=True)

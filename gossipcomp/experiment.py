@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from gossipcomp.data import DigitsSplit, parse_partition, partition_indices
-from gossipcomp.gossip import GossipAlgorithm, make_algorithm
+from gossipcomp.gossip import ALGORITHMS, DPSGD, GossipAlgorithm, PowerGossip
 from gossipcomp.peer import Peer, PeerStats
 from gossipcomp.topology import Topology
 from gossipcomp.training import (
@@ -38,7 +38,12 @@ class TrainConfig:
     batch_size: int = DEFAULT_BATCH_SIZE  # examples per local step
     partition: str = "iid"  # iid | by-label | dirichlet:ALPHA
     seed: int = 0  # data split, model init (identical on all peers) and batch order
-    consensus_step: float | str = 1.0  # gossip step gamma, or "auto" for the topology's optimum
+    consensus_step: float | str | None = None  # gossip step; "auto"; None: the algorithm's default
+    compressor: str | None = None  # compressor spec for choco and def, e.g. "topk:ratio=0.01"
+    rank: int = 1  # powergossip: rank of the power iteration
+    power_steps: int = 1  # powergossip: power-iteration steps (exchanges) per round
+    zeta: float = 1.0  # def: damping of the differential update
+    gamma: float = 1.0  # def: mixing weight of the combine step
     eval_every: int = 50  # rounds between test-accuracy checkpoints (0: only at the end)
     round_timeout: float = 30.0  # seconds a round may wait for its neighbours
 
@@ -49,6 +54,8 @@ class TrainConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.algorithm!r}; known: {sorted(ALGORITHMS)}")
         if isinstance(self.consensus_step, str) and self.consensus_step != "auto":
             raise ValueError(
                 f"consensus_step must be a number or 'auto', got {self.consensus_step!r}"
@@ -60,11 +67,23 @@ class TrainConfig:
 
 
 def build_algorithm(config: TrainConfig, topology: Topology) -> GossipAlgorithm:
-    """The configured gossip algorithm, with 'auto' resolved against the topology's spectrum."""
+    """The configured gossip algorithm, with step sizes resolved against the topology."""
     step = config.consensus_step
-    if step == "auto":
-        step = topology.optimal_consensus_step
-    return make_algorithm(config.algorithm, consensus_step=float(step))
+    if config.algorithm == "dpsgd":
+        return DPSGD(consensus_step=_spectral_step(step, topology))
+    if config.algorithm == "powergossip":
+        return PowerGossip(
+            rank=config.rank,
+            power_steps=config.power_steps,
+            consensus_step=_spectral_step(step, topology),
+            seed=config.seed,
+        )
+    raise ValueError(f"unknown algorithm {config.algorithm!r}; known: {sorted(ALGORITHMS)}")
+
+
+def _spectral_step(step: float | str | None, topology: Topology) -> float:
+    """A given step, or (None / "auto") gamma* = 2 / (2 - lambda_2 - lambda_min) of W."""
+    return topology.optimal_consensus_step if step in (None, "auto") else float(step)
 
 
 def peer_examples(

@@ -82,10 +82,10 @@ class Peer:
         self._comm_seconds = 0.0
         self._last_mark: float | None = None
         neighbours = topology.neighbors(rank)
-        for phase, spec in algorithm.setup(self._params, neighbours).items():
+        for phase, spec in algorithm.setup(self._params, rank, neighbours).items():
             transport.expect(phase, spec)
         self._averager = DPSGD(phase=AVERAGE_PHASE)
-        for phase, spec in self._averager.setup(self._params, neighbours).items():
+        for phase, spec in self._averager.setup(self._params, rank, neighbours).items():
             transport.expect(phase, spec)
 
     @classmethod

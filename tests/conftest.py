@@ -7,9 +7,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
+import torch
 
+from gossipcomp.gossip import GossipAlgorithm
+from gossipcomp.models import model_signature
+from gossipcomp.peer import Peer
+from gossipcomp.topology import Topology
 from gossipcomp.transport.base import Identity
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
+from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
 
 
 def run_in_threads(functions: Sequence[Callable[[], Any]], timeout: float = 60.0) -> list[Any]:
@@ -52,3 +58,46 @@ def grpc_pair() -> Iterator[Callable[..., tuple[GrpcTransport, GrpcTransport]]]:
     yield make
     for transport in made:
         transport.close()
+
+
+def build_network(
+    topology: Topology,
+    models: Sequence[torch.nn.Module],
+    algorithm: Callable[[], GossipAlgorithm],
+    transport: str = "memory",
+    round_timeout: float = 30.0,
+) -> list[Peer]:
+    """One connected Peer per rank, over in-memory or real gRPC transports."""
+    if transport == "grpc":
+        peers = [
+            Peer.over_grpc(
+                m, topology, r, algorithm(), bind="127.0.0.1:0", round_timeout=round_timeout
+            )
+            for r, m in enumerate(models)
+        ]
+        addresses = {p.rank: p.address for p in peers}
+        run_in_threads([lambda p=p: p.start(10, addresses) for p in peers])
+        return peers
+    hub = InMemoryHub()
+    peers = []
+    for r, m in enumerate(models):
+        identity = Identity(r, topology.hash, model_signature(m))
+        t = InMemoryTransport(identity, topology.neighbors(r), hub)
+        peers.append(Peer(m, topology, r, algorithm(), t, round_timeout=round_timeout))
+    for p in peers:
+        p.start(5, {})
+    return peers
+
+
+def gossip_round(peers: Sequence[Peer]) -> None:
+    run_in_threads([p.gossip for p in peers])
+
+
+def stacked(peers: Sequence[Peer]) -> list[torch.Tensor]:
+    """Per parameter: the peers' values stacked on a new first axis (float64)."""
+    per_peer = [[p.detach().double().clone() for p in peer.model.parameters()] for peer in peers]
+    return [torch.stack(group) for group in zip(*per_peer, strict=True)]
+
+
+def consensus_distance(peers: Sequence[Peer]) -> float:
+    return sum(float((x - x.mean(0)).pow(2).sum()) for x in stacked(peers)) / len(peers)

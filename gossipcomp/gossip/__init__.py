@@ -7,9 +7,11 @@ from typing import Any
 
 from gossipcomp.gossip.base import GossipAlgorithm, LinkStats, NamedParams, Neighbourhood
 from gossipcomp.gossip.dpsgd import DPSGD
+from gossipcomp.gossip.powergossip import PowerGossip
 
 ALGORITHMS: dict[str, Callable[..., GossipAlgorithm]] = {
     DPSGD.name: DPSGD,
+    PowerGossip.name: PowerGossip,
 }
 
 
@@ -29,5 +31,6 @@ __all__ = [
     "LinkStats",
     "NamedParams",
     "Neighbourhood",
+    "PowerGossip",
     "make_algorithm",
 ]

@@ -77,7 +77,9 @@ class GossipAlgorithm(Protocol):
 
     name: str
 
-    def setup(self, params: NamedParams, neighbours: Sequence[int]) -> dict[str, PayloadSpec]:
+    def setup(
+        self, params: NamedParams, rank: int, neighbours: Sequence[int]
+    ) -> dict[str, PayloadSpec]:
         """Prepare per-peer state; return, per phase, what a neighbour's envelope must hold."""
         ...
 

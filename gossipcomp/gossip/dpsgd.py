@@ -31,7 +31,9 @@ class DPSGD:
         self.consensus_step = consensus_step
         self.phase = phase
 
-    def setup(self, params: NamedParams, neighbours: Sequence[int]) -> dict[str, PayloadSpec]:
+    def setup(
+        self, params: NamedParams, rank: int, neighbours: Sequence[int]
+    ) -> dict[str, PayloadSpec]:
         return {self.phase: tuple(tensor_spec(name, p) for name, p in params)}
 
     def step(self, params: NamedParams, hood: Neighbourhood) -> None:

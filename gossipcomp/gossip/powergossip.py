@@ -1,0 +1,154 @@
+"""PowerGossip (Vogels, Karimireddy, Jaggi, NeurIPS 2020): low-rank gossip of model differences.
+
+Per edge (i, j) and matrix parameter X ([m, n] after reshaping to [out, -1], transposed if
+needed so that n <= m: the first step then acts on the smaller side), both ends hold the
+same rank-r vector v, drawn at start from a seed hashed from (seed, min(i,j), max(i,j), index):
+nothing is sent to agree on it. Power steps alternate sides:
+
+- right step: q = orth(v) ([n, r]); send a_i = X_i q; receive a_j = X_j q, so a_j - a_i =
+  (X_j - X_i) q; update X_i += gamma w_ij (a_j - a_i) q^T. The next (left) vector is
+  a_low - a_high, oriented by peer id so both ends hold the same one (warm start).
+- left step: p = orth(u) ([m, r]); send b_i = X_i^T p; update X_i += gamma w_ij p (b_j - b_i)^T;
+  the next right vector is b_low - b_high.
+
+Both ends apply equal and opposite updates, so the network sum of every parameter is preserved.
+Tensors with ndim <= 1 (biases, norm weights) are gossiped exactly with the first step of a round.
+A round sends r*m or r*n floats per matrix per edge instead of m*n; r is capped at n per
+matrix, and with r = n one step averages two peers' matrices exactly.
+
+Step k of the run (k = round * power_steps + s) is a right step when k is even. Its phase is
+named "right{s}" or "left{s}", so both ends expect the same shapes. If an edge fails, neither
+end's vector for that side advances; the next step of the other side uses its own last vector,
+so the two ends stay in agreement when both see the failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gossipcomp.gossip.base import NamedParams, Neighbourhood
+from gossipcomp.gossip.linalg import hashed_seed, orthonormalize
+from gossipcomp.transport.base import PayloadSpec, TensorSpec
+from gossipcomp.transport.codec import decode_raw, encode_raw, raw_nbytes, tensor_spec
+
+RIGHT, LEFT = "right", "left"
+
+
+def oriented(tensor: torch.Tensor) -> torch.Tensor:
+    """A view of a parameter (ndim >= 2) as [m, n] with n <= m: [out, rest], or its transpose."""
+    matrix = tensor.view(tensor.shape[0], -1)
+    return matrix if matrix.shape[1] <= matrix.shape[0] else matrix.t()
+
+
+class PowerGossip:
+    """Low-rank power-iteration gossip; exact gossip for vectors."""
+
+    name = "powergossip"
+
+    def __init__(
+        self,
+        rank: int = 1,
+        power_steps: int = 1,
+        consensus_step: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        if power_steps < 1:
+            raise ValueError(f"power_steps must be >= 1, got {power_steps}")
+        if not 0.0 < consensus_step < 2.0:
+            raise ValueError(f"consensus_step must lie in (0, 2), got {consensus_step}")
+        self.rank = rank
+        self.power_steps = power_steps
+        self.consensus_step = consensus_step
+        self.seed = seed
+        self._me = -1
+        self._matrices: list[int] = []
+        self._vectors: list[int] = []
+        self._ranks: dict[int, int] = {}
+        # (neighbour, parameter index, side) -> the side's current vector ([n, r] or [m, r])
+        self._state: dict[tuple[int, int, str], torch.Tensor] = {}
+
+    def setup(
+        self, params: NamedParams, rank: int, neighbours: Sequence[int]
+    ) -> dict[str, PayloadSpec]:
+        self._me = rank
+        self._matrices = [i for i, (_, p) in enumerate(params) if p.ndim >= 2]
+        self._vectors = [i for i, (_, p) in enumerate(params) if p.ndim <= 1]
+        self._ranks = {i: min(self.rank, *oriented(params[i][1]).shape) for i in self._matrices}
+        for j in neighbours:
+            low, high = min(rank, j), max(rank, j)
+            for i in self._matrices:
+                m, n = oriented(params[i][1]).shape
+                for side, rows in ((RIGHT, n), (LEFT, m)):
+                    g = torch.Generator().manual_seed(hashed_seed(self.seed, low, high, i, side))
+                    vector = torch.randn(rows, self._ranks[i], generator=g, dtype=torch.float32)
+                    self._state[(j, i, side)] = vector.to(params[i][1].device)
+        specs: dict[str, PayloadSpec] = {}
+        for s in range(self.power_steps):
+            for side in (RIGHT, LEFT):
+                specs[f"{side}{s}"] = self._spec(params, side, with_vectors=s == 0)
+        return specs
+
+    def _spec(self, params: NamedParams, side: str, with_vectors: bool) -> PayloadSpec:
+        specs: list[TensorSpec] = []
+        for i in self._matrices:
+            name, p = params[i]
+            m, n = oriented(p).shape
+            shape = (m if side == RIGHT else n, self._ranks[i])
+            specs.append(
+                TensorSpec(
+                    f"{name}/{side}", "float32", shape, "raw", raw_nbytes(torch.float32, shape)
+                )
+            )
+        if with_vectors:
+            specs += [tensor_spec(params[i][0], params[i][1]) for i in self._vectors]
+        return tuple(specs)
+
+    def step(self, params: NamedParams, hood: Neighbourhood) -> None:
+        for s in range(self.power_steps):
+            k = hood.round * self.power_steps + s
+            self._power_step(params, hood, RIGHT if k % 2 == 0 else LEFT, s)
+
+    def _power_step(self, params: NamedParams, hood: Neighbourhood, side: str, s: int) -> None:
+        with torch.no_grad():
+            bases: dict[tuple[int, int], torch.Tensor] = {}
+            mine: dict[tuple[int, int], torch.Tensor] = {}
+            outgoing = {}
+            for j in hood.neighbours:
+                tensors = []
+                for i in self._matrices:
+                    name, p = params[i]
+                    x = oriented(p).float()
+                    basis = orthonormalize(self._state[(j, i, side)])
+                    product = x @ basis if side == RIGHT else x.t() @ basis
+                    bases[(j, i)], mine[(j, i)] = basis, product
+                    tensors.append(encode_raw(f"{name}/{side}", product))
+                if s == 0:
+                    tensors += [encode_raw(params[i][0], params[i][1]) for i in self._vectors]
+                outgoing[j] = tuple(tensors)
+            sent_vectors = (
+                {i: params[i][1].detach().clone() for i in self._vectors} if s == 0 else {}
+            )
+            result = hood.exchange(f"{side}{s}", outgoing)
+            other = LEFT if side == RIGHT else RIGHT
+            for j, envelope in result.received.items():
+                step = self.consensus_step * hood.weights[j]
+                for t, i in enumerate(self._matrices):
+                    theirs = decode_raw(envelope.tensors[t]).to(mine[(j, i)].device)
+                    difference = theirs - mine[(j, i)]  # (X_j - X_i) applied to the basis
+                    update = (
+                        difference @ bases[(j, i)].t()
+                        if side == RIGHT
+                        else bases[(j, i)] @ difference.t()
+                    )
+                    x = oriented(params[i][1])
+                    x.add_(update.to(x.dtype), alpha=step)
+                    # warm start: the next vector of the other side, the same at both ends
+                    low_minus_high = -difference if self._me < j else difference
+                    self._state[(j, i, other)] = low_minus_high
+                for t, i in enumerate(self._vectors if s == 0 else (), start=len(self._matrices)):
+                    theirs = decode_raw(envelope.tensors[t]).to(params[i][1].device)
+                    params[i][1].add_(theirs - sent_vectors[i], alpha=step)
