@@ -250,3 +250,22 @@ def test_spec_mismatch_detected_for_per_sender_specs(grpc_pair):
     a, b = grpc_pair()
     b.expect("p", {0: (TensorSpec("w", "float32", (2,), "raw", 8),)})
     assert a.send(1, Envelope(0, 0, "p", (encode_raw("w", torch.zeros(2)),)), time.monotonic() + 5)
+
+
+def test_single_chunk_push_one_is_validated_like_a_stream(grpc_pair):
+    a, b = grpc_pair()
+    b.expect("p", (tensor_spec("w", torch.zeros(4, 3)),))
+    bad = Envelope(0, 0, "p", (encode_raw("w", torch.zeros(3, 4)),))
+    (chunk,) = envelope_chunks(bad)
+    with grpc.insecure_channel(b.address) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            pb_grpc.GossipStub(channel).PushOne(pb.EnvelopeChunk.FromString(chunk), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "shape: expected (4, 3), got (3, 4)" in caught.value.details()
+    assert b._inbox.mailbox.pending() == 0
+    # a valid single-chunk exchange goes through PushOne and counts the chunk's bytes
+    a.expect("p", (tensor_spec("w", torch.zeros(4, 3)),))
+    good = (encode_raw("w", torch.ones(4, 3)),)
+    ra, _ = _exchange_both(a, b, 0, "p", good, good)
+    assert not ra.failed
+    assert ra.bytes_sent[1] == sum(len(c) for c in envelope_chunks(Envelope(0, 0, "p", good)))

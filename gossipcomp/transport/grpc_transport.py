@@ -92,8 +92,14 @@ class _GossipService(pb_grpc.GossipServicer):
     def Push(
         self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
     ) -> pb.PushReply:
+        return self._deliver(request_iterator, context)
+
+    def PushOne(self, request: bytes, context: grpc.ServicerContext) -> pb.PushReply:
+        return self._deliver((request,), context)
+
+    def _deliver(self, chunks: Iterable[bytes], context: grpc.ServicerContext) -> pb.PushReply:
         try:
-            envelope, spec, wire_bytes = read_envelope(request_iterator, self._inbox.check_header)
+            envelope, spec, wire_bytes = read_envelope(chunks, self._inbox.check_header)
             self._inbox.accept(envelope, spec, wire_bytes)
         except EnvelopeRejected as rejected:
             context.abort(_STATUS[rejected.code.value], str(rejected))
@@ -112,6 +118,9 @@ def _handlers(service: _GossipService) -> grpc.GenericRpcHandler:
             ),
             "Push": grpc.stream_unary_rpc_method_handler(
                 service.Push, response_serializer=pb.PushReply.SerializeToString
+            ),
+            "PushOne": grpc.unary_unary_rpc_method_handler(
+                service.PushOne, response_serializer=pb.PushReply.SerializeToString
             ),
         },
     )
@@ -159,6 +168,7 @@ class GrpcTransport:
         self._channels: dict[int, grpc.Channel] = {}
         self._stubs: dict[int, pb_grpc.GossipStub] = {}
         self._pushers: dict[int, grpc.StreamUnaryMultiCallable] = {}
+        self._push_ones: dict[int, grpc.UnaryUnaryMultiCallable] = {}
         self._closed = False
 
     def expect(self, phase: str, specs: Mapping[int, PayloadSpec] | PayloadSpec) -> None:
@@ -183,6 +193,9 @@ class GrpcTransport:
                 self._stubs[j] = pb_grpc.GossipStub(channel)
                 self._pushers[j] = channel.stream_unary(  # chunks arrive serialised already
                     f"/{SERVICE_NAME}/Push", response_deserializer=pb.PushReply.FromString
+                )
+                self._push_ones[j] = channel.unary_unary(
+                    f"/{SERVICE_NAME}/PushOne", response_deserializer=pb.PushReply.FromString
                 )
         request = pb.HelloRequest(
             protocol_version=self._identity.protocol_version,
@@ -264,18 +277,26 @@ class GrpcTransport:
             if id(payload) not in chunked:
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch)
                 chunked[id(payload)] = list(envelope_chunks(envelope, self._options.chunk_bytes))
-        pushes = {
-            j: self._pool.submit(self._send_chunks, j, chunked[id(payload)], deadline)
-            for j, payload in outgoing.items()
-        }
+        pushes: dict[int, futures.Future[int] | grpc.Future] = {}
+        for j, payload in outgoing.items():
+            chunks = chunked[id(payload)]
+            if len(chunks) == 1:  # one unary call, issued asynchronously: no thread per push
+                timeout = max(0.001, deadline - time.monotonic())
+                pushes[j] = self._push_ones[j].future(chunks[0], timeout=timeout)
+            else:
+                pushes[j] = self._pool.submit(self._send_chunks, j, chunks, deadline)
         arrived = self._inbox.mailbox.collect(round, phase, outgoing.keys(), deadline)
         result = ExchangeResult()
         for j, push in pushes.items():
             try:
-                result.bytes_sent[j] = push.result(timeout=max(0.0, deadline - time.monotonic()))
+                reply = push.result(timeout=max(0.0, deadline - time.monotonic()))
+                result.bytes_sent[j] = (
+                    reply if isinstance(reply, int) else len(chunked[id(outgoing[j])][0])
+                )
             except grpc.RpcError as error:
                 result.failed[j] = f"push failed: {error.code().name}: {error.details()}"
-            except futures.TimeoutError:
+            except (futures.TimeoutError, grpc.FutureTimeoutError):
+                push.cancel()
                 result.failed[j] = f"push not finished within {timeout:g} s"
         for j in outgoing:
             if j in result.failed:

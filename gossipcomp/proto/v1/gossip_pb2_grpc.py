@@ -44,6 +44,11 @@ class GossipStub:
                 request_serializer=gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.SerializeToString,
                 response_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.PushOne = channel.unary_unary(
+                '/gossipcomp.v1.Gossip/PushOne',
+                request_serializer=gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.SerializeToString,
+                response_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.PushReply.FromString,
+                _registered_method=True)
 
 
 class GossipServicer:
@@ -65,6 +70,14 @@ class GossipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushOne(self, request, context):
+        """Delivers an envelope that fits in one chunk (header and all data): the same checks as Push,
+        without a stream's per-call setup (most gossip messages are small).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GossipServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +88,11 @@ def add_GossipServicer_to_server(servicer, server):
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
+                    request_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.FromString,
+                    response_serializer=gossipcomp_dot_v1_dot_gossip__pb2.PushReply.SerializeToString,
+            ),
+            'PushOne': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushOne,
                     request_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.FromString,
                     response_serializer=gossipcomp_dot_v1_dot_gossip__pb2.PushReply.SerializeToString,
             ),
@@ -131,6 +149,33 @@ class Gossip:
             request_iterator,
             target,
             '/gossipcomp.v1.Gossip/Push',
+            gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.SerializeToString,
+            gossipcomp_dot_v1_dot_gossip__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushOne(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gossipcomp.v1.Gossip/PushOne',
             gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.SerializeToString,
             gossipcomp_dot_v1_dot_gossip__pb2.PushReply.FromString,
             options,
