@@ -89,6 +89,23 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         + (" (--rank is the same flag here)" if rank_is_low_rank else ""),
     )
     g.add_argument(
+        "--compressor",
+        default=d.compressor,
+        help="choco, def: compressor spec, e.g. sign, topk:ratio=0.01, qsgd:levels=16, ef+sign",
+    )
+    g.add_argument(
+        "--zeta",
+        type=float,
+        default=d.zeta,
+        help="def: damping of the differential update (default: per compressor)",
+    )
+    g.add_argument(
+        "--gamma",
+        type=float,
+        default=d.gamma,
+        help="def: mixing weight of the combine step (default: per compressor)",
+    )
+    g.add_argument(
         "--power-steps", type=int, default=d.power_steps, help="powergossip: power steps per round"
     )
     g.add_argument(
@@ -116,6 +133,9 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         consensus_step=args.consensus_step,
         rank=args.low_rank,
         power_steps=args.power_steps,
+        compressor=args.compressor,
+        zeta=args.zeta,
+        gamma=args.gamma,
         eval_every=args.eval_every,
         round_timeout=args.round_timeout,
     )
@@ -235,6 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TopologyError, ValueError, HandshakeError, PeerUnreachableError) as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False)
         return 2
+    except RuntimeError as error:  # training failed (diverged, a peer crashed): no traceback
+        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        return 1
 
 
 def _rank_from_env() -> int:

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from gossipcomp.compress import parse_spec
 from gossipcomp.data import DigitsSplit, parse_partition, partition_indices
-from gossipcomp.gossip import ALGORITHMS, DPSGD, GossipAlgorithm, PowerGossip
+from gossipcomp.gossip import ALGORITHMS, DEFATC, DPSGD, Choco, GossipAlgorithm, PowerGossip
 from gossipcomp.peer import Peer, PeerStats
 from gossipcomp.topology import Topology
 from gossipcomp.training import (
@@ -25,13 +26,14 @@ from gossipcomp.training import (
     local_step,
     make_optimizer,
 )
+from gossipcomp.transport.codec import all_finite
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything that decides a training run (the same on every peer)."""
 
-    algorithm: str = "dpsgd"  # a name from gossipcomp.gossip.ALGORITHMS
+    algorithm: str = "powergossip"  # a name from gossipcomp.gossip.ALGORITHMS
     rounds: int = 600  # local steps, each followed by one gossip round
     lr: float = DEFAULT_LR  # SGD learning rate
     momentum: float = DEFAULT_MOMENTUM  # SGD momentum (each peer keeps its own buffer)
@@ -42,8 +44,8 @@ class TrainConfig:
     compressor: str | None = None  # compressor spec for choco and def, e.g. "topk:ratio=0.01"
     rank: int = 1  # powergossip: rank of the power iteration
     power_steps: int = 1  # powergossip: power-iteration steps (exchanges) per round
-    zeta: float = 1.0  # def: damping of the differential update
-    gamma: float = 1.0  # def: mixing weight of the combine step
+    zeta: float | None = None  # def: damping of the differential update (None: per compressor)
+    gamma: float | None = None  # def: mixing weight of the combine step (None: per compressor)
     eval_every: int = 50  # rounds between test-accuracy checkpoints (0: only at the end)
     round_timeout: float = 30.0  # seconds a round may wait for its neighbours
 
@@ -61,6 +63,8 @@ class TrainConfig:
                 f"consensus_step must be a number or 'auto', got {self.consensus_step!r}"
             )
         parse_partition(self.partition)
+        if self.compressor is not None:
+            parse_spec(self.compressor)  # fail early on a bad spec, naming what exists
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,6 +82,15 @@ def build_algorithm(config: TrainConfig, topology: Topology) -> GossipAlgorithm:
             consensus_step=_spectral_step(step, topology),
             seed=config.seed,
         )
+    if config.algorithm in ("choco", "def"):
+        if not config.compressor:
+            raise ValueError(f"algorithm {config.algorithm!r} needs a compressor spec, e.g. 'sign'")
+        compressor = parse_spec(config.compressor)
+        if config.algorithm == "choco":
+            # "auto" and None both mean the compressor's documented default for choco
+            given = None if step in (None, "auto") else float(step)
+            return Choco(compressor, consensus_step=given, seed=config.seed)
+        return DEFATC(compressor, zeta=config.zeta, gamma=config.gamma, seed=config.seed)
     raise ValueError(f"unknown algorithm {config.algorithm!r}; known: {sorted(ALGORITHMS)}")
 
 
@@ -120,6 +133,19 @@ class TrainingAborted(RuntimeError):
     """Another peer of the same simulation failed, so this one stopped."""
 
 
+class TrainingDiverged(RuntimeError):
+    """A peer's parameters became NaN or Inf."""
+
+
+def _check_finite(peer: Peer, round: int, stage: str) -> None:
+    for name, p in peer.model.named_parameters():
+        if not all_finite(p.detach()):
+            raise TrainingDiverged(
+                f"peer {peer.rank}: parameter {name!r} became NaN/Inf {stage} at round {round} "
+                "(training diverged: try a smaller --lr or consensus step, or other --zeta/--gamma)"
+            )
+
+
 def train_peer(
     peer: Peer,
     data: DigitsSplit,
@@ -138,7 +164,9 @@ def train_peer(
         if should_stop is not None and should_stop():
             raise TrainingAborted(f"peer {peer.rank} stopped at round {r}")
         local_step(model, optimizer, stream.next_batch())
+        _check_finite(peer, r, "after the local step")
         peer.gossip()
+        _check_finite(peer, r, "after gossip")
         if (config.eval_every and r % config.eval_every == 0) or r == config.rounds:
             accuracy = evaluate_accuracy(model, data.x_test, data.y_test)
             history.append(Checkpoint(r, accuracy, peer.stats.bytes_sent_total))

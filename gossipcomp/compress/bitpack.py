@@ -48,7 +48,8 @@ def pack(codes: torch.Tensor, bits: int, *, use_numpy: bool | None = None) -> to
     zero_one = codes.dtype == torch.bool
     codes = codes.view(torch.uint8) if zero_one else codes.to(torch.uint8)
     if use_numpy if use_numpy is not None else codes.device.type == "cpu":
-        return _pack_numpy(codes, bits, zero_one)
+        planes = pack_numpy(codes.contiguous().numpy(), bits, zero_one)
+        return torch.from_numpy(numpy.ascontiguousarray(planes).reshape(-1))
     return _pack_torch(codes, bits)
 
 
@@ -67,7 +68,8 @@ def unpack(
     if numel == 0:
         return torch.empty(0, dtype=torch.uint8, device=packed.device)
     if use_numpy if use_numpy is not None else packed.device.type == "cpu":
-        return _unpack_numpy(packed, bits, numel)
+        codes = unpack_numpy(packed.contiguous().numpy().reshape(bits, -1), numel)
+        return torch.from_numpy(numpy.ascontiguousarray(codes))
     return _unpack_torch(packed, bits, numel)
 
 
@@ -85,24 +87,53 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"bit width must be in 1..{MAX_BITS}, got {bits}")
 
 
-def _pack_numpy(codes: torch.Tensor, bits: int, zero_one: bool) -> torch.Tensor:
-    array = codes.contiguous().numpy()
+# Multi-bit planes with 64-bit words (8 codes at a time): masking bit j of 8 codes leaves one
+# 0/1 byte per code, and multiplying by _GATHER moves byte i's bit to bit 56 + i (the partial
+# products never carry into each other), so the top byte is those 8 bits packed LSB first.
+# Unpacking looks each plane byte up in _SPREAD: the 8 bits as 8 bytes of 0/1.
+_LOW_BITS = numpy.uint64(0x0101010101010101)
+_GATHER = numpy.uint64(0x0102040810204080)
+_SPREAD = numpy.array(
+    [sum(((b >> i) & 1) << (8 * i) for i in range(8)) for b in range(256)], dtype=numpy.uint64
+)
+
+
+def pack_numpy(codes: numpy.ndarray, bits: int, zero_one: bool = False) -> numpy.ndarray:
+    """numpy core of `pack`: uint8 codes -> a (bits, ceil(n / 8)) array of planes.
+
+    `zero_one` promises every code is 0 or 1 (a bool mask), which skips masking the low bit.
+    """
     if bits == 1:
-        planes = array if zero_one else array & 1  # packbits sets a bit for any non-zero byte
-    else:
-        shifts = numpy.arange(bits, dtype=numpy.uint8)[:, None]
-        planes = (array[None, :] >> shifts) & 1
-    packed = numpy.packbits(planes, axis=-1, bitorder="little")
-    return torch.from_numpy(numpy.ascontiguousarray(packed).reshape(-1))
+        planes = codes if zero_one else codes & 1  # packbits sets a bit for any non-zero byte
+        return numpy.packbits(planes, bitorder="little").reshape(1, -1)
+    size = plane_bytes(codes.size)
+    if codes.size != 8 * size or not codes.flags.c_contiguous:
+        padded = numpy.zeros(8 * size, dtype=numpy.uint8)
+        padded[: codes.size] = codes
+        codes = padded
+    words = codes.view(numpy.uint64)
+    scratch = numpy.empty_like(words)
+    planes = numpy.empty((bits, size), dtype=numpy.uint8)
+    for j in range(bits):
+        numpy.right_shift(words, numpy.uint64(j), out=scratch)
+        numpy.bitwise_and(scratch, _LOW_BITS, out=scratch)
+        numpy.multiply(scratch, _GATHER, out=scratch)  # wraps modulo 2**64 by design
+        numpy.right_shift(scratch, numpy.uint64(56), out=scratch)
+        planes[j] = scratch
+    return planes
 
 
-def _unpack_numpy(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    planes = packed.contiguous().numpy().reshape(bits, -1)
-    unpacked = numpy.unpackbits(planes, axis=1, count=numel, bitorder="little")
-    codes = unpacked[0]
-    for j in range(1, bits):
-        codes |= unpacked[j] << numpy.uint8(j)
-    return torch.from_numpy(numpy.ascontiguousarray(codes))
+def unpack_numpy(planes: numpy.ndarray, numel: int) -> numpy.ndarray:
+    """numpy core of `unpack`: a (bits, ceil(numel / 8)) array of planes -> numel uint8 codes."""
+    if planes.shape[0] == 1:
+        return numpy.unpackbits(planes[0], count=numel, bitorder="little")
+    words = numpy.take(_SPREAD, planes[0])
+    scratch = numpy.empty_like(words)
+    for j in range(1, planes.shape[0]):
+        numpy.take(_SPREAD, planes[j], out=scratch)
+        numpy.left_shift(scratch, numpy.uint64(j), out=scratch)
+        numpy.bitwise_or(words, scratch, out=words)
+    return words.view(numpy.uint8)[:numel]
 
 
 def _pack_torch(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -122,3 +153,34 @@ def _unpack_torch(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     for j in range(1, bits):
         codes |= planes[j] << j
     return codes
+
+
+def plane_table(clear: float, set_: float) -> torch.Tensor:
+    """A (256, 8) float32 table: row b holds the 8 values that byte b of a plane expands to."""
+    bits = (torch.arange(256).view(-1, 1) >> torch.arange(8)) & 1
+    return torch.where(bits.bool(), set_, clear).to(torch.float32)
+
+
+def decode_plane(
+    plane: torch.Tensor,
+    numel: int,
+    clear: float,
+    set_: float,
+    device: torch.device,
+    *,
+    use_numpy: bool | None = None,
+) -> torch.Tensor:
+    """Expand one bit-plane straight to float32 values: `clear` where a bit is 0, `set_` where 1.
+
+    One table lookup per byte (see plane_table), so no intermediate 0/1 tensor is built.
+    Returns a fresh 1-D float32 tensor of `numel` values on `device`.
+    """
+    if plane.numel() != plane_bytes(numel):
+        raise ValueError(f"a plane of {numel} bits takes {plane_bytes(numel)} bytes")
+    table = plane_table(clear, set_)
+    if use_numpy if use_numpy is not None else device.type == "cpu":
+        out = torch.empty(plane.numel() * 8, dtype=torch.float32)
+        target = out.numpy().reshape(-1, 8)
+        numpy.take(table.numpy(), plane.cpu().numpy(), axis=0, out=target, mode="clip")
+        return out[:numel].to(device)
+    return table.to(device).index_select(0, plane.to(device).int()).view(-1)[:numel]

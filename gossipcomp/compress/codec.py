@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import ClassVar
 
 import numpy
 import torch
 
-from gossipcomp.compress.base import CompressionContext, Compressed, PayloadError
+from gossipcomp.compress.base import Compressed, CompressionContext, PayloadError
 
 Device = torch.device | str | None
 
@@ -89,10 +90,16 @@ def all_finite(values: torch.Tensor) -> bool:
     """True when no element is NaN or Inf.
 
     A float sum is finite exactly when every element is, unless the sum overflows: the cheap sum
-    decides and only an overflowing sum pays for the element-wise check.
+    decides and only an overflowing sum pays for the element-wise check. Small CPU arrays go
+    through numpy (see kernels: torch's threaded kernels stall on mid-sized CPU tensors here).
     """
     if values.numel() == 0:
         return True
+    if values.device.type == "cpu" and values.dtype == torch.float32 and values.numel() < 1 << 22:
+        array = values.numpy()
+        with numpy.errstate(over="ignore", invalid="ignore"):  # an overflow only means: look closer
+            total = array.sum()
+        return bool(numpy.isfinite(total)) or bool(numpy.isfinite(array).all())
     if bool(torch.isfinite(values.sum(dtype=torch.float32))):
         return True
     return bool(torch.isfinite(values).all())
@@ -110,6 +117,16 @@ def check_scale(value: float, codec: str, what: str, nonnegative: bool = True) -
     if not math.isfinite(value) or (nonnegative and value < 0):
         want = "a finite number >= 0" if nonnegative else "a finite number"
         raise PayloadError(f"{codec} payload {what}: expected {want}, got {value!r}")
+
+
+FLOAT32_MAX = float(numpy.finfo(numpy.float32).max)
+
+
+def as_float32(value: float) -> float:
+    """`value` rounded to float32; beyond float32's range it becomes +-Inf (receivers refuse it)."""
+    if math.isfinite(value) and abs(value) > FLOAT32_MAX:
+        return math.copysign(math.inf, value)
+    return float(numpy.float32(value))
 
 
 def resolve_device(device: Device) -> torch.device:
@@ -141,7 +158,9 @@ class Codec:
     @property
     def spec(self) -> str:
         """Canonical spec: the name, then every parameter in declaration order."""
-        params = [f"{f.name}={format_value(getattr(self, f.name))}" for f in dataclasses.fields(self)]
+        params = [
+            f"{f.name}={format_value(getattr(self, f.name))}" for f in dataclasses.fields(self)
+        ]
         return self.name + (":" + ",".join(params) if params else "")
 
     def wire_bytes(self, numel: int) -> int:
@@ -162,9 +181,7 @@ class Codec:
         """Validate `compressed` and rebuild a fresh float32 tensor of its shape on `device`."""
         if compressed.codec != self.codec:
             raise PayloadError(f"codec: expected {self.codec!r}, got {compressed.codec!r}")
-        shape = tuple(compressed.shape)
-        if any(not isinstance(n, int) or n < 0 for n in shape):
-            raise PayloadError(f"{self.codec} shape: expected non-negative ints, got {shape}")
+        shape = _checked_shape(compressed.shape, self.codec)
         numel = math.prod(shape)
         want = self.wire_bytes(numel)
         if compressed.nbytes != want:
@@ -185,6 +202,19 @@ class Codec:
     ) -> torch.Tensor:
         """Read and validate a payload of the right length; return the 1-D float32 result."""
         raise NotImplementedError
+
+
+def _checked_shape(shape: object, codec: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(operator.index(n) for n in shape)  # type: ignore[attr-defined]
+    except TypeError:
+        dims = ()
+        valid = False
+    else:
+        valid = all(n >= 0 for n in dims)
+    if not valid:
+        raise PayloadError(f"{codec} shape: expected non-negative integers, got {shape!r}")
+    return dims
 
 
 def format_value(value: object) -> str:

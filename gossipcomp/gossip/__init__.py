@@ -6,12 +6,16 @@ from collections.abc import Callable
 from typing import Any
 
 from gossipcomp.gossip.base import GossipAlgorithm, LinkStats, NamedParams, Neighbourhood
+from gossipcomp.gossip.choco import Choco
+from gossipcomp.gossip.def_atc import DEFATC
 from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.powergossip import PowerGossip
 
 ALGORITHMS: dict[str, Callable[..., GossipAlgorithm]] = {
     DPSGD.name: DPSGD,
     PowerGossip.name: PowerGossip,
+    Choco.name: Choco,
+    DEFATC.name: DEFATC,
 }
 
 
@@ -26,6 +30,8 @@ def make_algorithm(name: str, **options: Any) -> GossipAlgorithm:
 
 __all__ = [
     "ALGORITHMS",
+    "DEFATC",
+    "Choco",
     "DPSGD",
     "GossipAlgorithm",
     "LinkStats",

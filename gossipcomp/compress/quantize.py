@@ -1,0 +1,123 @@
+"""Stochastic quantisation to a few levels: QSGD and TernGrad (both unbiased).
+
+Both send a float32 scale c and, per element, a sign and a level l in 0..s; the element decodes
+to sign * l * c / s. The level is s|x|/c rounded down or up at random, up with probability equal
+to the fractional part (l = floor(s|x|/c + u), u uniform in [0, 1)), so E[decoded] = x. The
+uniforms are drawn from ctx.shared_seed(): on the CPU one numpy PCG64 stream per 256Ki-element
+span (u on a 2**-23 grid; see kernels.stochastic_levels), on other devices torch.rand with
+ctx.generator(device). A payload is a deterministic function of (x, ctx, device type).
+
+Wire format (d elements, P = ceil(d / 8), b = ceil(log2(s + 1)) level bits):
+float32 scale, then 1 + b bit-planes of P bytes: the sign plane (set bit: x < 0), then the level
+bits from least to most significant (see bitpack). 4 + (1 + b) P bytes.
+- qsgd:levels=s: c = ||x||_2. E||Q(x) - x||^2 <= min(d / s^2, sqrt(d) / s) ||x||^2.
+- terngrad: c = max |x_i|, s = 1 (values -c, 0, c): 4 + 2P bytes.
+The decoder refuses a non-finite or negative scale and levels above s (so a tensor whose scale
+exceeds float32's range, or holds NaN/Inf, yields a payload every receiver refuses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from gossipcomp.compress import bitpack, kernels
+from gossipcomp.compress.base import CompressionContext, PayloadError
+from gossipcomp.compress.codec import (
+    Codec,
+    PayloadReader,
+    PayloadWriter,
+    as_float32,
+    check_scale,
+)
+
+MAX_LEVELS = 127  # 7 level bits; floor(s|x|/c + 1 + u) is computed in a byte on the CPU
+
+
+@dataclass(frozen=True)
+class _StochasticLevels(Codec):
+    """Shared encode/decode of sign + stochastically rounded level codes under one scale."""
+
+    unbiased: ClassVar[bool] = True
+
+    @property
+    def _levels(self) -> int:
+        raise NotImplementedError
+
+    def _scale(self, flat: torch.Tensor) -> float:
+        raise NotImplementedError
+
+    @property
+    def _level_bits(self) -> int:
+        return bitpack.bits_for(self._levels + 1)
+
+    def wire_bytes(self, numel: int) -> int:
+        return 4 + (1 + self._level_bits) * bitpack.plane_bytes(numel)
+
+    def _encode(self, flat: torch.Tensor, ctx: CompressionContext, out: PayloadWriter) -> None:
+        numel, bits, levels = flat.numel(), self._level_bits, self._levels
+        scale_slot = out.section(torch.float32, 1)
+        planes = out.section(torch.uint8, (1 + bits) * bitpack.plane_bytes(numel))
+        planes = planes.view(1 + bits, -1)
+        scale = as_float32(self._scale(flat))  # the value the receiver will use
+        scale_slot.fill_(scale)
+        if not (scale > 0 and scale < float("inf")):  # zero, or a non-finite input
+            planes.zero_()
+            return
+        seed = ctx.shared_seed() if flat.device.type == "cpu" else ctx.generator(flat.device)
+        kernels.stochastic_levels(flat, levels / scale, levels, seed, planes)
+
+    def _decode(
+        self, payload: PayloadReader, numel: int, ctx: CompressionContext, device: torch.device
+    ) -> torch.Tensor:
+        bits, levels = self._level_bits, self._levels
+        (scale,) = payload.scalars(1)
+        check_scale(scale, self.codec, "scale")
+        plane = bitpack.plane_bytes(numel)
+        packed = payload.section(torch.uint8, (1 + bits) * plane)
+        if not bitpack.padding_is_clear(packed, 1 + bits, numel):
+            raise PayloadError(f"{self.codec} payload bit-planes: expected zero padding bits")
+        values = kernels.expand_plane(
+            packed[:plane], numel, scale / levels, -scale / levels, device
+        )
+        largest = kernels.multiply_levels(values, packed[plane:].view(bits, -1), bits)
+        if largest > levels:
+            raise PayloadError(
+                f"{self.codec} payload levels: expected at most {levels}, got {largest}"
+            )
+        return values
+
+
+@dataclass(frozen=True)
+class QSGD(_StochasticLevels):
+    """QSGD: ||x||_2 * sign(x) * l / s with l stochastically rounded; unbiased."""
+
+    name: ClassVar[str] = "qsgd"
+    levels: int = 16
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.levels <= MAX_LEVELS:
+            raise ValueError(f"qsgd levels must be in 1..{MAX_LEVELS}, got {self.levels}")
+
+    @property
+    def _levels(self) -> int:
+        return self.levels
+
+    def _scale(self, flat: torch.Tensor) -> float:
+        return kernels.l2_norm(flat)
+
+
+@dataclass(frozen=True)
+class TernGrad(_StochasticLevels):
+    """TernGrad: max|x| * sign(x) * Bernoulli(|x| / max|x|); unbiased, 2 bits per element."""
+
+    name: ClassVar[str] = "terngrad"
+
+    @property
+    def _levels(self) -> int:
+        return 1
+
+    def _scale(self, flat: torch.Tensor) -> float:
+        return kernels.abs_max(flat)

@@ -1,0 +1,85 @@
+"""One-bit codecs: a sign bit per element plus one or two float32 scales.
+
+Wire formats (d elements, P = ceil(d / 8) bytes per bit-plane, see bitpack for the bit order;
+a set bit marks x_i < 0, so sign(0) = +1 and -0.0 counts as 0):
+- sign: float32 scale ||x||_1 / d, then the sign plane: 4 + P bytes. Decodes to
+  scale * sign(x); the squared error is exactly ||x||^2 - ||x||_1^2 / d.
+- onebit: float32 mean of the non-negative entries, float32 mean of the negative entries (0 when
+  there are none), then the sign plane: 8 + P bytes. Decodes each entry to the mean of its side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from gossipcomp.compress import bitpack, kernels
+from gossipcomp.compress.base import CompressionContext, PayloadError
+from gossipcomp.compress.codec import (
+    Codec,
+    PayloadReader,
+    PayloadWriter,
+    as_float32,
+    check_scale,
+)
+
+
+def _read_sign_plane(payload: PayloadReader, numel: int, codec: str) -> torch.Tensor:
+    plane = payload.section(torch.uint8, bitpack.plane_bytes(numel))
+    if not bitpack.padding_is_clear(plane, 1, numel):
+        raise PayloadError(f"{codec} payload sign plane: expected zero padding bits, got ones")
+    return plane
+
+
+@dataclass(frozen=True)
+class Sign(Codec):
+    """Scaled sign: ||x||_1 / d * sign(x), 1 bit per element and one float (biased)."""
+
+    name: ClassVar[str] = "sign"
+    unbiased: ClassVar[bool] = False
+
+    def wire_bytes(self, numel: int) -> int:
+        return 4 + bitpack.plane_bytes(numel)
+
+    def _encode(self, flat: torch.Tensor, ctx: CompressionContext, out: PayloadWriter) -> None:
+        scale = out.section(torch.float32, 1)
+        sums = kernels.sign_pass(flat, out.section(torch.uint8, bitpack.plane_bytes(flat.numel())))
+        scale.fill_(as_float32(sums.abs_sum / max(1, flat.numel())))
+
+    def _decode(
+        self, payload: PayloadReader, numel: int, ctx: CompressionContext, device: torch.device
+    ) -> torch.Tensor:
+        (scale,) = payload.scalars(1)
+        check_scale(scale, self.codec, "scale")
+        plane = _read_sign_plane(payload, numel, self.codec)
+        return kernels.expand_plane(plane, numel, scale, -scale, device)
+
+
+@dataclass(frozen=True)
+class OneBit(Codec):
+    """Two means: each entry becomes the mean of the non-negative or of the negative entries."""
+
+    name: ClassVar[str] = "onebit"
+    unbiased: ClassVar[bool] = False
+
+    def wire_bytes(self, numel: int) -> int:
+        return 8 + bitpack.plane_bytes(numel)
+
+    def _encode(self, flat: torch.Tensor, ctx: CompressionContext, out: PayloadWriter) -> None:
+        means = out.section(torch.float32, 2)
+        numel = flat.numel()
+        sums = kernels.sign_pass(flat, out.section(torch.uint8, bitpack.plane_bytes(numel)))
+        positives = numel - sums.negatives  # zeros count here: they add nothing to the sum
+        means[0] = as_float32(sums.positive_sum / positives if positives else 0.0)
+        means[1] = as_float32(sums.negative_sum / sums.negatives if sums.negatives else 0.0)
+
+    def _decode(
+        self, payload: PayloadReader, numel: int, ctx: CompressionContext, device: torch.device
+    ) -> torch.Tensor:
+        positive, negative = payload.scalars(2)
+        check_scale(positive, self.codec, "mean of the non-negative entries")
+        check_scale(-negative, self.codec, "negated mean of the negative entries")
+        plane = _read_sign_plane(payload, numel, self.codec)
+        return kernels.expand_plane(plane, numel, positive, negative, device)

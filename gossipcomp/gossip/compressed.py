@@ -1,0 +1,66 @@
+"""Compressed tensors in envelopes: specs, wire conversion, and decoding a neighbour's payload.
+
+Shared by the algorithms that broadcast one compressed payload per round (Choco-SGD, DEF-ATC):
+each parameter travels as one WireTensor whose codec and byte count the receiver knows in advance
+from the compressor, so the transport checks them before anything is decompressed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gossipcomp.compress.base import Compressed, CompressionContext, Compressor
+from gossipcomp.gossip.base import NamedParams
+from gossipcomp.transport.base import Envelope, PayloadSpec, TensorSpec, WireTensor
+
+BROADCAST = -1  # CompressionContext.receiver when one payload goes to every neighbour
+
+
+def compressed_spec(params: NamedParams, compressor: Compressor) -> PayloadSpec:
+    """What a neighbour's payload must hold: every parameter compressed by `compressor`."""
+    return tuple(
+        TensorSpec(
+            name=name,
+            dtype="float32",
+            shape=tuple(p.shape),
+            codec=compressor.codec,
+            nbytes=compressor.wire_bytes(p.numel()),
+            require_finite=False,  # checked by decompress, which knows the codec's layout
+        )
+        for name, p in params
+    )
+
+
+def to_wire(name: str, compressed: Compressed) -> WireTensor:
+    return WireTensor(name, "float32", compressed.shape, compressed.codec, compressed.data)
+
+
+def from_wire(wire: WireTensor) -> Compressed:
+    return Compressed(codec=wire.codec, shape=tuple(wire.shape), data=wire.data)
+
+
+class BroadcastCodec:
+    """Compresses a peer's tensors for all neighbours at once and decodes what neighbours sent."""
+
+    def __init__(self, compressor: Compressor, seed: int, rank: int) -> None:
+        self.compressor = compressor
+        self.seed = seed
+        self.rank = rank
+
+    def context(self, sender: int, round: int, index: int) -> CompressionContext:
+        return CompressionContext(self.seed, sender, BROADCAST, round, index)
+
+    def compress(self, tensor: torch.Tensor, round: int, index: int) -> Compressed:
+        return self.compressor.compress(tensor, self.context(self.rank, round, index))
+
+    def decompress_own(
+        self, compressed: Compressed, round: int, index: int, like: torch.Tensor
+    ) -> torch.Tensor:
+        """What every neighbour decodes from this peer's payload, bit for bit."""
+        ctx = self.context(self.rank, round, index)
+        return self.compressor.decompress(compressed, ctx, like.device).to(like.dtype)
+
+    def decompress_from(self, envelope: Envelope, index: int, like: torch.Tensor) -> torch.Tensor:
+        ctx = self.context(envelope.sender, envelope.round, index)
+        decoded = self.compressor.decompress(from_wire(envelope.tensors[index]), ctx, like.device)
+        return decoded.to(like.dtype)

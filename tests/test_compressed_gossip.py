@@ -1,0 +1,111 @@
+"""Choco-SGD and DEF-ATC: average preservation, DEF-ATC = D-PSGD exactly, consensus."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import build_network, consensus_distance, gossip_round, stacked
+from torch import nn
+
+from gossipcomp.compress import parse_spec
+from gossipcomp.gossip import DEFATC, DPSGD, Choco
+from gossipcomp.gossip.choco import default_consensus_step
+from gossipcomp.gossip.def_atc import default_def_steps
+from gossipcomp.topology import load_topology
+
+
+def _models(n: int, seed: int = 0) -> list[nn.Module]:
+    out = []
+    for r in range(n):
+        torch.manual_seed(seed * 1000 + r)
+        out.append(nn.Sequential(nn.Linear(9, 6), nn.Linear(6, 3)))
+    return out
+
+
+@pytest.mark.parametrize("topology_file", ["ring8", "torus16"])
+@pytest.mark.parametrize("spec", ["sign", "topk:ratio=0.2", "qsgd:levels=4", "randomk:ratio=0.3"])
+def test_choco_preserves_the_network_sum(topology_file, spec):
+    topology = load_topology(f"topologies/{topology_file}.yaml")
+    peers = build_network(topology, _models(topology.n), lambda: Choco(parse_spec(spec), seed=3))
+    before = [x.sum(0) for x in stacked(peers)]
+    d0 = consensus_distance(peers)
+    for _ in range(15):
+        gossip_round(peers)
+    for b, x in zip(before, stacked(peers), strict=True):
+        assert torch.allclose(x.sum(0), b, atol=1e-4), (x.sum(0) - b).abs().max()
+    assert consensus_distance(peers) < d0
+
+
+def test_choco_public_copies_agree_across_peers():
+    """Every neighbour tracks xh_j exactly: s_i equals sum_j w_ij xh_j computed from the copies."""
+    topology = load_topology("topologies/ring8.yaml")
+    peers = build_network(topology, _models(8), lambda: Choco(parse_spec("sign")))
+    for _ in range(5):
+        gossip_round(peers)
+    for peer in peers:
+        algo = peer.algorithm
+        for i in range(len(algo.public)):
+            expected = topology.self_weight(peer.rank) * algo.public[i]
+            for j, w in topology.neighbor_weights(peer.rank).items():
+                expected = expected + w * peers[j].algorithm.public[i]
+            assert torch.allclose(algo.mixed_public[i], expected, atol=1e-5)
+
+
+def _identical(n: int) -> list[nn.Module]:
+    """DEF-ATC's references start at the initial model, which must be the same on every peer."""
+    first = _models(1)[0]
+    return [copy.deepcopy(first) for _ in range(n)]
+
+
+def _adapt(peers, seed: int, scale: float = 1.0) -> None:
+    """A stand-in for the local step: a different perturbation on every peer."""
+    with torch.no_grad():
+        for peer in peers:
+            g = torch.Generator().manual_seed(seed * 100 + peer.rank)
+            for p in peer.model.parameters():
+                p.add_(torch.randn(p.shape, generator=g), alpha=scale)
+
+
+def test_def_atc_with_identity_and_unit_steps_equals_dpsgd_exactly():
+    topology = load_topology("topologies/ring8.yaml")
+    models = _identical(8)
+    twins = [copy.deepcopy(m) for m in models]
+    def_peers = build_network(
+        topology, models, lambda: DEFATC(parse_spec("identity"), zeta=1.0, gamma=1.0)
+    )
+    dpsgd_peers = build_network(topology, twins, lambda: DPSGD(consensus_step=1.0))
+    for round_ in range(4):
+        _adapt(def_peers, round_)  # the same adapt step on both networks
+        _adapt(dpsgd_peers, round_)
+        gossip_round(def_peers)
+        gossip_round(dpsgd_peers)
+        for x, y in zip(stacked(def_peers), stacked(dpsgd_peers), strict=True):
+            assert torch.allclose(x, y, atol=1e-6, rtol=0), (x - y).abs().max()
+
+
+def test_def_atc_with_sign_reaches_consensus_and_keeps_the_average():
+    topology = load_topology("topologies/ring8.yaml")
+    peers = build_network(topology, _identical(8), lambda: DEFATC(parse_spec("sign")))
+    _adapt(peers, seed=7)  # peers now disagree; their references still hold the initial model
+    mean0 = [x.mean(0) for x in stacked(peers)]
+    d0 = consensus_distance(peers)
+    for _ in range(150):
+        gossip_round(peers)
+    assert consensus_distance(peers) < 0.05 * d0
+    for m0, x in zip(mean0, stacked(peers), strict=True):
+        assert torch.allclose(x.mean(0), m0, atol=0.05 * float(m0.abs().max()) + 1e-3)
+
+
+def test_default_steps_and_bad_options():
+    assert default_consensus_step(parse_spec("sign")) == 0.45
+    assert default_consensus_step(parse_spec("topk:ratio=0.01")) == pytest.approx(0.1)
+    assert default_consensus_step(parse_spec("topk:ratio=0.5")) == 0.45
+    assert default_def_steps(parse_spec("topk:ratio=0.01")) == (0.5, 0.2)
+    assert default_def_steps(parse_spec("sign")) == (1.0, 1.0)
+    assert default_consensus_step(parse_spec("ef+sign")) == 0.45
+    with pytest.raises(ValueError, match="consensus_step must lie in"):
+        Choco(parse_spec("sign"), consensus_step=1.5)
+    with pytest.raises(ValueError, match="zeta must lie in"):
+        DEFATC(parse_spec("sign"), zeta=0.0)
