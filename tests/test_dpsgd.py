@@ -118,7 +118,7 @@ def test_peer_rejects_mismatched_rank_and_unknown_algorithm():
     transport = InMemoryTransport(Identity(2, topology.hash, model_signature(model)), [1, 3], hub)
     with pytest.raises(ValueError, match="transport is for rank 2"):
         Peer(model, topology, 0, DPSGD(), transport)
-    with pytest.raises(ValueError, match="unknown algorithm 'nope'; known: \\['dpsgd'"):
+    with pytest.raises(ValueError, match="unknown algorithm 'nope'; known: .*'powergossip'"):
         make_algorithm("nope")
     with pytest.raises(ValueError, match="consensus_step"):
         DPSGD(consensus_step=2.5)
