@@ -77,6 +77,8 @@ class Peer:
         self.round_timeout = round_timeout
         self.round = 0
         self._params: NamedParams = [(n, p) for n, p in model.named_parameters()]
+        self._weights = topology.neighbor_weights(rank)
+        self._self_weight = topology.self_weight(rank)
         self._links = LinkStats()
         self._compute_seconds = 0.0
         self._comm_seconds = 0.0
@@ -125,20 +127,24 @@ class Peer:
         self.transport.connect({j: book[j] for j in self.topology.neighbors(self.rank)}, timeout)
         self._last_mark = time.perf_counter()
 
+    def _neighbourhood(self, links: LinkStats) -> Neighbourhood:
+        """This peer's view of the network for the current round."""
+        return Neighbourhood(
+            rank=self.rank,
+            round=self.round,
+            weights=self._weights,
+            self_weight=self._self_weight,
+            transport=self.transport,
+            timeout=self.round_timeout,
+            links=links,
+        )
+
     def gossip(self) -> None:
         """Run one gossip round of the algorithm on the model's parameters (in place)."""
         now = time.perf_counter()
         if self._last_mark is not None:
             self._compute_seconds += now - self._last_mark
-        hood = Neighbourhood(
-            rank=self.rank,
-            round=self.round,
-            weights=self.topology.neighbor_weights(self.rank),
-            self_weight=self.topology.self_weight(self.rank),
-            transport=self.transport,
-            timeout=self.round_timeout,
-            links=self._links,
-        )
+        hood = self._neighbourhood(self._links)
         self.algorithm.step(self._params, hood)
         self.round += 1
         self._comm_seconds += hood.comm_seconds
@@ -160,16 +166,7 @@ class Peer:
         rounds = self.averaging_rounds() if rounds is None else rounds
         copies = [(name, p.detach().clone()) for name, p in self._params]
         for _ in range(rounds):
-            hood = Neighbourhood(
-                rank=self.rank,
-                round=self.round,
-                weights=self.topology.neighbor_weights(self.rank),
-                self_weight=self.topology.self_weight(self.rank),
-                transport=self.transport,
-                timeout=self.round_timeout,
-                links=LinkStats(),
-            )
-            self._averager.step(copies, hood)
+            self._averager.step(copies, self._neighbourhood(LinkStats()))
             self.round += 1
         return [p for _, p in copies]
 
