@@ -41,6 +41,10 @@ def variants(rounds: int, seed: int) -> list[Variant]:
             Variant(f"PowerGossip r{r}", replace(base, algorithm="powergossip", rank=r))
             for r in (1, 2, 4)
         ),
+        Variant(
+            "PowerGossip r2 x4 steps",
+            replace(base, algorithm="powergossip", rank=2, gossip_steps=4),
+        ),
         Variant("Choco top-1%", replace(base, algorithm="choco", compressor="topk:ratio=0.01")),
         Variant("Choco sign", replace(base, algorithm="choco", compressor="sign")),
         Variant("DEF-ATC sign", replace(base, algorithm="def", compressor="sign")),
@@ -64,7 +68,7 @@ def run_one(variant: Variant, partition: str, topology) -> dict:
         "algorithm": config.algorithm,
         "compressor": config.compressor,
         "rank": config.rank if config.algorithm == "powergossip" else None,
-        "power_steps": config.power_steps if config.algorithm == "powergossip" else None,
+        "gossip_steps": config.gossip_steps,
         "consensus_step": config.consensus_step,
         "zeta": config.zeta if config.algorithm == "def" else None,
         "gamma": config.gamma if config.algorithm == "def" else None,

@@ -106,7 +106,12 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         help="def: mixing weight of the combine step (default: per compressor)",
     )
     g.add_argument(
-        "--power-steps", type=int, default=d.power_steps, help="powergossip: power steps per round"
+        "--gossip-steps",
+        "--power-steps",
+        dest="gossip_steps",
+        type=int,
+        default=d.gossip_steps,
+        help="powergossip, choco: exchanges per round (PowerGossip's power steps)",
     )
     g.add_argument(
         "--eval-every", type=int, default=d.eval_every, help="rounds between accuracy checkpoints"
@@ -132,7 +137,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         consensus_step=args.consensus_step,
         rank=args.low_rank,
-        power_steps=args.power_steps,
+        gossip_steps=args.gossip_steps,
         compressor=args.compressor,
         zeta=args.zeta,
         gamma=args.gamma,

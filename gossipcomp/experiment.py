@@ -43,7 +43,7 @@ class TrainConfig:
     consensus_step: float | str | None = None  # gossip step; "auto"; None: the algorithm's default
     compressor: str | None = None  # compressor spec for choco and def, e.g. "topk:ratio=0.01"
     rank: int = 1  # powergossip: rank of the power iteration
-    power_steps: int = 1  # powergossip: power-iteration steps (exchanges) per round
+    gossip_steps: int = 1  # exchanges per round: powergossip's power steps, choco's steps
     zeta: float | None = None  # def: damping of the differential update (None: per compressor)
     gamma: float | None = None  # def: mixing weight of the combine step (None: per compressor)
     eval_every: int = 50  # rounds between test-accuracy checkpoints (0: only at the end)
@@ -78,7 +78,7 @@ def build_algorithm(config: TrainConfig, topology: Topology) -> GossipAlgorithm:
     if config.algorithm == "powergossip":
         return PowerGossip(
             rank=config.rank,
-            power_steps=config.power_steps,
+            power_steps=config.gossip_steps,
             consensus_step=_spectral_step(step, topology),
             seed=config.seed,
         )
@@ -89,7 +89,9 @@ def build_algorithm(config: TrainConfig, topology: Topology) -> GossipAlgorithm:
         if config.algorithm == "choco":
             # "auto" and None both mean the compressor's documented default for choco
             given = None if step in (None, "auto") else float(step)
-            return Choco(compressor, consensus_step=given, seed=config.seed)
+            return Choco(
+                compressor, consensus_step=given, seed=config.seed, steps=config.gossip_steps
+            )
         return DEFATC(compressor, zeta=config.zeta, gamma=config.gamma, seed=config.seed)
     raise ValueError(f"unknown algorithm {config.algorithm!r}; known: {sorted(ALGORITHMS)}")
 

@@ -38,6 +38,24 @@ def test_choco_preserves_the_network_sum(topology_file, spec):
     assert consensus_distance(peers) < d0
 
 
+def test_choco_with_several_steps_per_round_keeps_the_sum_and_converges_faster():
+    topology = load_topology("topologies/ring8.yaml")
+    distances = {}
+    for steps in (1, 3):
+        peers = build_network(
+            topology, _models(8), lambda s=steps: Choco(parse_spec("sign"), steps=s)
+        )
+        before = [x.sum(0) for x in stacked(peers)]
+        d0 = consensus_distance(peers)
+        for _ in range(5):
+            gossip_round(peers)
+        for b, x in zip(before, stacked(peers), strict=True):
+            assert torch.allclose(x.sum(0), b, atol=1e-4)
+        distances[steps] = consensus_distance(peers) / d0
+        assert set(peers[0].stats.bytes_sent) == {1, 7}
+    assert distances[3] < 0.5 * distances[1]
+
+
 def test_choco_public_copies_agree_across_peers():
     """Every neighbour tracks xh_j exactly: s_i equals sum_j w_ij xh_j computed from the copies."""
     topology = load_topology("topologies/ring8.yaml")

@@ -74,17 +74,30 @@ def default_consensus_step(compressor: Compressor) -> float:
 
 
 class Choco:
-    """Choco-SGD's gossip step with any compressor."""
+    """Choco-SGD's gossip step with any compressor, `steps` times per round.
+
+    Each step compresses x - xh afresh and exchanges it (phase "choco{s}"): more steps buy faster
+    consensus with more bytes, which pays when peers' data differ (docs/benchmarks.md).
+    """
 
     name = "choco"
 
-    def __init__(self, compressor: Compressor, consensus_step: float | None = None, seed: int = 0):
+    def __init__(
+        self,
+        compressor: Compressor,
+        consensus_step: float | None = None,
+        seed: int = 0,
+        steps: int = 1,
+    ):
         step = default_consensus_step(compressor) if consensus_step is None else consensus_step
         if not 0.0 < step <= 1.0:
             raise ValueError(f"consensus_step must lie in (0, 1] for choco, got {step}")
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
         self.compressor = compressor
         self.consensus_step = step
         self.seed = seed
+        self.steps = steps
         self._codec: BroadcastCodec | None = None
         self._scales: list[float] = []  # 1 / (1 + beta) per tensor
         self.public: list[torch.Tensor] = []  # xh_i
@@ -97,28 +110,33 @@ class Choco:
         self._scales = [1.0 / (1.0 + variance_bound(self.compressor, p.numel())) for _, p in params]
         self.public = [torch.zeros_like(p, dtype=torch.float32) for _, p in params]
         self.mixed_public = [torch.zeros_like(p, dtype=torch.float32) for _, p in params]
-        return {PHASE: compressed_spec(params, self.compressor)}
+        spec = compressed_spec(params, self.compressor)
+        return {f"{PHASE}{s}": spec for s in range(self.steps)}
 
     def step(self, params: NamedParams, hood: Neighbourhood) -> None:
+        for s in range(self.steps):
+            self._consensus_step(params, hood, s)
+
+    def _consensus_step(self, params: NamedParams, hood: Neighbourhood, s: int) -> None:
         codec = self._codec
         if codec is None:
             raise RuntimeError("Choco.step before setup")
+        key = hood.round * self.steps + s  # distinct compression randomness for every step
         with torch.no_grad():
             sent = [
-                codec.compress(p.float() - self.public[i], hood.round, i)
+                codec.compress(p.float() - self.public[i], key, i)
                 for i, (_, p) in enumerate(params)
             ]
-            result = hood.exchange(
-                PHASE, tuple(to_wire(n, c) for (n, _), c in zip(params, sent, strict=True))
-            )
+            payload = tuple(to_wire(n, c) for (n, _), c in zip(params, sent, strict=True))
+            result = hood.exchange(f"{PHASE}{s}", payload)
             # neighbours that failed this round are left out of s_i (their weight stays unused)
             for i, (_, p) in enumerate(params):
                 scale = self._scales[i]
-                own = codec.decompress_own(sent[i], hood.round, i, self.public[i])
+                own = codec.decompress_own(sent[i], key, i, self.public[i])
                 self.public[i].add_(own, alpha=scale)
                 self.mixed_public[i].add_(own, alpha=scale * hood.self_weight)
                 for j, envelope in result.received.items():
-                    theirs = codec.decompress_from(envelope, i, self.public[i])
+                    theirs = codec.decompress_from(envelope, i, self.public[i], key)
                     self.mixed_public[i].add_(theirs, alpha=scale * hood.weights[j])
                 p.add_(
                     (self.mixed_public[i] - self.public[i]).to(p.dtype), alpha=self.consensus_step

@@ -60,7 +60,10 @@ class BroadcastCodec:
         ctx = self.context(self.rank, round, index)
         return self.compressor.decompress(compressed, ctx, like.device).to(like.dtype)
 
-    def decompress_from(self, envelope: Envelope, index: int, like: torch.Tensor) -> torch.Tensor:
-        ctx = self.context(envelope.sender, envelope.round, index)
+    def decompress_from(
+        self, envelope: Envelope, index: int, like: torch.Tensor, key: int | None = None
+    ) -> torch.Tensor:
+        """Decode a neighbour's tensor; `key` is the compression round key (default: its round)."""
+        ctx = self.context(envelope.sender, envelope.round if key is None else key, index)
         decoded = self.compressor.decompress(from_wire(envelope.tensors[index]), ctx, like.device)
         return decoded.to(like.dtype)
