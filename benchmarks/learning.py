@@ -47,6 +47,10 @@ def variants(rounds: int, seed: int) -> list[Variant]:
         ),
         Variant("Choco top-1%", replace(base, algorithm="choco", compressor="topk:ratio=0.01")),
         Variant("Choco sign", replace(base, algorithm="choco", compressor="sign")),
+        Variant(
+            "Choco sign x4 steps g0.7",
+            replace(base, algorithm="choco", compressor="sign", gossip_steps=4, consensus_step=0.7),
+        ),
         Variant("DEF-ATC sign", replace(base, algorithm="def", compressor="sign")),
         Variant("DEF-ATC top-1%", replace(base, algorithm="def", compressor="topk:ratio=0.01")),
     ]
@@ -113,6 +117,28 @@ def table(runs: list[dict]) -> Table:
             "-" if to_target is None else f"{to_target / 1e6:.1f}",
         )
     return t
+
+
+def markdown(runs: list[dict]) -> str:
+    """The results as a Markdown table, gaps and byte ratios against D-PSGD of the same partition."""
+    lines = [
+        "| partition | run | final accuracy | vs D-PSGD | MB sent | bytes vs D-PSGD | MB to 0.90 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        reference = next(
+            r for r in runs if r["partition"] == run["partition"] and r["algorithm"] == "dpsgd"
+        )
+        to_target = run["bytes_to_0_90"]
+        lines.append(
+            f"| {run['partition']} | {run['label']} | {run['final_test_accuracy']:.4f} | "
+            f"{100 * (run['final_test_accuracy'] - reference['final_test_accuracy']):+.1f} pt | "
+            f"{run['bytes_sent_total'] / 1e6:.1f} | "
+            f"1/{reference['bytes_sent_total'] / run['bytes_sent_total']:.1f} | "
+            + ("never" if to_target is None else f"{to_target / 1e6:.1f}")
+            + " |"
+        )
+    return "\n".join(lines)
 
 
 def plot(runs: list[dict], path: Path) -> None:
