@@ -269,3 +269,40 @@ def test_single_chunk_push_one_is_validated_like_a_stream(grpc_pair):
     ra, _ = _exchange_both(a, b, 0, "p", good, good)
     assert not ra.failed
     assert ra.bytes_sent[1] == sum(len(c) for c in envelope_chunks(Envelope(0, 0, "p", good)))
+
+
+def test_wrong_shape_is_refused_and_the_receivers_model_is_bitwise_unchanged():
+    """A neighbour sends a wrong-shape model: refused, the peer's round leaves it out, the model is
+    bit for bit what it was; the same channel then delivers a valid envelope that is applied."""
+    from gossipcomp.gossip import DPSGD
+    from gossipcomp.models import build_mlp, model_signature
+    from gossipcomp.peer import Peer
+    from gossipcomp.topology import build_topology
+
+    topology = build_topology("ring", n=2)
+    model = build_mlp(0, hidden=(8,))
+    peer = Peer.over_grpc(model, topology, 1, DPSGD(), bind="127.0.0.1:0", round_timeout=0.5)
+    sender = GrpcTransport(Identity(0, topology.hash, model_signature(model)), [1])
+    try:
+        sender.expect("model", tuple(tensor_spec(n, p) for n, p in model.named_parameters()))
+        sender.connect({1: peer.address}, timeout=10)
+        peer.start(timeout=10, addresses={0: sender.address})
+        before = [p.detach().clone() for p in model.parameters()]
+        bad = tuple(
+            encode_raw(n, torch.zeros(p.shape[::-1]) if p.ndim == 2 else p.detach())
+            for n, p in model.named_parameters()
+        )
+        error = _refused(sender, Envelope(0, 0, "model", bad))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "shape" in error.details()
+        peer.gossip()  # round 0: the neighbour's envelope never arrived, so it is left out
+        assert peer.stats.failed_exchanges == {0: 1}
+        for p, b in zip(model.parameters(), before, strict=True):
+            assert torch.equal(p.detach(), b)
+        good = tuple(encode_raw(n, torch.ones_like(p)) for n, p in model.named_parameters())
+        sender.send(1, Envelope(0, 1, "model", good), time.monotonic() + 5)
+        peer.gossip()  # round 1: applied, x <- x + 1/2 (1 - x)
+        for p, b in zip(model.parameters(), before, strict=True):
+            assert torch.allclose(p.detach(), b + 0.5 * (1 - b), atol=1e-6)
+    finally:
+        sender.close()
+        peer.close()
