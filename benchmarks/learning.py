@@ -178,7 +178,16 @@ def main() -> None:
     parser.add_argument(
         "--only", nargs="*", help="run only variants whose label contains one of these"
     )
+    parser.add_argument(
+        "--render", type=Path, help="no runs: print the Markdown table (and --plot) of this JSON"
+    )
     args = parser.parse_args()
+    if args.render:
+        runs = json.loads(args.render.read_text())["runs"]
+        print(markdown(runs))
+        if args.plot:
+            plot(runs, args.plot)
+        return
     torch.set_num_threads(1)
     topology = load_topology(ROOT / "topologies" / "ring8.yaml")
     chosen = [
