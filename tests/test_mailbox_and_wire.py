@@ -9,7 +9,7 @@ import torch
 from conftest import run_in_threads
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
-from gossipcomp.transport.base import Envelope, EnvelopeRejected, Identity, RejectCode
+from gossipcomp.transport.base import Envelope, EnvelopeRejected, Identity, RejectCode, TensorSpec
 from gossipcomp.transport.codec import decode_raw, encode_raw, tensor_spec
 from gossipcomp.transport.mailbox import Mailbox
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
@@ -19,6 +19,13 @@ from gossipcomp.transport.wire import (
     header_of,
     read_envelope,
 )
+
+
+def _declared(header) -> tuple[TensorSpec, ...]:
+    """Accept whatever the header declares, checking values for NaN/Inf."""
+    return tuple(
+        TensorSpec(t.name, t.dtype, tuple(t.shape), t.codec, t.nbytes) for t in header.tensors
+    )
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 1 << 20])
@@ -32,10 +39,10 @@ def test_chunks_reassemble_exactly_across_tensor_boundaries(chunk_bytes):
     assert all(len(p.data) <= chunk_bytes for p in parsed)
     assert parsed[0].HasField("header") and not any(p.HasField("header") for p in parsed[1:])
     assert parsed[0].header == header_of(envelope)
-    back, _, wire_bytes = read_envelope(chunks, lambda header: ())
+    back, _, wire_bytes = read_envelope(chunks, _declared)
     assert wire_bytes == sum(len(c) for c in chunks) == envelope_wire_bytes(envelope, chunk_bytes)
     # a sender using protobuf objects (any gRPC client) is read the same way
-    assert read_envelope([p.SerializeToString() for p in parsed], lambda h: ())[0] == back
+    assert read_envelope([p.SerializeToString() for p in parsed], _declared)[0] == back
     assert (back.sender, back.round, back.phase, back.schedule_epoch) == (3, 9, "x", 2)
     for i, t in enumerate(tensors):
         assert torch.equal(decode_raw(back.tensor(f"t{i}")), t)
@@ -45,15 +52,15 @@ def test_stream_with_missing_or_extra_bytes_is_refused():
     envelope = Envelope(0, 0, "x", (encode_raw("t", torch.ones(100)),))
     chunks = list(envelope_chunks(envelope, 64))
     with pytest.raises(EnvelopeRejected, match="declared 400, received 384"):
-        read_envelope(chunks[:-1], lambda header: ())
+        read_envelope(chunks[:-1], _declared)
     with pytest.raises(EnvelopeRejected, match="received more"):
-        read_envelope([*chunks, pb.EnvelopeChunk(data=b"x").SerializeToString()], lambda h: ())
+        read_envelope([*chunks, pb.EnvelopeChunk(data=b"x").SerializeToString()], _declared)
     with pytest.raises(EnvelopeRejected, match="header"):
-        read_envelope(chunks[1:], lambda header: ())
+        read_envelope(chunks[1:], _declared)
     with pytest.raises(EnvelopeRejected, match="expected an EnvelopeChunk"):
-        read_envelope([b"\x12\xff\xff\xff"], lambda header: ())
+        read_envelope([b"\x12\xff\xff\xff"], _declared)
     with pytest.raises(EnvelopeRejected, match="header: expected only in the first chunk"):
-        read_envelope([chunks[0], chunks[0]], lambda header: ())
+        read_envelope([chunks[0], chunks[0]], _declared)
 
 
 def test_mailbox_refuses_late_duplicate_and_far_future():
@@ -93,3 +100,27 @@ def test_in_memory_transport_validates_and_counts_like_grpc():
     bad = (encode_raw("w", torch.zeros(4)),)
     result = a.exchange(1, "p", {1: bad}, 0.2)
     assert "shape" in result.failed[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_nan_is_refused_while_streaming_without_reading_the_rest(dtype):
+    values = torch.ones(1000, dtype=dtype)
+    values[300] = float("nan")
+    envelope = Envelope(0, 0, "x", (encode_raw("t", torch.ones(10)), encode_raw("u", values)))
+    chunks = list(envelope_chunks(envelope, 256))
+    consumed = []
+
+    def feed():
+        for chunk in chunks:
+            consumed.append(chunk)
+            yield chunk
+
+    with pytest.raises(EnvelopeRejected, match="tensor 'u' values: expected finite"):
+        read_envelope(feed(), _declared)
+    assert len(consumed) < len(chunks) / 2
+    # a huge but finite tensor whose sum overflows is still accepted (element-wise fallback)
+    big = torch.full((100,), 3e38)
+    back, _, _ = read_envelope(
+        envelope_chunks(Envelope(0, 0, "x", (encode_raw("b", big),)), 64), _declared
+    )
+    assert torch.equal(decode_raw(back.tensor("b")), big)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Mapping
 
+import numpy
 import torch
 
 from gossipcomp.transport.base import (
@@ -152,6 +153,59 @@ def all_finite(values: torch.Tensor) -> bool:
     if bool(torch.isfinite(values.sum())):
         return True
     return bool(torch.isfinite(values).all())
+
+
+_NUMPY_FLOATS = {"float32": numpy.float32, "float64": numpy.float64, "float16": numpy.float16}
+
+
+class FiniteScanner:
+    """Checks raw float tensors for NaN/Inf while an envelope's bytes are still arriving.
+
+    `scan(buffer, filled)` looks at the complete elements that arrived since the last call, so
+    the check overlaps the transfer instead of following it, and a NaN refuses the envelope
+    without reading the rest. Same rule as all_finite: a finite sum decides, an overflowing one
+    falls back to the element-wise check.
+    """
+
+    def __init__(self, tensors: Iterable[TensorSpec], spec: PayloadSpec) -> None:
+        self._regions: list[list] = []  # [name, dtype, start, end, checked up to]
+        offset = 0
+        for declared, want in zip(tensors, spec, strict=True):
+            if want.require_finite and want.codec == RAW_CODEC and want.dtype in _FLOAT_NAMES:
+                self._regions.append([want.name, want.dtype, offset, offset + want.nbytes, offset])
+            offset += declared.nbytes
+
+    def scan(self, buffer: memoryview, filled: int) -> None:
+        for region in self._regions:
+            name, dtype, start, end, checked = region
+            if checked >= end or checked >= filled:
+                continue
+            size = DTYPES[dtype].itemsize
+            upto = min(end, filled)
+            upto -= (upto - start) % size  # whole elements only
+            if upto <= checked:
+                continue
+            if not _segment_finite(buffer[checked:upto], dtype):
+                raise EnvelopeRejected(
+                    RejectCode.INVALID_ARGUMENT,
+                    f"tensor {name!r} values: expected finite, got NaN/Inf",
+                )
+            region[4] = upto
+
+
+_FLOAT_NAMES = {"float32", "float64", "float16", "bfloat16"}
+
+
+def _segment_finite(data: memoryview, dtype: str) -> bool:
+    if dtype in _NUMPY_FLOATS:
+        values = numpy.frombuffer(data, dtype=_NUMPY_FLOATS[dtype])
+        with numpy.errstate(over="ignore", invalid="ignore"):
+            if numpy.isfinite(
+                values.sum(dtype=numpy.float64 if dtype == "float64" else numpy.float32)
+            ):
+                return True
+        return bool(numpy.isfinite(values).all())
+    return all_finite(torch.frombuffer(bytearray(data), dtype=DTYPES[dtype]))
 
 
 def check_finite(tensors: Iterable[WireTensor], spec: PayloadSpec) -> None:

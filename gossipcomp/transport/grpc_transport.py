@@ -100,7 +100,7 @@ class _GossipService(pb_grpc.GossipServicer):
     def _deliver(self, chunks: Iterable[bytes], context: grpc.ServicerContext) -> pb.PushReply:
         try:
             envelope, spec, wire_bytes = read_envelope(chunks, self._inbox.check_header)
-            self._inbox.accept(envelope, spec, wire_bytes)
+            self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
         except EnvelopeRejected as rejected:
             context.abort(_STATUS[rejected.code.value], str(rejected))
         return pb.PushReply(received_bytes=wire_bytes)

@@ -23,6 +23,7 @@ from gossipcomp.transport.base import (
     RejectCode,
     WireTensor,
 )
+from gossipcomp.transport.codec import FiniteScanner
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 _HEADER_TAG = b"\x0a"  # EnvelopeChunk field 1 (header), length-delimited
@@ -137,9 +138,9 @@ def read_envelope(
 ) -> tuple[Envelope, PayloadSpec, int]:
     """Assemble an envelope from serialised chunks, validating the header before any data.
 
-    Returns the envelope, the spec it was checked against, and the serialised bytes read.
-    Raises EnvelopeRejected for a missing or repeated header and for a byte count that does not
-    match what the header declared.
+    Raw float tensors are checked for NaN/Inf as their bytes arrive. Returns the envelope, the
+    spec it was checked against, and the serialised bytes read. Raises EnvelopeRejected for a
+    missing or repeated header, a byte count other than the header declared, or NaN/Inf.
     """
     iterator = iter(chunks)
     first = next(iterator, None)
@@ -147,6 +148,7 @@ def read_envelope(
     if header is None:
         raise EnvelopeRejected(RejectCode.INVALID_ARGUMENT, "header: expected in the first chunk")
     spec = check_header(header)
+    scanner = FiniteScanner(header.tensors, spec)
     total = sum(t.nbytes for t in header.tensors)
     buffer = memoryview(numpy.empty(total, dtype=numpy.uint8))  # no memset: every byte is written
     wire_bytes = len(first)
@@ -159,6 +161,7 @@ def read_envelope(
             )
         buffer[filled : filled + len(data)] = data
         filled += len(data)
+        scanner.scan(buffer, filled)
         raw = next(iterator, None)
         if raw is None:
             break
