@@ -229,12 +229,15 @@ def test_duplicate_and_late_envelopes_are_refused(grpc_pair):
 
 
 def test_missing_neighbour_fails_the_exchange_within_its_deadline(grpc_pair):
-    a, _ = grpc_pair()
-    a.expect("p", (tensor_spec("w", torch.zeros(2)),))
-    start = time.monotonic()
+    a, b = grpc_pair()
+    for t in (a, b):
+        t.expect("p", (tensor_spec("w", torch.zeros(2)),))
+    start = time.monotonic()  # b accepts a's envelope but never sends its own
     result = a.exchange(0, "p", {1: (encode_raw("w", torch.zeros(2)),)}, timeout=0.5)
     assert time.monotonic() - start < 1.5
     assert set(result.failed) == {1} and not result.received
+    assert result.failed[1] == "no envelope for round 0 phase 'p' in 0.5 s"
+    assert result.bytes_sent[1] > 0
 
 
 def test_health_service_reports_serving(grpc_pair):

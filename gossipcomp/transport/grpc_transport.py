@@ -281,18 +281,16 @@ class GrpcTransport:
         for j, payload in outgoing.items():
             chunks = chunked[id(payload)]
             if len(chunks) == 1:  # one unary call, issued asynchronously: no thread per push
-                timeout = max(0.001, deadline - time.monotonic())
-                pushes[j] = self._push_ones[j].future(chunks[0], timeout=timeout)
+                remaining = max(0.001, deadline - time.monotonic())
+                pushes[j] = self._push_ones[j].future(chunks[0], timeout=remaining)
             else:
                 pushes[j] = self._pool.submit(self._send_chunks, j, chunks, deadline)
         arrived = self._inbox.mailbox.collect(round, phase, outgoing.keys(), deadline)
         result = ExchangeResult()
         for j, push in pushes.items():
             try:
-                reply = push.result(timeout=max(0.0, deadline - time.monotonic()))
-                result.bytes_sent[j] = (
-                    reply if isinstance(reply, int) else len(chunked[id(outgoing[j])][0])
-                )
+                push.result(timeout=max(0.0, deadline - time.monotonic()))
+                result.bytes_sent[j] = sum(len(c) for c in chunked[id(outgoing[j])])
             except grpc.RpcError as error:
                 result.failed[j] = f"push failed: {error.code().name}: {error.details()}"
             except (futures.TimeoutError, grpc.FutureTimeoutError):
