@@ -127,3 +127,63 @@ def test_default_steps_and_bad_options():
         Choco(parse_spec("sign"), consensus_step=1.5)
     with pytest.raises(ValueError, match="zeta must lie in"):
         DEFATC(parse_spec("sign"), zeta=0.0)
+
+
+def test_malformed_compressed_payload_is_refused_before_any_state_changes():
+    """Duplicate top-k indices from a neighbour: INVALID_ARGUMENT naming the tensor, at the door.
+    The peer then ends the round exactly (bitwise) like a twin whose neighbour sent nothing."""
+    import time
+
+    import grpc
+
+    from gossipcomp.compress.base import CompressionContext
+    from gossipcomp.gossip.compressed import compressed_spec, to_wire
+    from gossipcomp.models import model_signature
+    from gossipcomp.peer import Peer
+    from gossipcomp.topology import build_topology
+    from gossipcomp.transport.base import Envelope, Identity
+    from gossipcomp.transport.grpc_transport import GrpcTransport
+
+    topology = build_topology("ring", n=2)
+    spec = "topk:ratio=0.5"
+    model = _models(1)[0]
+    twin_model = copy.deepcopy(model)
+    params = list(model.named_parameters())
+    made = []
+    try:
+        peers = []
+        for m in (model, twin_model):
+            peer = Peer.over_grpc(
+                m, topology, 1, Choco(parse_spec(spec)), bind="127.0.0.1:0", round_timeout=0.5
+            )
+            sender = GrpcTransport(Identity(0, topology.hash, model_signature(m)), [1])
+            made += [peer, sender]
+            sender.expect("choco0", compressed_spec(params, parse_spec(spec)))
+            sender.connect({1: peer.address}, timeout=10)
+            peer.start(timeout=10, addresses={0: sender.address})
+            peers.append((peer, sender))
+        compressor = parse_spec(spec)
+        payload = []
+        for i, (name, p) in enumerate(params):
+            compressed = compressor.compress(p.detach(), CompressionContext(0, 0, -1, 0, i))
+            data = bytearray(compressed.data)
+            k = len(data) // 8
+            if i == 0:  # indices follow the k values: repeat the first index
+                data[4 * k + 4 : 4 * k + 8] = data[4 * k : 4 * k + 4]
+            bad = type(compressed)(compressed.codec, compressed.shape, bytes(data))
+            payload.append(to_wire(name, bad))
+        (peer, sender), (twin, _) = peers
+        with pytest.raises(grpc.RpcError) as caught:
+            sender.send(1, Envelope(0, 0, "choco0", tuple(payload)), time.monotonic() + 5)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"tensor {params[0][0]!r} payload" in caught.value.details()
+        peer.gossip()
+        twin.gossip()
+        assert peer.stats.failed_exchanges == twin.stats.failed_exchanges == {0: 1}
+        for p, t in zip(model.parameters(), twin_model.parameters(), strict=True):
+            assert torch.equal(p.detach(), t.detach())
+        for a, b in zip(peer.algorithm.mixed_public, twin.algorithm.mixed_public, strict=True):
+            assert torch.equal(a, b)
+    finally:
+        for thing in made:
+            thing.close()

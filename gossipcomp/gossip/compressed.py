@@ -7,6 +7,8 @@ from the compressor, so the transport checks them before anything is decompresse
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from gossipcomp.compress.base import Compressed, CompressionContext, Compressor
@@ -17,7 +19,9 @@ BROADCAST = -1  # CompressionContext.receiver when one payload goes to every nei
 
 
 def compressed_spec(params: NamedParams, compressor: Compressor) -> PayloadSpec:
-    """What a neighbour's payload must hold: every parameter compressed by `compressor`."""
+    """What a neighbour's payload must hold: every parameter compressed by `compressor`, with a
+    layout check the receiver runs before storing it (so a malformed payload is refused at the
+    door instead of failing inside a gossip step)."""
     return tuple(
         TensorSpec(
             name=name,
@@ -25,10 +29,21 @@ def compressed_spec(params: NamedParams, compressor: Compressor) -> PayloadSpec:
             shape=tuple(p.shape),
             codec=compressor.codec,
             nbytes=compressor.wire_bytes(p.numel()),
-            require_finite=False,  # checked by decompress, which knows the codec's layout
+            require_finite=False,  # the layout check covers scales and values
+            check=partial(_check_layout, compressor, tuple(p.shape)),
         )
         for name, p in params
     )
+
+
+_ANY_CONTEXT = CompressionContext(seed=0, sender=0, receiver=BROADCAST, round=0, tensor_index=0)
+
+
+def _check_layout(compressor: Compressor, shape: tuple[int, ...], data: memoryview) -> None:
+    """Decode once, discarding the result: decoding validates indices, scales, padding and
+    values (the context only decides which entries random-k fills, never whether the bytes are
+    valid). Raises PayloadError (a ValueError) naming the problem."""
+    compressor.decompress(Compressed(compressor.codec, shape, data), _ANY_CONTEXT)
 
 
 def to_wire(name: str, compressed: Compressed) -> WireTensor:

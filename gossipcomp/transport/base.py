@@ -8,7 +8,7 @@ that same (round, phase), plus the neighbours that failed to deliver in time.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -52,9 +52,16 @@ class Envelope:
         raise KeyError(f"envelope from peer {self.sender} has no tensor named {name!r}")
 
 
+PayloadCheck = Callable[[memoryview], None]
+
+
 @dataclass(frozen=True)
 class TensorSpec:
-    """What a receiver expects of one incoming tensor; checked before anything is used."""
+    """What a receiver expects of one incoming tensor; checked before anything is used.
+
+    `check`, for codecs other than raw, validates the payload's own layout (indices, scales,
+    padding) and raises ValueError naming the problem; the transport refuses the envelope then.
+    """
 
     name: str
     dtype: str
@@ -62,6 +69,7 @@ class TensorSpec:
     codec: str
     nbytes: int
     require_finite: bool = True
+    check: PayloadCheck | None = None
 
 
 PayloadSpec = tuple[TensorSpec, ...]

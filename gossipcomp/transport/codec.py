@@ -208,6 +208,18 @@ def _segment_finite(data: memoryview, dtype: str) -> bool:
     return all_finite(torch.frombuffer(bytearray(data), dtype=DTYPES[dtype]))
 
 
+def check_payloads(tensors: Iterable[WireTensor], spec: PayloadSpec) -> None:
+    """Run each spec's payload check (compressed codecs); refuse the envelope if one fails."""
+    for wire, want in zip(tensors, spec, strict=True):
+        if want.check is not None:
+            try:
+                want.check(memoryview(wire.data).cast("B"))
+            except ValueError as error:
+                raise EnvelopeRejected(
+                    RejectCode.INVALID_ARGUMENT, f"tensor {want.name!r} payload: {error}"
+                ) from None
+
+
 def check_finite(tensors: Iterable[WireTensor], spec: PayloadSpec) -> None:
     """Refuse raw floating-point tensors holding NaN or Inf where the spec requires finite."""
     for wire, want in zip(tensors, spec, strict=True):

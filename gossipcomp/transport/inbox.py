@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.transport.base import Envelope, PayloadSpec
-from gossipcomp.transport.codec import check_finite, validate_header
+from gossipcomp.transport.codec import check_finite, check_payloads, validate_header
 from gossipcomp.transport.mailbox import Mailbox
 
 
@@ -60,8 +60,9 @@ class Inbox:
     def accept(
         self, envelope: Envelope, spec: PayloadSpec, wire_bytes: int, values_checked: bool = False
     ) -> None:
-        """Check values (unless read_envelope did as they arrived) and store; raises
-        EnvelopeRejected and stores nothing when invalid."""
+        """Check values (unless read_envelope did as they arrived) and compressed payloads'
+        layouts, then store; raises EnvelopeRejected and stores nothing when invalid."""
         if not values_checked:
             check_finite(envelope.tensors, spec)
+        check_payloads(envelope.tensors, spec)
         self.mailbox.deliver(envelope, wire_bytes)
