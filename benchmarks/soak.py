@@ -65,11 +65,8 @@ def run(rounds: int, warmup: int, console: Console) -> dict:
         for r in range(topology.n)
     ]
     addresses = {p.rank: p.address for p in peers}
-    starters = [threading.Thread(target=p.start, args=(30, addresses)) for p in peers]
-    for t in starters:
-        t.start()
-    for t in starters:
-        t.join()
+    for peer in peers:  # every server already listens: handshakes can run one by one
+        peer.start(timeout=30, addresses=addresses)
     expected = network_sum(peers).clone()
     warm: dict[str, int] = {}
     errors: list[BaseException] = []

@@ -49,11 +49,8 @@ def main() -> None:
     ]
     try:
         addresses = {p.rank: p.address for p in peers}
-        starters = [threading.Thread(target=p.start, args=(30, addresses)) for p in peers]
-        for t in starters:
-            t.start()
-        for t in starters:
-            t.join()
+        for peer in peers:  # every server already listens: handshakes can run one by one
+            peer.start(timeout=30, addresses=addresses)
         workers = []
         for peer in peers:
             index = torch.as_tensor(parts[peer.rank])

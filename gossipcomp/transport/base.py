@@ -8,7 +8,7 @@ that same (round, phase), plus the neighbours that failed to deliver in time.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -130,8 +130,9 @@ class Transport(Protocol):
         """Declare what envelopes of `phase` must contain (per sender, or one spec for all)."""
         ...
 
-    def connect(self, neighbours: Sequence[int], timeout: float) -> None:
-        """Wait until every neighbour answers the handshake, or raise PeerUnreachableError."""
+    def connect(self, addresses: Mapping[int, str], timeout: float) -> None:
+        """Handshake with every neighbour (rank -> address) within `timeout` seconds, or raise
+        PeerUnreachableError naming the missing ones (HandshakeError on a mismatch)."""
         ...
 
     def exchange(
