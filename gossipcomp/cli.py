@@ -77,7 +77,8 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         type=_consensus_step,
         default=d.consensus_step,
         help="dpsgd, powergossip, choco: gossip step gamma in x += gamma (W x - x); 'auto' (the "
-        "default for dpsgd and powergossip) = 2/(2 - lambda_2 - lambda_min) of W",
+        "default for dpsgd and powergossip) = 2/(2 - lambda_2 - lambda_min) of W; choco's "
+        "default depends on the compressor",
     )
     g.add_argument(
         "--low-rank",
@@ -146,6 +147,15 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
+class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows '(default: X)' where there is a value to show; None and flags say it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gossipcomp",
@@ -155,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser(
         "simulate",
+        formatter_class=_HelpWithDefaults,
         help="every peer of a topology in this process, real gRPC on loopback, digits data",
     )
     sim.add_argument(
@@ -164,7 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_training_flags(sim, rank_is_low_rank=True)
 
-    peer = sub.add_parser("peer", help="one peer in this process, at its address in the topology")
+    peer = sub.add_parser(
+        "peer",
+        help="one peer in this process, at its address in the topology",
+        formatter_class=_HelpWithDefaults,
+    )
     peer.add_argument("--topology", required=True, help="topology YAML file (or shipped name)")
     peer.add_argument(
         "--rank",
