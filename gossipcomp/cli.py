@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--topology",
         default=DEFAULT_TOPOLOGY,
-        help="topology YAML file, or a shipped name (default: ring8)",
+        help="topology YAML file, or a shipped name",
     )
     _add_training_flags(sim, rank_is_low_rank=True)
 
