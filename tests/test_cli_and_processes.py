@@ -51,19 +51,26 @@ def _peer_command(topology: Path, report: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_four_peer_processes_on_a_ring_finish_and_agree_on_the_consensus(tmp_path):
+@pytest.mark.parametrize(
+    "algorithm",
+    [(), ("--algorithm", "choco", "--compressor", "sign")],
+    ids=["default-powergossip", "choco-sign"],
+)
+def test_four_peer_processes_on_a_ring_finish_and_agree_on_the_consensus(tmp_path, algorithm):
     topology = _ring_file(tmp_path, 4)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     processes = []
     for rank in (3, 1, 2, 0):  # any start order: peers wait for their neighbours
         report = tmp_path / f"peer{rank}.json"
         if rank == 2:  # rank from the environment, as torchrun sets it
-            command = _peer_command(topology, report, "--rounds", "150")
+            command = _peer_command(topology, report, "--rounds", "150", *algorithm)
             processes.append(
                 subprocess.Popen(command, env={**env, "RANK": "2"}, stderr=subprocess.PIPE)
             )
         else:
-            command = _peer_command(topology, report, "--rank", str(rank), "--rounds", "150")
+            command = _peer_command(
+                topology, report, "--rank", str(rank), "--rounds", "150", *algorithm
+            )
             processes.append(subprocess.Popen(command, env=env, stderr=subprocess.PIPE))
         time.sleep(0.3)
     for process in processes:
