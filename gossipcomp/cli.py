@@ -6,6 +6,7 @@ Argument parsing, progress display and reports only; the work happens in simulat
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from gossipcomp.experiment import TrainConfig
@@ -247,6 +249,8 @@ def _finish(report: Report, args: argparse.Namespace, console: Console) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=True)
+    handler = RichHandler(console=console, show_path=False)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[handler])
     try:
         if args.command == "topology":
             Console().print(format_topology(resolve_topology(args.file)))

@@ -15,6 +15,7 @@ communicating (inside exchanges).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from gossipcomp.transport.base import Identity, Transport
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
 
 AVERAGE_PHASE = "average"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class Peer:
         self._compute_seconds = 0.0
         self._comm_seconds = 0.0
         self._last_mark: float | None = None
+        self.alone = False  # the last round reached no neighbour
         neighbours = topology.neighbors(rank)
         for phase, spec in algorithm.setup(self._params, rank, neighbours).items():
             transport.expect(phase, spec)
@@ -127,6 +130,22 @@ class Peer:
         self.transport.connect({j: book[j] for j in self.topology.neighbors(self.rank)}, timeout)
         self._last_mark = time.perf_counter()
 
+    def _report_isolation(self, hood: Neighbourhood, failed: int) -> None:
+        """Say so when a round reached no neighbour at all (the peer trains alone), and when
+        neighbours are back. `failed`: failed (neighbour, exchange) pairs this round."""
+        alone = hood.exchanges > 0 and failed == hood.exchanges * len(hood.weights)
+        if alone and not self.alone:
+            log.warning(
+                "peer %d: no neighbour reachable in round %d (%s); training alone",
+                self.rank,
+                self.round,
+                ", ".join(str(j) for j in hood.neighbours),
+            )
+        elif self.alone and not alone and hood.exchanges > 0:
+            log.warning("peer %d: neighbours reachable again in round %d", self.rank, self.round)
+        if hood.exchanges > 0:
+            self.alone = alone
+
     def _neighbourhood(self, links: LinkStats) -> Neighbourhood:
         """This peer's view of the network for the current round."""
         return Neighbourhood(
@@ -144,8 +163,10 @@ class Peer:
         now = time.perf_counter()
         if self._last_mark is not None:
             self._compute_seconds += now - self._last_mark
+        failures_before = sum(self._links.failures.values())
         hood = self._neighbourhood(self._links)
         self.algorithm.step(self._params, hood)
+        self._report_isolation(hood, sum(self._links.failures.values()) - failures_before)
         self.round += 1
         self._comm_seconds += hood.comm_seconds
         self._last_mark = time.perf_counter()

@@ -122,3 +122,37 @@ def test_peer_rejects_mismatched_rank_and_unknown_algorithm():
         make_algorithm("nope")
     with pytest.raises(ValueError, match="consensus_step"):
         DPSGD(consensus_step=2.5)
+
+
+def test_a_peer_with_no_neighbour_left_keeps_training_and_says_so(caplog):
+    """Peer 0 of a 4-ring whose neighbours 1 and 3 are both absent: the round ends, the model
+    is unchanged by gossip, the peer says it trains alone, and says so again when one is back."""
+    topology = build_topology("ring", n=4)
+    hub = InMemoryHub()
+    models = [_random_model(s) for s in range(4)]
+
+    def peer(rank: int) -> Peer:
+        identity = Identity(rank, topology.hash, model_signature(models[rank]))
+        transport = InMemoryTransport(identity, topology.neighbors(rank), hub)
+        return Peer(models[rank], topology, rank, DPSGD(), transport, round_timeout=0.3)
+
+    alone = peer(0)
+    before = [p.detach().clone() for p in models[0].parameters()]
+    with caplog.at_level("WARNING", logger="gossipcomp.peer"):
+        alone.gossip()
+        alone.gossip()  # said once, not every round
+    assert alone.alone
+    assert [r.getMessage() for r in caplog.records] == [
+        "peer 0: no neighbour reachable in round 0 (1, 3); training alone"
+    ]
+    for p, b in zip(models[0].parameters(), before, strict=True):
+        assert torch.equal(p.detach(), b)
+    caplog.clear()
+    back = peer(1)
+    with caplog.at_level("WARNING", logger="gossipcomp.peer"):
+        back.round = alone.round  # the returning peer joins at the current round
+        run_in_threads([alone.gossip, back.gossip])
+    assert not alone.alone
+    assert "peer 0: neighbours reachable again in round 2" in [
+        r.getMessage() for r in caplog.records
+    ]

@@ -53,6 +53,7 @@ class Neighbourhood:
     links: LinkStats
     schedule_epoch: int = 0
     comm_seconds: float = 0.0
+    exchanges: int = 0  # exchanges made this round
 
     @property
     def neighbours(self) -> list[int]:
@@ -68,6 +69,7 @@ class Neighbourhood:
             self.round, phase, per_peer, self.timeout, self.schedule_epoch
         )
         self.comm_seconds += time.perf_counter() - start
+        self.exchanges += 1
         self.links.add(result)
         return result
 
