@@ -249,7 +249,7 @@ def test_health_service_reports_serving(grpc_pair):
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_spec_mismatch_detected_for_per_sender_specs(grpc_pair):
+def test_per_sender_specs_accept_a_matching_envelope(grpc_pair):
     a, b = grpc_pair()
     b.expect("p", {0: (TensorSpec("w", "float32", (2,), "raw", 8),)})
     assert a.send(1, Envelope(0, 0, "p", (encode_raw("w", torch.zeros(2)),)), time.monotonic() + 5)

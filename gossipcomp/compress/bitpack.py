@@ -162,25 +162,15 @@ def plane_table(clear: float, set_: float) -> torch.Tensor:
 
 
 def decode_plane(
-    plane: torch.Tensor,
-    numel: int,
-    clear: float,
-    set_: float,
-    device: torch.device,
-    *,
-    use_numpy: bool | None = None,
+    plane: torch.Tensor, numel: int, clear: float, set_: float, device: torch.device
 ) -> torch.Tensor:
     """Expand one bit-plane straight to float32 values: `clear` where a bit is 0, `set_` where 1.
 
-    One table lookup per byte (see plane_table), so no intermediate 0/1 tensor is built.
+    One table lookup per byte (see plane_table), so no intermediate 0/1 tensor is built; torch
+    ops on `device` (kernels.expand_plane spreads the CPU case over numpy spans and threads).
     Returns a fresh 1-D float32 tensor of `numel` values on `device`.
     """
     if plane.numel() != plane_bytes(numel):
         raise ValueError(f"a plane of {numel} bits takes {plane_bytes(numel)} bytes")
     table = plane_table(clear, set_)
-    if use_numpy if use_numpy is not None else device.type == "cpu":
-        out = torch.empty(plane.numel() * 8, dtype=torch.float32)
-        target = out.numpy().reshape(-1, 8)
-        numpy.take(table.numpy(), plane.cpu().numpy(), axis=0, out=target, mode="clip")
-        return out[:numel].to(device)
     return table.to(device).index_select(0, plane.to(device).int()).view(-1)[:numel]

@@ -250,7 +250,7 @@ def expand_plane(
 ) -> torch.Tensor:
     """bitpack.decode_plane, with the CPU's table lookups spread over spans and threads."""
     if not (device.type == "cpu" if use_numpy is None else use_numpy):
-        return bitpack.decode_plane(plane, numel, clear, set_, device, use_numpy=False)
+        return bitpack.decode_plane(plane, numel, clear, set_, device)
     table = bitpack.plane_table(clear, set_).numpy()
     out = torch.empty(bitpack.plane_bytes(numel) * 8, dtype=torch.float32)
     source, target = plane.numpy(), out.numpy().reshape(-1, 8)

@@ -155,6 +155,7 @@ def all_finite(values: torch.Tensor) -> bool:
     return bool(torch.isfinite(values).all())
 
 
+_FLOAT_NAMES = {"float32", "float64", "float16", "bfloat16"}
 _NUMPY_FLOATS = {"float32": numpy.float32, "float64": numpy.float64, "float16": numpy.float16}
 
 
@@ -191,9 +192,6 @@ class FiniteScanner:
                     f"tensor {name!r} values: expected finite, got NaN/Inf",
                 )
             region[4] = upto
-
-
-_FLOAT_NAMES = {"float32", "float64", "float16", "bfloat16"}
 
 
 def _segment_finite(data: memoryview, dtype: str) -> bool:
