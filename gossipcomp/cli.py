@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gossipcomp.experiment import TrainConfig
 from gossipcomp.gossip import ALGORITHMS
 from gossipcomp.report import Report
-from gossipcomp.simulation import run_peer, run_simulation
+from gossipcomp.simulation import CheckpointPolicy, run_peer, run_simulation
 from gossipcomp.topology import Topology, TopologyError, format_topology, load_topology
 from gossipcomp.transport.base import HandshakeError, PeerUnreachableError
 
@@ -125,8 +125,32 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         default=d.round_timeout,
         help="seconds a round waits for neighbours before leaving them out",
     )
+    c = parser.add_argument_group("checkpoints")
+    c.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="write checkpoints here (one set per peer) and resume from the newest valid one",
+    )
+    c.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="rounds between checkpoints (default 50 when --checkpoint-dir is given)",
+    )
+    c.add_argument(
+        "--checkpoint-keep", type=int, default=3, help="newest checkpoints kept per peer"
+    )
     parser.add_argument("--report", type=Path, help="write the JSON report here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or table")
+
+
+def _checkpoints(args: argparse.Namespace) -> CheckpointPolicy | None:
+    if args.checkpoint_dir is None:
+        if args.checkpoint_every is not None:
+            raise ValueError("--checkpoint-every needs --checkpoint-dir")
+        return None
+    every = 50 if args.checkpoint_every is None else args.checkpoint_every
+    return CheckpointPolicy(args.checkpoint_dir, every=every, keep=args.checkpoint_keep)
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
@@ -256,12 +280,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             Console().print(format_topology(resolve_topology(args.file)))
             return 0
         config = _config(args)
+        checkpoints = _checkpoints(args)
         topology = resolve_topology(args.topology)
         torch.set_num_threads(1)  # many small peers share the cores; intra-op threads only contend
         if args.command == "simulate":
             label = f"{config.algorithm} on {topology.name}"
             with _ProgressDisplay(console, config.rounds * topology.n, label, args.quiet) as bar:
-                report = run_simulation(config, topology, progress=bar.advance)
+                report = run_simulation(
+                    config, topology, progress=bar.advance, checkpoints=checkpoints
+                )
         else:
             rank = args.rank if args.rank is not None else _rank_from_env()
             label = f"peer {rank}: {config.algorithm} on {topology.name}"
@@ -273,6 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     bind=args.bind,
                     progress=bar.advance,
                     startup_timeout=args.startup_timeout,
+                    checkpoints=checkpoints,
                 )
         _finish(report, args, console)
         return 0

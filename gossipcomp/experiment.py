@@ -6,12 +6,14 @@ process), so both train exactly the same way.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from gossipcomp.checkpoint import CheckpointStore
 from gossipcomp.compress import parse_spec
 from gossipcomp.data import DigitsSplit, parse_partition, partition_indices
 from gossipcomp.gossip import ALGORITHMS, DEFATC, DPSGD, Choco, GossipAlgorithm, PowerGossip
@@ -27,6 +29,8 @@ from gossipcomp.training import (
     make_optimizer,
 )
 from gossipcomp.transport.codec import all_finite
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ def peer_examples(
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class Evaluation:
     """Test accuracy and cumulative bytes sent at a round."""
 
     round: int
@@ -128,7 +132,7 @@ class PeerOutcome:
     rank: int
     test_accuracy: float
     stats: PeerStats
-    history: list[Checkpoint] = field(default_factory=list)
+    history: list[Evaluation] = field(default_factory=list)
 
 
 class TrainingAborted(RuntimeError):
@@ -148,31 +152,105 @@ def _check_finite(peer: Peer, round: int, stage: str) -> None:
             )
 
 
-def train_peer(
-    peer: Peer,
-    data: DigitsSplit,
-    config: TrainConfig,
-    *,
-    on_round: Callable[[int], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-) -> PeerOutcome:
-    """Run `config.rounds` rounds of (one local SGD step, one gossip round) on `peer`'s model."""
-    model = peer.model
-    x, y = peer_examples(data, peer.topology, peer.rank, config)
-    stream = BatchStream(x, y, config.batch_size, config.seed, peer.rank)
-    optimizer = make_optimizer(model, config.lr, config.momentum)
-    history: list[Checkpoint] = []
-    for r in range(1, config.rounds + 1):
-        if should_stop is not None and should_stop():
-            raise TrainingAborted(f"peer {peer.rank} stopped at round {r}")
-        local_step(model, optimizer, stream.next_batch())
-        # once a round suffices: received NaN/Inf is refused at the door, and anything gossip
-        # itself overflowed to is caught after the next local step
-        _check_finite(peer, r, "after the local step")
-        peer.gossip()
-        if (config.eval_every and r % config.eval_every == 0) or r == config.rounds:
-            accuracy = evaluate_accuracy(model, data.x_test, data.y_test)
-            history.append(Checkpoint(r, accuracy, peer.stats.bytes_sent_total))
-        if on_round is not None:
-            on_round(r)
-    return PeerOutcome(peer.rank, history[-1].test_accuracy, peer.stats, history)
+class PeerTrainer:
+    """One peer's training run: its data stream, optimizer, accuracy history and checkpoints.
+
+    `restore` (before `peer.start()`) continues from the newest valid checkpoint in `store`;
+    `run` trains until the peer reaches `config.rounds`, saving a checkpoint every
+    `checkpoint_every` rounds. A checkpoint holds everything that decides what happens next
+    (model, optimizer, algorithm state, batch order, round, history), so a restored peer
+    continues exactly as it would have.
+    """
+
+    def __init__(
+        self,
+        peer: Peer,
+        data: DigitsSplit,
+        config: TrainConfig,
+        store: CheckpointStore | None = None,
+        checkpoint_every: int = 0,
+    ) -> None:
+        if checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+        if checkpoint_every and store is None:
+            raise ValueError("checkpoint_every needs a checkpoint directory")
+        self.peer = peer
+        self.data = data
+        self.config = config
+        self.store = store
+        self.checkpoint_every = checkpoint_every
+        x, y = peer_examples(data, peer.topology, peer.rank, config)
+        self.stream = BatchStream(x, y, config.batch_size, config.seed, peer.rank)
+        self.optimizer = make_optimizer(peer.model, config.lr, config.momentum)
+        self.history: list[Evaluation] = []
+        self.restored_from: int | None = None  # the round of the checkpoint restored, if any
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "peer": self.peer.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "stream": self.stream.state_dict(),
+            "history": [asdict(c) for c in self.history],
+            "config": self.config.to_dict(),
+        }
+
+    def restore(self) -> int | None:
+        """Load the newest valid checkpoint of this peer, if any; return its round."""
+        if self.store is None:
+            return None
+        loaded = self.store.load_latest()
+        if loaded is None:
+            return None
+        state = loaded.state
+        saved, mine = _identity(state.get("config", {})), _identity(self.config.to_dict())
+        if saved != mine:
+            differing = sorted(k for k in mine.keys() | saved.keys() if saved.get(k) != mine.get(k))
+            raise ValueError(
+                f"{loaded.path}: written by another configuration; differs in "
+                + ", ".join(f"{k} (saved {saved.get(k)!r}, now {mine.get(k)!r})" for k in differing)
+            )
+        self.peer.load_state_dict(state["peer"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.stream.load_state_dict(state["stream"])
+        self.history = [Evaluation(**c) for c in state["history"]]
+        self.restored_from = self.peer.round
+        log.warning(
+            "peer %d: restored from %s (round %d)", self.peer.rank, loaded.path, loaded.round
+        )
+        return self.peer.round
+
+    def run(
+        self,
+        *,
+        on_round: Callable[[int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> PeerOutcome:
+        """Train from the peer's round to `config.rounds`: one local SGD step, one gossip round
+        (a peer that catches up with its neighbours skips rounds, see Peer.gossip)."""
+        peer, config = self.peer, self.config
+        while peer.round < config.rounds:
+            r = peer.round + 1
+            if should_stop is not None and should_stop():
+                raise TrainingAborted(f"peer {peer.rank} stopped at round {r}")
+            local_step(peer.model, self.optimizer, self.stream.next_batch())
+            # once a round suffices: received NaN/Inf is refused at the door, and anything gossip
+            # itself overflowed to is caught after the next local step
+            _check_finite(peer, r, "after the local step")
+            peer.gossip()
+            if (config.eval_every and r % config.eval_every == 0) or r == config.rounds:
+                accuracy = evaluate_accuracy(peer.model, self.data.x_test, self.data.y_test)
+                self.history.append(Evaluation(r, accuracy, peer.stats.bytes_sent_total))
+            if self.store is not None and self.checkpoint_every and r % self.checkpoint_every == 0:
+                self.store.save(r, self.state_dict())
+            if on_round is not None:
+                on_round(r)
+        if not self.history or self.history[-1].round != peer.round:  # jumped past the last
+            accuracy = evaluate_accuracy(peer.model, self.data.x_test, self.data.y_test)
+            self.history.append(Evaluation(peer.round, accuracy, peer.stats.bytes_sent_total))
+        return PeerOutcome(peer.rank, self.history[-1].test_accuracy, peer.stats, self.history)
+
+
+def _identity(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings a checkpoint must agree on; the run's length, evaluation interval and
+    timeout may change between a run and its restart."""
+    return {k: v for k, v in config.items() if k not in ("rounds", "eval_every", "round_timeout")}

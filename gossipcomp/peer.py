@@ -19,11 +19,21 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from gossipcomp.gossip.base import GossipAlgorithm, LinkStats, NamedParams, Neighbourhood
+from gossipcomp.gossip.base import (
+    RESUME_PHASE,
+    GossipAlgorithm,
+    LinkStats,
+    NamedParams,
+    Neighbourhood,
+    Resumable,
+)
 from gossipcomp.gossip.dpsgd import DPSGD
+from gossipcomp.gossip.state import checked_tensors
+from gossipcomp.links import Backoff, LinkMonitor
 from gossipcomp.models import model_signature
 from gossipcomp.topology import Topology
 from gossipcomp.transport.base import Identity, Transport
@@ -62,6 +72,7 @@ class Peer:
         transport: Transport,
         *,
         round_timeout: float = 30.0,
+        backoff: Backoff | None = None,
     ) -> None:
         if not 0 <= rank < topology.n:
             raise ValueError(
@@ -87,8 +98,14 @@ class Peer:
         self._last_mark: float | None = None
         self.alone = False  # the last round reached no neighbour
         neighbours = topology.neighbors(rank)
+        self.links = LinkMonitor(rank, neighbours, backoff)
         for phase, spec in algorithm.setup(self._params, rank, neighbours).items():
             transport.expect(phase, spec)
+        transport.set_hello_handler(
+            lambda sender, their_round, proposed: self.links.answer_hello(
+                sender, their_round, proposed, self.round
+            )
+        )
         self._averager = DPSGD(phase=AVERAGE_PHASE)
         for phase, spec in self._averager.setup(self._params, rank, neighbours).items():
             transport.expect(phase, spec)
@@ -104,6 +121,7 @@ class Peer:
         bind: str | None = None,
         options: GrpcOptions | None = None,
         round_timeout: float = 30.0,
+        backoff: Backoff | None = None,
     ) -> Peer:
         """A peer with its own gRPC server at `bind` (default: its address in the topology)."""
         identity = Identity(rank, topology.hash, model_signature(model))
@@ -114,7 +132,15 @@ class Peer:
             options=options,
         )
         try:
-            return cls(model, topology, rank, algorithm, transport, round_timeout=round_timeout)
+            return cls(
+                model,
+                topology,
+                rank,
+                algorithm,
+                transport,
+                round_timeout=round_timeout,
+                backoff=backoff,
+            )
         except Exception:
             transport.close()
             raise
@@ -125,48 +151,124 @@ class Peer:
         return getattr(self.transport, "address", None)
 
     def start(self, timeout: float = 60.0, addresses: dict[int, str] | None = None) -> None:
-        """Handshake with every neighbour, waiting up to `timeout` seconds for them to appear."""
+        """Handshake with every neighbour, waiting up to `timeout` seconds for them to appear.
+
+        The handshake carries this peer's round. A neighbour at another round (this peer was
+        restored from a checkpoint while the neighbour trained on, or the other way round)
+        answers with a resume round: until then this peer trains alone (catching up, when it is
+        behind), then both ends resynchronise the edge and gossip on it again.
+        """
         book = addresses or dict(enumerate(self.topology.addresses))
-        self.transport.connect({j: book[j] for j in self.topology.neighbors(self.rank)}, timeout)
+        answers = self.transport.connect(
+            {j: book[j] for j in self.topology.neighbors(self.rank)}, timeout, round=self.round
+        )
+        for j, answer in answers.items():
+            if answer.resume_round > 0:
+                self.links.resume(j, answer.resume_round, self.round)
+        self._catch_up()  # at once: the neighbours reach the resume round within a few rounds
         self._last_mark = time.perf_counter()
 
-    def _report_isolation(self, hood: Neighbourhood, failed: int) -> None:
+    def _catch_up(self) -> None:
+        """Jump to an edge's resume round when this peer is well behind it (see links.py)."""
+        ahead = self.links.catch_up_round(self.round)
+        if ahead is None:
+            return
+        log.warning(
+            "peer %d: behind its neighbours; jumps from round %d to %d",
+            self.rank,
+            self.round,
+            ahead,
+        )
+        self.round = ahead
+        self.transport.open_round(ahead)
+
+    def _report_isolation(self, hood: Neighbourhood, failed: set[int]) -> None:
         """Say so when a round reached no neighbour at all (the peer trains alone), and when
-        neighbours are back. `failed`: failed (neighbour, exchange) pairs this round."""
-        alone = hood.exchanges > 0 and failed == hood.exchanges * len(hood.weights)
+        neighbours are back. `failed`: neighbours whose exchange failed this round."""
+        alone = not set(hood.weights) - failed
         if alone and not self.alone:
+            lost = sorted(set(self._weights) - (set(hood.weights) - failed))
             log.warning(
                 "peer %d: no neighbour reachable in round %d (%s); training alone",
                 self.rank,
                 self.round,
-                ", ".join(str(j) for j in hood.neighbours),
+                ", ".join(str(j) for j in lost),
             )
-        elif self.alone and not alone and hood.exchanges > 0:
+        elif self.alone and not alone:
             log.warning("peer %d: neighbours reachable again in round %d", self.rank, self.round)
-        if hood.exchanges > 0:
-            self.alone = alone
+        self.alone = alone
 
-    def _neighbourhood(self, links: LinkStats) -> Neighbourhood:
-        """This peer's view of the network for the current round."""
+    def _neighbourhood(self, links: LinkStats, live: list[int] | None = None) -> Neighbourhood:
+        """This peer's view of the network for the current round: the live neighbours (all by
+        default) with their weights; the weight of any neighbour left out stays with the peer,
+        so the live mixing matrix is symmetric and doubly stochastic when both ends agree."""
+        weights = self._weights if live is None else {j: self._weights[j] for j in live}
         return Neighbourhood(
             rank=self.rank,
             round=self.round,
-            weights=self._weights,
-            self_weight=self._self_weight,
+            weights=weights,
+            self_weight=1.0 - sum(weights.values()),
             transport=self.transport,
             timeout=self.round_timeout,
             links=links,
         )
 
+    def _resume_edges(self) -> None:
+        """Resynchronise the edges that resume this round (both ends agreed on it), so that the
+        algorithm's per-edge state (public copies, references, power vectors) matches at both
+        ends before the edge carries gossip again."""
+        due = self.links.resuming_at(self.round)
+        if not due:
+            return
+        if not isinstance(self.algorithm, Resumable):
+            for j in due:
+                self.links.up(j)
+            return
+        payload = self.algorithm.resume_payload(self._params)
+        if payload is None:
+            for j in due:
+                self.algorithm.resume_edge(j, None, self.round)
+                self.links.up(j)
+            return
+        hood = self._neighbourhood(self._links, due)
+        result = hood.exchange(RESUME_PHASE, payload)
+        self._comm_seconds += hood.comm_seconds
+        for j in due:
+            if j in result.received and j not in result.failed:
+                self.algorithm.resume_edge(j, result.received[j], self.round)
+                self.links.up(j)
+            else:
+                self.links.failed(j, self.round, result.failed.get(j, "no resume payload"))
+
     def gossip(self) -> None:
-        """Run one gossip round of the algorithm on the model's parameters (in place)."""
+        """Run one gossip round of the algorithm on the model's parameters (in place).
+
+        Lost neighbours are left out (and probed in the background); neighbours whose edge
+        resumes this round are resynchronised first. A peer behind an edge's agreed resume
+        round jumps to it (`round` then grows by more than one).
+        """
         now = time.perf_counter()
         if self._last_mark is not None:
             self._compute_seconds += now - self._last_mark
-        failures_before = sum(self._links.failures.values())
-        hood = self._neighbourhood(self._links)
+        self.links.poll_probes(self.round, self.transport.probe)
+        ahead = self.links.catch_up_round(self.round)
+        if ahead is not None:
+            log.warning(
+                "peer %d: behind its neighbours; jumps from round %d to %d",
+                self.rank,
+                self.round,
+                ahead,
+            )
+            self.round = ahead
+        self._resume_edges()
+        failures_before = dict(self._links.failures)
+        hood = self._neighbourhood(self._links, self.links.live())
         self.algorithm.step(self._params, hood)
-        self._report_isolation(hood, sum(self._links.failures.values()) - failures_before)
+        failed = {j for j, n in self._links.failures.items() if n > failures_before.get(j, 0)}
+        for j in failed & set(hood.weights):
+            # an edge that a handshake put back meanwhile keeps its agreed resume round
+            self.links.failed(j, self.round, "exchange failed", only_if_up=True)
+        self._report_isolation(hood, failed)
         self.round += 1
         self._comm_seconds += hood.comm_seconds
         self._last_mark = time.perf_counter()
@@ -187,9 +289,48 @@ class Peer:
         rounds = self.averaging_rounds() if rounds is None else rounds
         copies = [(name, p.detach().clone()) for name, p in self._params]
         for _ in range(rounds):
-            self._averager.step(copies, self._neighbourhood(LinkStats()))
+            self._averager.step(copies, self._neighbourhood(LinkStats(), self.links.live()))
             self.round += 1
         return [p for _, p in copies]
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds of this peer: round, model, algorithm state and counters."""
+        return {
+            "round": self.round,
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "algorithm": self.algorithm.state_dict(),
+            "bytes_sent": dict(self._links.bytes_sent),
+            "bytes_received": dict(self._links.bytes_received),
+            "failures": dict(self._links.failures),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint before `start()`: every part is checked against this peer's
+        model and algorithm first, so a mismatch raises ValueError and changes nothing."""
+        expected = {"round", "model", "algorithm", "bytes_sent", "bytes_received", "failures"}
+        if set(state) != expected:
+            raise ValueError(
+                f"peer checkpoint: expected keys {sorted(expected)}, got {sorted(state)}"
+            )
+        round = state["round"]
+        if not isinstance(round, int) or round < 0:
+            raise ValueError(f"peer checkpoint: round must be an integer >= 0, got {round!r}")
+        current = self.model.state_dict()
+        saved = state["model"]
+        if set(saved) != set(current):
+            raise ValueError(
+                f"peer checkpoint: model has parameters {sorted(saved)}, "
+                f"this model has {sorted(current)}"
+            )
+        checked_tensors(
+            "peer checkpoint model", list(current.values()), [saved[k] for k in current]
+        )
+        self.algorithm.load_state_dict(state["algorithm"])  # checks everything, then assigns
+        self.model.load_state_dict(saved)  # checked above: cannot fail half-way
+        self.round = round
+        self._links.bytes_sent = dict(state["bytes_sent"])
+        self._links.bytes_received = dict(state["bytes_received"])
+        self._links.failures = dict(state["failures"])
 
     @property
     def stats(self) -> PeerStats:

@@ -2,7 +2,7 @@
 
 `run_simulation` puts every peer of a topology in this process (each with its own gRPC server on
 a loopback port, each training in its own thread); `run_peer` runs one peer of a network whose
-other peers live in other processes or machines. Both train with experiment.train_peer and
+other peers live in other processes or machines. Both train with experiment.PeerTrainer and
 return the same Report.
 """
 
@@ -11,16 +11,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from gossipcomp.checkpoint import CheckpointStore
 from gossipcomp.data import DigitsSplit, load_digits_split
 from gossipcomp.experiment import (
     PeerOutcome,
+    PeerTrainer,
     TrainConfig,
     TrainingAborted,
     build_algorithm,
-    train_peer,
 )
 from gossipcomp.models import build_mlp
 from gossipcomp.peer import Peer
@@ -29,6 +32,33 @@ from gossipcomp.topology import Topology
 from gossipcomp.training import evaluate_accuracy
 
 ProgressCallback = Callable[[int, int], None]  # (rank, round just finished)
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where and how often peers checkpoint; each peer restores its newest valid file at start."""
+
+    directory: Path
+    every: int = 50  # rounds between checkpoints
+    keep: int = 3  # newest files kept per peer
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"checkpoint every must be >= 1 round, got {self.every}")
+
+    def trainer(self, peer: Peer, data: DigitsSplit, config: TrainConfig) -> PeerTrainer:
+        store = CheckpointStore(self.directory, peer.rank, keep=self.keep)
+        trainer = PeerTrainer(peer, data, config, store, self.every)
+        trainer.restore()
+        return trainer
+
+
+def _trainer(
+    peer: Peer, data: DigitsSplit, config: TrainConfig, checkpoints: CheckpointPolicy | None
+) -> PeerTrainer:
+    if checkpoints is None:
+        return PeerTrainer(peer, data, config)
+    return checkpoints.trainer(peer, data, config)
 
 
 def _average_model_accuracy(
@@ -76,6 +106,7 @@ def run_simulation(
     *,
     progress: ProgressCallback | None = None,
     startup_timeout: float = 30.0,
+    checkpoints: CheckpointPolicy | None = None,
 ) -> Report:
     """Train every peer of `topology` in this process over gRPC on loopback."""
     start = time.perf_counter()
@@ -93,10 +124,11 @@ def run_simulation(
                     round_timeout=config.round_timeout,
                 )
             )
+        trainers = [_trainer(peer, data, config, checkpoints) for peer in peers]
         addresses = {p.rank: p.address for p in peers}
         for peer in peers:
             peer.start(startup_timeout, addresses)
-        outcomes = _train_all(peers, data, config, progress)
+        outcomes = _train_all(trainers, progress)
         params = [[p.detach() for p in peer.model.parameters()] for peer in peers]
         average = [torch.stack(group).mean(dim=0) for group in zip(*params, strict=True)]
         mean_vector = flat(average)
@@ -117,23 +149,18 @@ def run_simulation(
 
 
 def _train_all(
-    peers: Sequence[Peer],
-    data: DigitsSplit,
-    config: TrainConfig,
-    progress: ProgressCallback | None,
+    trainers: Sequence[PeerTrainer], progress: ProgressCallback | None
 ) -> list[PeerOutcome]:
     """Train every peer in its own thread; the first failure stops the others and is raised."""
     outcomes: dict[int, PeerOutcome] = {}
     errors: list[BaseException] = []
     failed = threading.Event()
 
-    def run(peer: Peer) -> None:
+    def run(trainer: PeerTrainer) -> None:
+        rank = trainer.peer.rank
         try:
-            outcomes[peer.rank] = train_peer(
-                peer,
-                data,
-                config,
-                on_round=(lambda r: progress(peer.rank, r)) if progress else None,
+            outcomes[rank] = trainer.run(
+                on_round=(lambda r: progress(rank, r)) if progress else None,
                 should_stop=failed.is_set,
             )
         except BaseException as error:  # reported to the caller below
@@ -141,8 +168,8 @@ def _train_all(
             failed.set()
 
     threads = [
-        threading.Thread(target=run, args=(peer,), name=f"peer-{peer.rank}", daemon=True)
-        for peer in peers
+        threading.Thread(target=run, args=(t,), name=f"peer-{t.peer.rank}", daemon=True)
+        for t in trainers
     ]
     for thread in threads:
         thread.start()
@@ -151,7 +178,7 @@ def _train_all(
     if errors:
         first = next((e for e in errors if not isinstance(e, TrainingAborted)), errors[0])
         raise RuntimeError(f"simulation failed: {first}") from first
-    return [outcomes[p.rank] for p in peers]
+    return [outcomes[t.peer.rank] for t in trainers]
 
 
 def run_peer(
@@ -162,8 +189,10 @@ def run_peer(
     bind: str | None = None,
     progress: ProgressCallback | None = None,
     startup_timeout: float = 60.0,
+    checkpoints: CheckpointPolicy | None = None,
 ) -> Report:
-    """Train one peer of `topology` at its address; its neighbours run elsewhere."""
+    """Train one peer of `topology` at its address; its neighbours run elsewhere. With
+    `checkpoints`, it continues from its newest valid checkpoint and keeps writing them."""
     start = time.perf_counter()
     data = load_digits_split(seed=config.seed)
     with Peer.over_grpc(
@@ -174,10 +203,9 @@ def run_peer(
         bind=bind,
         round_timeout=config.round_timeout,
     ) as peer:
+        trainer = _trainer(peer, data, config, checkpoints)
         peer.start(startup_timeout)
-        outcome = train_peer(
-            peer, data, config, on_round=(lambda r: progress(rank, r)) if progress else None
-        )
+        outcome = trainer.run(on_round=(lambda r: progress(rank, r)) if progress else None)
         average = peer.network_average()
         own = [p.detach() for p in peer.model.parameters()]
         distance = float((flat(own) - flat(average)).pow(2).sum())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,33 @@ class BatchStream:
         idx = self._order[self._cursor : self._cursor + self._batch_size]
         self._cursor += idx.numel()
         return self._x[idx], self._y[idx]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream is (generator, epoch order, cursor), so a restored peer continues
+        with exactly the batches it would have drawn."""
+        return {
+            "generator": self._generator.get_state(),
+            "order": self._order.clone(),
+            "cursor": self._cursor,
+            "epoch": self._epoch,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict`; raises ValueError (changing nothing) if it does not fit."""
+        if set(state) != {"generator", "order", "cursor", "epoch"}:
+            raise ValueError(f"batch stream state: unexpected keys {sorted(state)}")
+        order, cursor = state["order"], state["cursor"]
+        if not isinstance(order, torch.Tensor) or order.dtype != torch.int64:
+            raise ValueError("batch stream state: order must be an int64 tensor")
+        if order.numel() not in (0, self.num_examples) or not 0 <= cursor <= order.numel():
+            raise ValueError(
+                f"batch stream state: order of {order.numel()} examples, cursor {cursor}; "
+                f"this stream holds {self.num_examples} examples"
+            )
+        generator = torch.Generator()
+        generator.set_state(state["generator"])
+        self._generator, self._order = generator, order.clone()
+        self._cursor, self._epoch = int(cursor), int(state["epoch"])
 
 
 def make_optimizer(

@@ -10,6 +10,7 @@ from conftest import run_in_threads
 from torch import nn
 
 from gossipcomp.gossip import DPSGD, make_algorithm
+from gossipcomp.links import Backoff, LinkState
 from gossipcomp.models import model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.topology import build_topology, load_topology
@@ -126,7 +127,8 @@ def test_peer_rejects_mismatched_rank_and_unknown_algorithm():
 
 def test_a_peer_with_no_neighbour_left_keeps_training_and_says_so(caplog):
     """Peer 0 of a 4-ring whose neighbours 1 and 3 are both absent: the round ends, the model
-    is unchanged by gossip, the peer says it trains alone, and says so again when one is back."""
+    is unchanged by gossip, the peer says it trains alone (once), stops waiting for the lost
+    neighbours, and says so again when one is back (found by its backoff probes)."""
     topology = build_topology("ring", n=4)
     hub = InMemoryHub()
     models = [_random_model(s) for s in range(4)]
@@ -134,25 +136,39 @@ def test_a_peer_with_no_neighbour_left_keeps_training_and_says_so(caplog):
     def peer(rank: int) -> Peer:
         identity = Identity(rank, topology.hash, model_signature(models[rank]))
         transport = InMemoryTransport(identity, topology.neighbors(rank), hub)
-        return Peer(models[rank], topology, rank, DPSGD(), transport, round_timeout=0.3)
+        return Peer(
+            models[rank],
+            topology,
+            rank,
+            DPSGD(),
+            transport,
+            round_timeout=0.3,
+            backoff=Backoff(first=0.01, longest=0.05),
+        )
 
     alone = peer(0)
     before = [p.detach().clone() for p in models[0].parameters()]
     with caplog.at_level("WARNING", logger="gossipcomp.peer"):
         alone.gossip()
-        alone.gossip()  # said once, not every round
+        start = time.monotonic()
+        alone.gossip()  # said once, not every round; lost neighbours are not waited for again
+        assert time.monotonic() - start < 0.2
     assert alone.alone
-    assert [r.getMessage() for r in caplog.records] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "gossipcomp.peer"] == [
         "peer 0: no neighbour reachable in round 0 (1, 3); training alone"
     ]
     for p, b in zip(models[0].parameters(), before, strict=True):
         assert torch.equal(p.detach(), b)
     caplog.clear()
     back = peer(1)
+    back.round = alone.round  # the returning peer joins at the current round
     with caplog.at_level("WARNING", logger="gossipcomp.peer"):
-        back.round = alone.round  # the returning peer joins at the current round
-        run_in_threads([alone.gossip, back.gossip])
+        for _ in range(12):
+            time.sleep(0.02)  # let the backoff expire
+            run_in_threads([alone.gossip, back.gossip])
+            if not alone.alone:
+                break
     assert not alone.alone
-    assert "peer 0: neighbours reachable again in round 2" in [
-        r.getMessage() for r in caplog.records
-    ]
+    assert alone.links.state(1) is LinkState.UP and back.links.state(0) is LinkState.UP
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"peer 0: neighbours reachable again in round {alone.round - 1}" in messages

@@ -9,13 +9,14 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from gossipcomp.transport.base import ExchangeResult, Payload, PayloadSpec, Transport
+from gossipcomp.transport.base import Envelope, ExchangeResult, Payload, PayloadSpec, Transport
 
 NamedParams = Sequence[tuple[str, torch.Tensor]]
+RESUME_PHASE = "resume"  # the exchange that resynchronises an edge when it comes back
 
 
 @dataclass
@@ -87,4 +88,30 @@ class GossipAlgorithm(Protocol):
 
     def step(self, params: NamedParams, hood: Neighbourhood) -> None:
         """Gossip once with the neighbourhood; mutates `params` in place (and own state)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything `step` depends on besides the parameters (tensors, numbers, strings), so a
+        peer restored from a checkpoint continues exactly; empty for stateless algorithms."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (after `setup`); raises ValueError on a mismatch."""
+        ...
+
+
+@runtime_checkable
+class Resumable(Protocol):
+    """An algorithm with per-edge state that both ends must hold alike (Choco's public copies,
+    DEF-ATC's references, PowerGossip's power vectors). When an edge comes back (after a
+    failure, a partition or a restart), both ends call these at the same agreed round."""
+
+    def resume_payload(self, params: NamedParams) -> Payload | None:
+        """What this peer sends a resuming neighbour (phase RESUME_PHASE, spec given by
+        `setup`), or None when the edge can be reset without data."""
+        ...
+
+    def resume_edge(self, neighbour: int, envelope: Envelope | None, round: int) -> None:
+        """Reset this peer's state for the edge to `neighbour` from what it sent (`envelope`),
+        identically at both ends."""
         ...

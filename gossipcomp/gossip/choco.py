@@ -1,29 +1,44 @@
 """Choco-SGD (Koloskova, Stich, Jaggi 2019): gossip of compressed differences to public copies.
 
-Each peer keeps a public copy xh_i of its model, which every neighbour tracks exactly (all start
-at 0), and s_i = sum over N(i) and i of w_ij xh_j. A round:
+Each peer keeps a public copy xh_i of its model, and a copy of each neighbour's public copy xh_j,
+which it tracks exactly from what the neighbour sends (all start at 0). A round:
     q_i = C(x_i - xh_i); send q_i to every neighbour
-    xh_i += D(q_i); s_i += sum_j w_ij D(q_j) (j in N(i) and i); x_i += gamma (s_i - xh_i)
+    xh_i += D(q_i); xh_j += D(q_j) for each j heard; x_i += gamma sum_j w_ij (xh_j - xh_i)
 With a symmetric doubly stochastic W the network sum of x is unchanged by a round, for any
-compressor, biased or not. gamma is the consensus step; defaults per compressor in
-`default_consensus_step`, measured on ring8 digits (docs/benchmarks.md). Choco needs a contractive compressor (E||C(x) - x||^2 <= (1 - w)
-||x||^2); an unbiased one with variance bound beta ||x||^2 (QSGD, TernGrad, unbiased random-k)
-is made contractive by scaling its output by 1 / (1 + beta), as the Choco paper does; both ends
-scale the same bytes by the same factor, so the public copies stay identical. gamma is the consensus step; defaults per compressor in
-`default_consensus_step` (reference, 8-ring: 0.45 with scaled sign, 0.0375 with top-1%).
+compressor, biased or not. Keeping each neighbour's copy (rather than only the weighted sum
+s_i = sum_j w_ij xh_j of the paper) costs one model per neighbour and buys two things: a
+neighbour left out of a round is simply left out of the sum (its weight stays with the peer),
+and an edge that comes back after a failure is resynchronised exactly by exchanging the public
+copies once (`resume_payload`, `resume_edge`).
+
+Choco needs a contractive compressor (E||C(x) - x||^2 <= (1 - w) ||x||^2); an unbiased one with
+variance bound beta ||x||^2 (QSGD, TernGrad, unbiased random-k) is made contractive by scaling
+its output by 1 / (1 + beta), as the Choco paper does; both ends scale the same bytes by the same
+factor, so the public copies stay identical. gamma is the consensus step; defaults per
+compressor in `default_consensus_step`, measured on ring8 digits (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from gossipcomp.compress.base import Compressor
-from gossipcomp.gossip.base import NamedParams, Neighbourhood
+from gossipcomp.gossip.base import RESUME_PHASE, NamedParams, Neighbourhood
 from gossipcomp.gossip.compressed import BroadcastCodec, compressed_spec, to_wire
-from gossipcomp.transport.base import PayloadSpec
+from gossipcomp.gossip.state import (
+    checked_tensors,
+    load_edge_tensors,
+    raw_copy_payload,
+    raw_copy_spec,
+    require_keys,
+    restore_from_envelope,
+    save_edge_tensors,
+)
+from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
 
 PHASE = "choco"
 
@@ -101,7 +116,7 @@ class Choco:
         self._codec: BroadcastCodec | None = None
         self._scales: list[float] = []  # 1 / (1 + beta) per tensor
         self.public: list[torch.Tensor] = []  # xh_i
-        self.mixed_public: list[torch.Tensor] = []  # s_i
+        self.neighbour_public: dict[int, list[torch.Tensor]] = {}  # xh_j as tracked here
 
     def setup(
         self, params: NamedParams, rank: int, neighbours: Sequence[int]
@@ -109,9 +124,11 @@ class Choco:
         self._codec = BroadcastCodec(self.compressor, self.seed, rank)
         self._scales = [1.0 / (1.0 + variance_bound(self.compressor, p.numel())) for _, p in params]
         self.public = [torch.zeros_like(p, dtype=torch.float32) for _, p in params]
-        self.mixed_public = [torch.zeros_like(p, dtype=torch.float32) for _, p in params]
+        self.neighbour_public = {j: [torch.zeros_like(t) for t in self.public] for j in neighbours}
         spec = compressed_spec(params, self.compressor)
-        return {f"{PHASE}{s}": spec for s in range(self.steps)}
+        specs = {f"{PHASE}{s}": spec for s in range(self.steps)}
+        specs[RESUME_PHASE] = raw_copy_spec(params)
+        return specs
 
     def step(self, params: NamedParams, hood: Neighbourhood) -> None:
         for s in range(self.steps):
@@ -129,15 +146,37 @@ class Choco:
             ]
             payload = tuple(to_wire(n, c) for (n, _), c in zip(params, sent, strict=True))
             result = hood.exchange(f"{PHASE}{s}", payload)
-            # neighbours that failed this round are left out of s_i (their weight stays unused)
             for i, (_, p) in enumerate(params):
                 scale = self._scales[i]
                 own = codec.decompress_own(sent[i], key, i, self.public[i])
                 self.public[i].add_(own, alpha=scale)
-                self.mixed_public[i].add_(own, alpha=scale * hood.self_weight)
+                pull = torch.zeros_like(self.public[i])
+                # only neighbours heard this step mix in; the others' weight stays with the peer
                 for j, envelope in result.received.items():
-                    theirs = codec.decompress_from(envelope, i, self.public[i], key)
-                    self.mixed_public[i].add_(theirs, alpha=scale * hood.weights[j])
-                p.add_(
-                    (self.mixed_public[i] - self.public[i]).to(p.dtype), alpha=self.consensus_step
-                )
+                    tracked = self.neighbour_public[j][i]
+                    tracked.add_(codec.decompress_from(envelope, i, tracked, key), alpha=scale)
+                    pull.add_(tracked - self.public[i], alpha=hood.weights[j])
+                p.add_(pull.to(p.dtype), alpha=self.consensus_step)
+
+    def resume_payload(self, params: NamedParams) -> Payload | None:
+        """This peer's public copy, exactly: the neighbour replaces its tracked copy with it."""
+        return raw_copy_payload(params, self.public)
+
+    def resume_edge(self, neighbour: int, envelope: Envelope | None, round: int) -> None:
+        restore_from_envelope(self.neighbour_public[neighbour], envelope, f"{self.name} resume")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "public": [t.clone() for t in self.public],
+            "neighbour_public": save_edge_tensors(self.neighbour_public),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        require_keys(state, {"public", "neighbour_public"}, self.name)
+        public = checked_tensors(f"{self.name} public copy", self.public, state["public"])
+        tracked = load_edge_tensors(
+            f"{self.name} neighbours' public copies",
+            self.neighbour_public,
+            state["neighbour_public"],
+        )
+        self.public, self.neighbour_public = public, tracked

@@ -8,19 +8,31 @@ error memory z. After the local (adapt) step gave psi_k = w_k:
     w_k = (1 - gamma) phi_k + gamma sum_l a_lk phi_l  (combine, l in N(k) and k)
 zeta in (0, 1] damps the differential update, gamma in (0, 1] mixes. With the identity
 compressor and zeta = gamma = 1 a round is exactly one D-PSGD (ATC diffusion) round. A neighbour
-that fails a round keeps its last reference in the combine.
+that fails a round keeps its last reference in the combine; a neighbour left out after a failure
+gives its weight to the peer, and when the edge comes back both ends send their own reference
+exactly once (`resume_payload`), so each end's copy of the other's reference is exact again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from gossipcomp.compress.base import Compressor
-from gossipcomp.gossip.base import NamedParams, Neighbourhood
+from gossipcomp.gossip.base import RESUME_PHASE, NamedParams, Neighbourhood
 from gossipcomp.gossip.compressed import BroadcastCodec, compressed_spec, to_wire
-from gossipcomp.transport.base import PayloadSpec
+from gossipcomp.gossip.state import (
+    checked_tensors,
+    load_edge_tensors,
+    raw_copy_payload,
+    raw_copy_spec,
+    require_keys,
+    restore_from_envelope,
+    save_edge_tensors,
+)
+from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
 
 PHASE = "def"
 
@@ -70,7 +82,10 @@ class DEFATC:
         self.reference = [t.clone() for t in initial]
         self.neighbour_references = {j: [t.clone() for t in initial] for j in neighbours}
         self.error = [torch.zeros_like(t) for t in initial]
-        return {PHASE: compressed_spec(params, self.compressor)}
+        return {
+            PHASE: compressed_spec(params, self.compressor),
+            RESUME_PHASE: raw_copy_spec(params),
+        }
 
     def step(self, params: NamedParams, hood: Neighbourhood) -> None:
         codec = self._codec
@@ -98,3 +113,28 @@ class DEFATC:
                     combined.add_(self.neighbour_references[j][i], alpha=w)
                 mixed = self.reference[i] * (1.0 - self.gamma) + combined * self.gamma
                 p.copy_(mixed.to(p.dtype))
+
+    def resume_payload(self, params: NamedParams) -> Payload | None:
+        """This peer's reference phi_k, exactly: the neighbour replaces its copy with it."""
+        return raw_copy_payload(params, self.reference)
+
+    def resume_edge(self, neighbour: int, envelope: Envelope | None, round: int) -> None:
+        restore_from_envelope(self.neighbour_references[neighbour], envelope, f"{self.name} resume")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "reference": [t.clone() for t in self.reference],
+            "neighbour_references": save_edge_tensors(self.neighbour_references),
+            "error": [t.clone() for t in self.error],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        require_keys(state, {"reference", "neighbour_references", "error"}, self.name)
+        reference = checked_tensors(f"{self.name} reference", self.reference, state["reference"])
+        error = checked_tensors(f"{self.name} error memory", self.error, state["error"])
+        neighbours = load_edge_tensors(
+            f"{self.name} neighbour references",
+            self.neighbour_references,
+            state["neighbour_references"],
+        )
+        self.reference, self.error, self.neighbour_references = reference, error, neighbours

@@ -10,10 +10,12 @@ both ends of the edge miss each other.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from gossipcomp.gossip.base import NamedParams, Neighbourhood
+from gossipcomp.gossip.state import require_keys
 from gossipcomp.transport.base import PayloadSpec
 from gossipcomp.transport.codec import decode_raw, encode_raw, tensor_spec
 
@@ -50,3 +52,9 @@ class DPSGD:
                 # sum_j w_ij (x_j - x_i) = pull - (sum_j w_ij) x_i
                 pull.add_(p, alpha=-sum(live.values()))
                 p.add_(pull, alpha=self.consensus_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # stateless: each round uses only the current parameters
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        require_keys(state, set(), self.name)

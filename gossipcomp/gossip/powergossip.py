@@ -19,18 +19,22 @@ matrix, and with r = n one step averages two peers' matrices exactly.
 Step k of the run (k = round * power_steps + s) is a right step when k is even. Its phase is
 named "right{s}" or "left{s}", so both ends expect the same shapes. If an edge fails, neither
 end's vector for that side advances; the next step of the other side uses its own last vector,
-so the two ends stay in agreement when both see the failure.
+so the two ends stay in agreement when both see the failure. When an edge resumes after a
+failure or a restart, both ends draw its vectors afresh from a seed that includes the resume
+round: no data is needed to agree on them again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from gossipcomp.gossip.base import NamedParams, Neighbourhood
 from gossipcomp.gossip.linalg import hashed_seed, orthonormalize
-from gossipcomp.transport.base import PayloadSpec, TensorSpec
+from gossipcomp.gossip.state import checked_tensors, require_keys
+from gossipcomp.transport.base import Envelope, Payload, PayloadSpec, TensorSpec
 from gossipcomp.transport.codec import decode_raw, encode_raw, raw_nbytes, tensor_spec
 
 RIGHT, LEFT = "right", "left"
@@ -68,6 +72,8 @@ class PowerGossip:
         self._matrices: list[int] = []
         self._vectors: list[int] = []
         self._ranks: dict[int, int] = {}
+        self._shapes: dict[int, torch.Size] = {}
+        self._device = torch.device("cpu")
         # (neighbour, parameter index, side) -> the side's current vector ([n, r] or [m, r])
         self._state: dict[tuple[int, int, str], torch.Tensor] = {}
 
@@ -78,19 +84,56 @@ class PowerGossip:
         self._matrices = [i for i, (_, p) in enumerate(params) if p.ndim >= 2]
         self._vectors = [i for i, (_, p) in enumerate(params) if p.ndim <= 1]
         self._ranks = {i: min(self.rank, *oriented(params[i][1]).shape) for i in self._matrices}
+        self._shapes = {i: oriented(params[i][1]).shape for i in self._matrices}
+        self._device = params[0][1].device
         for j in neighbours:
-            low, high = min(rank, j), max(rank, j)
-            for i in self._matrices:
-                m, n = oriented(params[i][1]).shape
-                for side, rows in ((RIGHT, n), (LEFT, m)):
-                    g = torch.Generator().manual_seed(hashed_seed(self.seed, low, high, i, side))
-                    vector = torch.randn(rows, self._ranks[i], generator=g, dtype=torch.float32)
-                    self._state[(j, i, side)] = vector.to(params[i][1].device)
+            self._draw_vectors(j)
         specs: dict[str, PayloadSpec] = {}
         for s in range(self.power_steps):
             for side in (RIGHT, LEFT):
                 specs[f"{side}{s}"] = self._spec(params, side, with_vectors=s == 0)
         return specs
+
+    def _draw_vectors(self, neighbour: int, resume_round: int | None = None) -> None:
+        """The edge's starting vectors, from a seed both ends compute alike (the resume round
+        joins the seed when the edge resumes, so a resumed edge does not replay old vectors)."""
+        low, high = min(self._me, neighbour), max(self._me, neighbour)
+        for i in self._matrices:
+            m, n = self._shapes[i]
+            for side, rows in ((RIGHT, n), (LEFT, m)):
+                parts: tuple[int | str, ...] = (self.seed, low, high, i, side)
+                if resume_round is not None:
+                    parts += ("resume", resume_round)
+                g = torch.Generator().manual_seed(hashed_seed(*parts))
+                vector = torch.randn(rows, self._ranks[i], generator=g, dtype=torch.float32)
+                self._state[(neighbour, i, side)] = vector.to(self._device)
+
+    def resume_payload(self, params: NamedParams) -> Payload | None:
+        return None  # the vectors are redrawn from a shared seed: nothing to send
+
+    def resume_edge(self, neighbour: int, envelope: Envelope | None, round: int) -> None:
+        self._draw_vectors(neighbour, round)
+
+    def state_dict(self) -> dict[str, Any]:
+        keys = sorted(self._state)
+        return {
+            "vector_keys": [f"{j}/{i}/{side}" for j, i, side in keys],
+            "vectors": [self._state[k] for k in keys],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        require_keys(state, {"vector_keys", "vectors"}, self.name)
+        keys = sorted(self._state)
+        expected = [f"{j}/{i}/{side}" for j, i, side in keys]
+        if list(state["vector_keys"]) != expected:
+            raise ValueError(
+                f"{self.name} state: vectors for {list(state['vector_keys'])[:4]}..., "
+                f"expected {expected[:4]}... (another topology, rank or model?)"
+            )
+        restored = checked_tensors(
+            f"{self.name} vectors", [self._state[k] for k in keys], state["vectors"]
+        )
+        self._state = dict(zip(keys, restored, strict=True))
 
     def _spec(self, params: NamedParams, side: str, with_vectors: bool) -> PayloadSpec:
         specs: list[TensorSpec] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -111,6 +112,24 @@ class Identity:
     protocol_version: int = PROTOCOL_VERSION
 
 
+@dataclass(frozen=True)
+class HelloAnswer:
+    """A neighbour's answer to a handshake: its round, and the round at which the edge resumes
+    (0 when nothing needs resuming: both ends start fresh)."""
+
+    round: int
+    resume_round: int
+
+
+HelloHandler = Callable[[int, int, int], HelloAnswer]
+"""Answers an incoming handshake: (sender, sender's round, proposed resume round) -> answer."""
+
+
+def no_rejoin(sender: int, round: int, proposed: int) -> HelloAnswer:
+    """The handler of a transport whose peer never resumes edges (plain handshake only)."""
+    return HelloAnswer(0, 0)
+
+
 @dataclass
 class ExchangeResult:
     """Outcome of one exchange: what arrived, who failed, and the serialised bytes per link."""
@@ -130,9 +149,26 @@ class Transport(Protocol):
         """Declare what envelopes of `phase` must contain (per sender, or one spec for all)."""
         ...
 
-    def connect(self, addresses: Mapping[int, str], timeout: float) -> None:
+    def open_round(self, round: int) -> None:
+        """Accept envelopes from `round` on (and a few rounds ahead); older ones are late. Every
+        exchange opens its own round; a peer that jumps ahead opens the new one at once."""
+        ...
+
+    def connect(
+        self, addresses: Mapping[int, str], timeout: float, round: int = 0
+    ) -> dict[int, HelloAnswer]:
         """Handshake with every neighbour (rank -> address) within `timeout` seconds, or raise
-        PeerUnreachableError naming the missing ones (HandshakeError on a mismatch)."""
+        PeerUnreachableError naming the missing ones (HandshakeError on a mismatch). `round` is
+        the peer's round (non-zero when restored from a checkpoint): envelopes are accepted
+        from that round on, and a neighbour at another round answers with a resume round."""
+        ...
+
+    def set_hello_handler(self, handler: HelloHandler) -> None:
+        """Who answers neighbours' handshakes (and their requests to resume an edge)."""
+        ...
+
+    def probe(self, neighbour: int, round: int, proposed: int) -> Future[HelloAnswer]:
+        """Handshake again with a lost neighbour, without blocking, asking to resume the edge."""
         ...
 
     def exchange(

@@ -10,7 +10,7 @@ algorithm.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -24,12 +24,16 @@ from gossipcomp.transport.base import (
     EnvelopeRejected,
     ExchangeResult,
     HandshakeError,
+    HelloAnswer,
+    HelloHandler,
     Identity,
     Payload,
     PayloadSpec,
     PeerUnreachableError,
+    no_rejoin,
 )
 from gossipcomp.transport.inbox import Inbox
+from gossipcomp.transport.mailbox import Mailbox
 from gossipcomp.transport.wire import DEFAULT_CHUNK_BYTES, envelope_chunks, read_envelope
 
 SERVICE_NAME = "gossipcomp.v1.Gossip"
@@ -56,11 +60,12 @@ _STATUS = {code.name: code for code in grpc.StatusCode}
 
 
 class _GossipService(pb_grpc.GossipServicer):
-    """Server side: handshake checks and validated delivery into the inbox."""
+    """Server side: handshake checks, rejoin requests and validated delivery into the inbox."""
 
     def __init__(self, identity: Identity, inbox: Inbox) -> None:
         self._identity = identity
         self._inbox = inbox
+        self.on_hello: HelloHandler = no_rejoin
 
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
         mine = self._identity
@@ -82,11 +87,14 @@ class _GossipService(pb_grpc.GossipServicer):
                 f"sender: peer {request.sender} is not a neighbour of peer {mine.rank} "
                 f"(expected one of {sorted(self._inbox.neighbours)})",
             )
+        answer = self.on_hello(request.sender, request.round, request.proposed_resume_round)
         return pb.HelloReply(
             protocol_version=mine.protocol_version,
             receiver=mine.rank,
             topology_hash=mine.topology_hash,
             model_signature=mine.model_signature,
+            round=answer.round,
+            resume_round=answer.resume_round,
         )
 
     def Push(
@@ -104,6 +112,19 @@ class _GossipService(pb_grpc.GossipServicer):
         except EnvelopeRejected as rejected:
             context.abort(_STATUS[rejected.code.value], str(rejected))
         return pb.PushReply(received_bytes=wire_bytes)
+
+
+def _abandon_on_failure(
+    mailbox: Mailbox, round: int, phase: str, neighbour: int
+) -> Callable[[futures.Future[int] | grpc.Future], None]:
+    """A push callback: when the neighbour refused our envelope (or could not be reached), it
+    has moved on or gone, so the round stops waiting for its envelope."""
+
+    def callback(push: futures.Future[int] | grpc.Future) -> None:
+        if push.cancelled() or push.exception() is not None:
+            mailbox.abandon(round, phase, neighbour)
+
+    return callback
 
 
 def _handlers(service: _GossipService) -> grpc.GenericRpcHandler:
@@ -174,12 +195,23 @@ class GrpcTransport:
     def expect(self, phase: str, specs: Mapping[int, PayloadSpec] | PayloadSpec) -> None:
         self._inbox.expect(phase, specs)
 
-    def connect(self, addresses: Mapping[int, str], timeout: float) -> None:
+    def open_round(self, round: int) -> None:
+        self._inbox.mailbox.open_round(round)
+
+    def set_hello_handler(self, handler: HelloHandler) -> None:
+        self._service.on_hello = handler
+
+    def connect(
+        self, addresses: Mapping[int, str], timeout: float, round: int = 0
+    ) -> dict[int, HelloAnswer]:
         """Open channels to every neighbour and handshake, retrying until `timeout` seconds.
 
         Neighbours may start in any order: unreachable ones are retried with backoff. A
         mismatching neighbour raises HandshakeError at once; still unreachable ones at the end
-        raise PeerUnreachableError naming them and their addresses.
+        raise PeerUnreachableError naming them and their addresses. `round` is this peer's
+        round (non-zero when restored from a checkpoint): the mailbox opens at it before anyone
+        is greeted. Returns each neighbour's answer (its round, and a resume round if the edge
+        must be resynchronised).
         """
         missing = [j for j in self._neighbours if j not in addresses]
         if missing:
@@ -197,12 +229,9 @@ class GrpcTransport:
                 self._push_ones[j] = channel.unary_unary(
                     f"/{SERVICE_NAME}/PushOne", response_deserializer=pb.PushReply.FromString
                 )
-        request = pb.HelloRequest(
-            protocol_version=self._identity.protocol_version,
-            sender=self.rank,
-            topology_hash=self._identity.topology_hash,
-            model_signature=self._identity.model_signature,
-        )
+        self._inbox.mailbox.open_round(round)
+        request = self._hello_request(round, 0)
+        answers: dict[int, HelloAnswer] = {}
         deadline = time.monotonic() + timeout
         pending = set(self._neighbours)
         last_error: dict[int, str] = {}
@@ -211,7 +240,8 @@ class GrpcTransport:
             for j in sorted(pending):
                 attempt = min(self._options.hello_timeout, max(0.05, deadline - time.monotonic()))
                 try:
-                    self._stubs[j].Hello(request, timeout=attempt)
+                    reply = self._stubs[j].Hello(request, timeout=attempt)
+                    answers[j] = HelloAnswer(reply.round, reply.resume_round)
                     pending.discard(j)
                 except grpc.RpcError as error:
                     code = error.code()
@@ -236,6 +266,37 @@ class GrpcTransport:
                 )
             time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
             backoff = min(backoff * 2, 1.0)
+        return answers
+
+    def _hello_request(self, round: int, proposed: int) -> pb.HelloRequest:
+        return pb.HelloRequest(
+            protocol_version=self._identity.protocol_version,
+            sender=self.rank,
+            topology_hash=self._identity.topology_hash,
+            model_signature=self._identity.model_signature,
+            round=round,
+            proposed_resume_round=proposed,
+        )
+
+    def probe(self, neighbour: int, round: int, proposed: int) -> futures.Future[HelloAnswer]:
+        """Ask a lost neighbour, without blocking, to resume the edge (a Hello with our round and
+        a proposed resume round); the future fails if it does not answer within hello_timeout."""
+        if neighbour not in self._stubs:
+            raise RuntimeError(f"peer {self.rank}: probe before connect()")
+        call = self._stubs[neighbour].Hello.future(
+            self._hello_request(round, proposed), timeout=self._options.hello_timeout
+        )
+        answer: futures.Future[HelloAnswer] = futures.Future()
+
+        def done(finished: grpc.Future) -> None:
+            try:
+                reply = finished.result()
+                answer.set_result(HelloAnswer(reply.round, reply.resume_round))
+            except BaseException as error:  # an RpcError or a cancellation: the probe failed
+                answer.set_exception(error)
+
+        call.add_done_callback(done)
+        return answer
 
     def send(self, neighbour: int, envelope: Envelope, deadline: float) -> int:
         """Stream one envelope to a neighbour before `deadline` (time.monotonic); return its bytes.
@@ -278,6 +339,7 @@ class GrpcTransport:
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch)
                 chunked[id(payload)] = list(envelope_chunks(envelope, self._options.chunk_bytes))
         pushes: dict[int, futures.Future[int] | grpc.Future] = {}
+        mailbox = self._inbox.mailbox
         for j, payload in outgoing.items():
             chunks = chunked[id(payload)]
             if len(chunks) == 1:  # one unary call, issued asynchronously: no thread per push
@@ -285,6 +347,8 @@ class GrpcTransport:
                 pushes[j] = self._push_ones[j].future(chunks[0], timeout=remaining)
             else:
                 pushes[j] = self._pool.submit(self._send_chunks, j, chunks, deadline)
+            # a refused push means the neighbour has moved on or gone: stop waiting for it
+            pushes[j].add_done_callback(_abandon_on_failure(mailbox, round, phase, j))
         arrived = self._inbox.mailbox.collect(round, phase, outgoing.keys(), deadline)
         result = ExchangeResult()
         for j, push in pushes.items():

@@ -3,7 +3,10 @@
 A peer's neighbours may run up to a round ahead, so envelopes for the current and a few future
 rounds are held; anything for a round already finished is late and refused, a second envelope
 for the same (round, phase, sender) is a duplicate and refused, so nothing is applied twice or
-to the wrong round.
+to the wrong round. When `collect` gives up on a sender at its deadline, that sender's envelope
+for the (round, phase) is refused if it comes later: a sender whose push was acknowledged knows
+its envelope was collected, so both ends of an edge see the same outcome unless the
+acknowledgement itself is lost.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ class Mailbox:
         self._floor = 0
         self._items: dict[tuple[int, str, int], tuple[Envelope, int]] = {}
         self._consumed: set[tuple[int, str, int]] = set()
+        self._closed: set[tuple[int, str, int]] = set()  # collect gave up on these
+        self._abandoned: set[tuple[int, str, int]] = set()  # known not to come: stop waiting
         self._cond = threading.Condition()
 
     def open_round(self, round: int) -> None:
@@ -34,6 +39,8 @@ class Mailbox:
                 self._floor = round
                 self._items = {k: v for k, v in self._items.items() if k[0] >= round}
                 self._consumed = {k for k in self._consumed if k[0] >= round}
+                self._closed = {k for k in self._closed if k[0] >= round}
+                self._abandoned = {k for k in self._abandoned if k[0] >= round}
 
     def deliver(self, envelope: Envelope, wire_bytes: int) -> None:
         """Store a validated envelope, or refuse it as late, too early or a duplicate."""
@@ -57,6 +64,12 @@ class Mailbox:
                     f"duplicate envelope for round {envelope.round}, phase {envelope.phase!r} "
                     f"from peer {envelope.sender}",
                 )
+            if key in self._closed:
+                raise EnvelopeRejected(
+                    RejectCode.FAILED_PRECONDITION,
+                    f"round {envelope.round}, phase {envelope.phase!r}: arrived after peer's "
+                    "deadline for it (the round went on without this envelope)",
+                )
             self._items[key] = (envelope, wire_bytes)
             self._cond.notify_all()
 
@@ -65,12 +78,19 @@ class Mailbox:
     ) -> dict[int, tuple[Envelope, int]]:
         """Wait until every sender's envelope for (round, phase) is here or the deadline passes.
 
-        Returns (and removes) the envelopes that arrived, with their wire bytes.
+        Returns (and removes) the envelopes that arrived, with their wire bytes. Senders given up
+        with `abandon` are not waited for; those still missing at the end are closed: their
+        envelope for this (round, phase) is refused should it arrive later.
         """
         wanted = set(senders)
         with self._cond:
             while True:
-                missing = [s for s in wanted if (round, phase, s) not in self._items]
+                missing = [
+                    s
+                    for s in wanted
+                    if (round, phase, s) not in self._items
+                    and (round, phase, s) not in self._abandoned
+                ]
                 remaining = deadline - time.monotonic()
                 if not missing or remaining <= 0:
                     break
@@ -81,7 +101,16 @@ class Mailbox:
                 if key in self._items:
                     arrived[s] = self._items.pop(key)
                     self._consumed.add(key)
+                else:
+                    self._closed.add(key)
             return arrived
+
+    def abandon(self, round: int, phase: str, sender: int) -> None:
+        """Stop waiting for `sender`'s envelope of (round, phase): it is known not to come (our
+        push to that sender was refused, so it has moved on or gone)."""
+        with self._cond:
+            self._abandoned.add((round, phase, sender))
+            self._cond.notify_all()
 
     def pending(self) -> int:
         with self._cond:

@@ -2,34 +2,75 @@
 
 Envelopes pass through the same Inbox validation as over gRPC, and the bytes reported are the
 serialised size of the chunks gRPC would send, so algorithms behave and account identically.
+The hub also injects network faults deterministically, as a real network shows them to a
+sender: a message lost on the way (the push fails, nothing arrives; handshakes fail too, so a
+partition is a set of lost directions), or an acknowledgement lost (the envelope arrives and
+is used, yet the sender sees its push fail: the asymmetric failure).
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
+from concurrent.futures import Future
 
 from gossipcomp.transport.base import (
     Envelope,
     EnvelopeRejected,
     ExchangeResult,
     HandshakeError,
+    HelloAnswer,
+    HelloHandler,
     Identity,
     Payload,
     PayloadSpec,
     PeerUnreachableError,
+    no_rejoin,
 )
 from gossipcomp.transport.inbox import Inbox
 from gossipcomp.transport.wire import envelope_wire_bytes, header_of
 
 
+class Fault(enum.Enum):
+    """What the hub does to messages in one direction (sender -> receiver)."""
+
+    LOST = "lost"  # nothing arrives; the sender's push and handshakes fail
+    ACK_LOST = "ack lost"  # the envelope arrives and is used; the sender's push fails
+
+
 class InMemoryHub:
-    """The shared 'network' of InMemoryTransports living in one process."""
+    """The shared 'network' of InMemoryTransports living in one process, with injected faults."""
 
     def __init__(self) -> None:
         self._transports: dict[int, InMemoryTransport] = {}
+        self._faults: dict[tuple[int, int], Fault] = {}
         self._lock = threading.Lock()
+
+    def inject(self, sender: int, receiver: int, fault: Fault) -> None:
+        """Apply `fault` to every message from `sender` to `receiver` until `heal`."""
+        with self._lock:
+            self._faults[(sender, receiver)] = fault
+
+    def partition(self, *groups: Iterable[int]) -> None:
+        """Lose every message between peers of different groups, both ways."""
+        sets = [set(g) for g in groups]
+        for a, first in enumerate(sets):
+            for second in sets[a + 1 :]:
+                for i in first:
+                    for j in second:
+                        self.inject(i, j, Fault.LOST)
+                        self.inject(j, i, Fault.LOST)
+
+    def heal(self) -> None:
+        """Remove every injected fault."""
+        with self._lock:
+            self._faults.clear()
+
+    def fault(self, sender: int, receiver: int) -> Fault | None:
+        with self._lock:
+            return self._faults.get((sender, receiver))
 
     def register(self, transport: InMemoryTransport) -> None:
         with self._lock:
@@ -61,10 +102,14 @@ class InMemoryTransport:
         self._neighbours = sorted(neighbours)
         self._hub = hub
         self._inbox = Inbox(self.rank, neighbours, max_envelope_bytes)
+        self._on_hello: HelloHandler = no_rejoin
         hub.register(self)
 
     def expect(self, phase: str, specs: Mapping[int, PayloadSpec] | PayloadSpec) -> None:
         self._inbox.expect(phase, specs)
+
+    def open_round(self, round: int) -> None:
+        self._inbox.mailbox.open_round(round)
 
     def receive(self, envelope: Envelope) -> int:
         """Validate and store an envelope as if it came over the wire; return its wire bytes."""
@@ -73,8 +118,32 @@ class InMemoryTransport:
         self._inbox.accept(envelope, spec, wire_bytes)
         return wire_bytes
 
-    def connect(self, addresses: Mapping[int, str], timeout: float) -> None:
-        """Wait until every neighbour is on the hub with the same topology, model and protocol."""
+    def set_hello_handler(self, handler: HelloHandler) -> None:
+        self._on_hello = handler
+
+    def hello(self, sender: int, round: int, proposed: int) -> HelloAnswer:
+        """A neighbour's handshake arriving here (the in-process Hello)."""
+        return self._on_hello(sender, round, proposed)
+
+    def probe(self, neighbour: int, round: int, proposed: int) -> Future[HelloAnswer]:
+        answer: Future[HelloAnswer] = Future()
+        target = self._hub.lookup(neighbour)
+        lost = Fault.LOST in (
+            self._hub.fault(self.rank, neighbour),
+            self._hub.fault(neighbour, self.rank),
+        )
+        if target is None or lost:
+            answer.set_exception(PeerUnreachableError(f"peer {neighbour} cannot be reached"))
+        else:
+            answer.set_result(target.hello(self.rank, round, proposed))
+        return answer
+
+    def connect(
+        self, addresses: Mapping[int, str], timeout: float, round: int = 0
+    ) -> dict[int, HelloAnswer]:
+        """Wait until every neighbour is on the hub with the same topology, model and protocol;
+        then greet each at `round` (see Transport.connect)."""
+        self._inbox.mailbox.open_round(round)
         deadline = time.monotonic() + timeout
         while True:
             missing = [j for j in self._neighbours if self._hub.lookup(j) is None]
@@ -94,6 +163,12 @@ class InMemoryTransport:
                 self.identity.protocol_version,
             ):
                 raise HandshakeError(f"peer {self.rank}: peer {j} has identity {other.identity}")
+        answers = {}
+        for j in self._neighbours:
+            other = self._hub.lookup(j)
+            if other is not None:
+                answers[j] = other.hello(self.rank, round, 0)
+        return answers
 
     def exchange(
         self,
@@ -108,15 +183,21 @@ class InMemoryTransport:
         result = ExchangeResult()
         for j, payload in outgoing.items():
             target = self._hub.lookup(j)
-            if target is None:
-                result.failed[j] = "not on the hub"
-                continue
+            fault = self._hub.fault(self.rank, j)
             try:
+                if target is None or fault is Fault.LOST:
+                    raise PeerUnreachableError("not on the hub" if target is None else "lost")
                 result.bytes_sent[j] = target.receive(
                     Envelope(self.rank, round, phase, payload, schedule_epoch)
                 )
+                if fault is Fault.ACK_LOST:
+                    raise PeerUnreachableError("acknowledgement lost")
             except EnvelopeRejected as rejected:
                 result.failed[j] = f"push refused: {rejected.code.value}: {rejected}"
+            except PeerUnreachableError as error:
+                result.failed[j] = f"push failed: {error}"
+            if j in result.failed:  # it has moved on or gone: do not wait for its envelope
+                self._inbox.mailbox.abandon(round, phase, j)
         arrived = self._inbox.mailbox.collect(round, phase, outgoing.keys(), deadline)
         for j in outgoing:
             if j in result.failed:

@@ -1,0 +1,210 @@
+"""Which neighbours a peer gossips with this round, and how lost ones come back.
+
+A neighbour whose exchange failed is *down*: the peer leaves it out of its rounds at once (no
+more waiting a full deadline every round) and its mixing weight stays with the peer itself, which
+keeps the live mixing matrix symmetric and doubly stochastic. The lower-ranked end of a lost edge
+probes the other with a handshake, with exponential backoff; a peer restarted from a checkpoint
+asks every neighbour at start. The two ends of an answered probe agree on a *resume round* R
+(the largest of either end's round plus a margin and any round already agreed), and at
+round R both resynchronise the edge's state (the algorithm's resume phase) before gossiping on it
+again. So an edge is used only when both ends put it back at the same round.
+
+Rounds drift apart while an edge is down (a restarted peer starts from its checkpoint's round;
+the two sides of a partition run at their own pace). The end that is behind catches up by
+jumping to R (`catch_up_round`): a jumping peer's other edges then see rounds out of step, fail
+once, and resume the same way, so the catch-up spreads until rounds line up again.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from gossipcomp.transport.base import HelloAnswer
+
+log = logging.getLogger(__name__)
+
+RESUME_MARGIN = 5  # rounds between agreeing on a resume round and using it
+
+
+class LinkState(enum.Enum):
+    UP = "up"
+    DOWN = "down"
+    RESUMING = "resuming"  # both ends agreed to resume at `resume_round`
+
+
+@dataclass
+class _Link:
+    state: LinkState = LinkState.UP
+    resume_round: int = 0
+    retry_at: float = 0.0  # monotonic time of the next probe (DOWN, probing end only)
+    backoff: float = 0.0
+    probe: Future[HelloAnswer] | None = None
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delays between probes of a lost neighbour: first, doubling up to `longest` (seconds)."""
+
+    first: float = 0.25
+    longest: float = 4.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first <= self.longest:
+            raise ValueError(
+                f"backoff needs 0 < first <= longest, got {self.first}, {self.longest}"
+            )
+
+
+class LinkMonitor:
+    """Liveness of one peer's edges: up, down (probed with backoff), or resuming at a round.
+
+    Thread-safe: `answer_hello` runs on the server's threads, everything else on the peer's.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        neighbours: Collection[int],
+        backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rank = rank
+        self.backoff = backoff or Backoff()
+        self._clock = clock
+        self._links = {j: _Link() for j in sorted(neighbours)}
+        self._lock = threading.Lock()
+
+    def state(self, neighbour: int) -> LinkState:
+        with self._lock:
+            return self._links[neighbour].state
+
+    def live(self) -> list[int]:
+        """Neighbours to gossip with this round."""
+        with self._lock:
+            return [j for j, link in self._links.items() if link.state is LinkState.UP]
+
+    def resuming_at(self, round: int) -> list[int]:
+        """Neighbours whose edge resumes at `round`; a resume round already missed (the peer is
+        past it) counts as a failure, so the edge is probed again."""
+        due, missed = [], []
+        with self._lock:
+            for j, link in self._links.items():
+                if link.state is LinkState.RESUMING:
+                    if link.resume_round == round:
+                        due.append(j)
+                    elif link.resume_round < round:
+                        missed.append(j)
+        for j in missed:
+            self.failed(j, round, "resume round passed before it was reached")
+        return due
+
+    def catch_up_round(self, round: int) -> int | None:
+        """The round to jump to when an edge resumes well ahead of `round` (this peer is behind:
+        restarted from a checkpoint, or on the slower side of a healed partition): the
+        earliest such resume round, or None when no edge is that far ahead."""
+        with self._lock:
+            ahead = [
+                link.resume_round
+                for link in self._links.values()
+                if link.state is LinkState.RESUMING and link.resume_round > round + RESUME_MARGIN
+            ]
+        return min(ahead, default=None)
+
+    def up(self, neighbour: int) -> None:
+        with self._lock:
+            self._links[neighbour].state = LinkState.UP
+
+    def failed(self, neighbour: int, round: int, reason: str, only_if_up: bool = False) -> None:
+        """An exchange with `neighbour` failed: leave it out from now on and probe it later
+        (the first probe after `backoff.first` seconds; each unanswered one doubles the wait).
+        With `only_if_up`, an edge already agreed to resume (a handshake came in while the
+        exchange was failing) keeps its resume round."""
+        with self._lock:
+            link = self._links[neighbour]
+            if link.state is LinkState.DOWN or (only_if_up and link.state is not LinkState.UP):
+                return
+            log.warning(
+                "peer %d: neighbour %d down at round %d (%s)", self.rank, neighbour, round, reason
+            )
+            link.state, link.backoff = LinkState.DOWN, self.backoff.first
+            link.retry_at = self._clock() + link.backoff
+
+    def _probe_unanswered(self, neighbour: int) -> None:
+        with self._lock:
+            link = self._links[neighbour]
+            link.backoff = min(self.backoff.longest, 2 * link.backoff)
+            link.retry_at = self._clock() + link.backoff
+
+    def resume(self, neighbour: int, resume_round: int, round: int) -> None:
+        """Adopt a resume round agreed by handshake (the largest either end proposed)."""
+        with self._lock:
+            link = self._links[neighbour]
+            if resume_round <= round:  # too late to meet it: the other end will fail it too
+                return
+            if link.state is LinkState.RESUMING:
+                resume_round = max(resume_round, link.resume_round)
+            link.state, link.resume_round = LinkState.RESUMING, resume_round
+            link.backoff = 0.0
+
+    def answer_hello(
+        self, sender: int, sender_round: int, proposed: int, round: int
+    ) -> HelloAnswer:
+        """Answer a neighbour's handshake.
+
+        A (re)start (nothing proposed) at our own round, on an edge we never lost, needs no
+        resynchronisation: both ends hold the edge's state as of the same round (a fresh start
+        at round 0, or a whole network restored from checkpoints of the same round). Otherwise
+        the edge resumes at the largest of the proposal, either end's round plus the margin,
+        and any resume round already agreed."""
+        with self._lock:
+            link = self._links[sender]
+            if proposed == 0 and sender_round == round and link.state is LinkState.UP:
+                return HelloAnswer(round, 0)
+            resume_round = max(proposed, round + RESUME_MARGIN, sender_round + RESUME_MARGIN)
+            if link.state is LinkState.RESUMING and link.resume_round > round:
+                resume_round = max(resume_round, link.resume_round)
+            link.state, link.resume_round = LinkState.RESUMING, resume_round
+        log.warning(
+            "peer %d: neighbour %d (round %d) rejoins at round %d",
+            self.rank,
+            sender,
+            sender_round,
+            resume_round,
+        )
+        return HelloAnswer(round, resume_round)
+
+    def poll_probes(
+        self, round: int, probe: Callable[[int, int, int], Future[HelloAnswer]]
+    ) -> None:
+        """Collect answered probes and send due ones. Only the lower-ranked end of an edge
+        probes, so the two ends never race to agree on different resume rounds."""
+        now = self._clock()
+        answered: list[tuple[int, Future[HelloAnswer]]] = []
+        to_send: list[int] = []
+        with self._lock:
+            for j, link in self._links.items():
+                if link.probe is not None and link.probe.done():
+                    answered.append((j, link.probe))
+                    link.probe = None
+                elif (
+                    link.state is LinkState.DOWN
+                    and link.probe is None
+                    and self.rank < j
+                    and now >= link.retry_at
+                ):
+                    to_send.append(j)
+        for j, finished in answered:
+            if finished.exception() is None:
+                self.resume(j, finished.result().resume_round, round)
+            else:
+                self._probe_unanswered(j)
+        for j in to_send:
+            future = probe(j, round, round + RESUME_MARGIN)
+            with self._lock:
+                self._links[j].probe = future

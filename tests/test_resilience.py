@@ -1,0 +1,316 @@
+"""Faults in one process: partitions that heal, asymmetric failures, the live mixing matrix,
+and checkpoints that restore a network exactly.
+
+Faults are injected deterministically by the in-memory hub (messages lost both ways, or an
+acknowledgement lost); processes that really die are in tests/test_peer_processes.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from conftest import consensus_distance, run_in_threads, stacked
+from torch import nn
+
+from gossipcomp.checkpoint import CheckpointStore
+from gossipcomp.compress import parse_spec
+from gossipcomp.data import load_digits_split
+from gossipcomp.experiment import PeerTrainer, TrainConfig, build_algorithm
+from gossipcomp.gossip import DEFATC, DPSGD, Choco, LinkStats, PowerGossip
+from gossipcomp.links import Backoff, LinkState
+from gossipcomp.models import build_mlp, model_signature
+from gossipcomp.peer import Peer
+from gossipcomp.topology import Topology, load_topology
+from gossipcomp.transport.base import Identity
+from gossipcomp.transport.memory import Fault, InMemoryHub, InMemoryTransport
+
+FAST_BACKOFF = Backoff(first=0.005, longest=0.02)
+
+
+def _models(n: int) -> list[nn.Module]:
+    out = []
+    for r in range(n):
+        torch.manual_seed(100 + r)
+        out.append(nn.Sequential(nn.Linear(9, 6), nn.Linear(6, 3)))
+    return out
+
+
+def _network(
+    topology: Topology, models, algorithm, hub: InMemoryHub, round_timeout: float = 0.3
+) -> list[Peer]:
+    peers = []
+    for r, m in enumerate(models):
+        identity = Identity(r, topology.hash, model_signature(m))
+        transport = InMemoryTransport(identity, topology.neighbors(r), hub)
+        peers.append(
+            Peer(
+                m,
+                topology,
+                r,
+                algorithm(),
+                transport,
+                round_timeout=round_timeout,
+                backoff=FAST_BACKOFF,
+            )
+        )
+    for p in peers:
+        p.start(5, {})
+    return peers
+
+
+def _rounds(peers: list[Peer], n: int, pause: float = 0.0) -> None:
+    for _ in range(n):
+        run_in_threads([p.gossip for p in peers])
+        if pause:
+            time.sleep(pause)
+
+
+def _all_up(peers: list[Peer]) -> bool:
+    return all(
+        p.links.state(j) is LinkState.UP for p in peers for j in p.topology.neighbors(p.rank)
+    )
+
+
+def _group_sum(peers: list[Peer], group: range) -> list[torch.Tensor]:
+    return [x[list(group)].sum(0) for x in stacked(peers)]
+
+
+def _live_matrix(peers: list[Peer]) -> torch.Tensor:
+    """The mixing matrix the peers use this round, rebuilt from each one's live neighbourhood."""
+    n = len(peers)
+    w = torch.zeros(n, n, dtype=torch.float64)
+    for p in peers:
+        hood = p._neighbourhood(LinkStats(), p.links.live())
+        w[p.rank, p.rank] = hood.self_weight
+        for j, weight in hood.weights.items():
+            w[p.rank, j] = weight
+    return w
+
+
+ALGORITHMS = {
+    "dpsgd": lambda: DPSGD(consensus_step=1.0),
+    "choco-sign": lambda: Choco(parse_spec("sign")),
+    "powergossip": lambda: PowerGossip(rank=2, consensus_step=1.0),
+    "def-sign": lambda: DEFATC(parse_spec("sign")),
+}
+PRESERVES_SUM = {"dpsgd", "choco-sign", "powergossip"}
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_partition_then_heal_each_side_keeps_its_sum_and_consensus_returns(name):
+    """ring8 cut into {0..3} and {4..7}: neither side's sum moves while cut (no half-applied
+    exchange), the live mixing matrix stays symmetric and doubly stochastic, and after healing
+    the edges resume and the whole network comes to consensus, with the global sum kept."""
+    topology = load_topology("topologies/ring8.yaml")
+    hub = InMemoryHub()
+    models = _models(8) if name != "def-sign" else [copy.deepcopy(_models(1)[0]) for _ in range(8)]
+    peers = _network(topology, models, ALGORITHMS[name], hub)
+    if name == "def-sign":  # DEF-ATC's references start at the common model: perturb after setup
+        with torch.no_grad():
+            for p in peers:
+                for q in p.model.parameters():
+                    q.add_(torch.randn(q.shape, generator=torch.Generator().manual_seed(p.rank)))
+    total = [x.sum(0) for x in stacked(peers)]
+    _rounds(peers, 2)
+    left, right = range(0, 4), range(4, 8)
+    hub.partition(left, right)
+    _rounds(peers, 1)  # the cut is seen at once: lost pushes fail, no deadline waited
+    sides = (_group_sum(peers, left), _group_sum(peers, right))
+    start = time.monotonic()
+    _rounds(peers, 30)
+    assert time.monotonic() - start < 30 * 0.3 / 2, "rounds waited for the cut neighbours"
+    for p in peers:
+        cut = {0: 7, 3: 4, 4: 3, 7: 0}.get(p.rank)
+        if cut is not None:
+            assert p.links.state(cut) is LinkState.DOWN
+    w = _live_matrix(peers)
+    assert w[3, 4] == w[4, 3] == w[0, 7] == w[7, 0] == 0
+    assert torch.allclose(w, w.T) and torch.allclose(w.sum(1), torch.ones(8, dtype=w.dtype))
+    assert bool((w >= 0).all())
+    if name in PRESERVES_SUM:
+        for before, after in zip(
+            sides, (_group_sum(peers, left), _group_sum(peers, right)), strict=True
+        ):
+            for b, a in zip(before, after, strict=True):
+                assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+    # each side agrees within itself, not with the other side
+    means = [[x[list(g)].mean(0) for x in stacked(peers)] for g in (left, right)]
+    gap = sum(float((a - b).pow(2).sum()) for a, b in zip(*means, strict=True))
+    d_cut = consensus_distance(peers)
+    assert gap > 0.1 * d_cut
+
+    hub.heal()
+    for _ in range(100):
+        _rounds(peers, 1, pause=0.005)
+        if _all_up(peers):
+            break
+    assert _all_up(peers), "edges did not resume after healing"
+    _rounds(peers, 120 if name != "def-sign" else 200)
+    assert consensus_distance(peers) < 1e-3 * d_cut
+    if name in PRESERVES_SUM:
+        for b, x in zip(total, stacked(peers), strict=True):
+            assert torch.allclose(x.sum(0), b, atol=1e-4), (x.sum(0) - b).abs().max()
+
+
+@pytest.mark.parametrize("name", ["choco-sign", "def-sign"])
+def test_an_asymmetric_failure_is_healed_by_resynchronising_the_edge(name):
+    """Peer 0's acknowledgement from peer 1 is lost once: peer 1 used peer 0's envelope, peer 0
+    did not use peer 1's. Their copies of each other's state then disagree; the edge goes down,
+    resumes at an agreed round, and afterwards each end's copy equals the other's own bit for
+    bit, and (Choco) the network sum stops moving."""
+    topology = load_topology("topologies/ring4.yaml")
+    hub = InMemoryHub()
+    peers = _network(
+        topology, [copy.deepcopy(_models(1)[0]) for _ in range(4)], ALGORITHMS[name], hub
+    )
+    with torch.no_grad():
+        for p in peers:
+            for q in p.model.parameters():
+                q.add_(torch.randn(q.shape, generator=torch.Generator().manual_seed(p.rank)))
+
+    def tracked(at: Peer, of: int) -> list[torch.Tensor]:
+        algo = at.algorithm
+        return algo.neighbour_public[of] if name == "choco-sign" else algo.neighbour_references[of]
+
+    def own(p: Peer) -> list[torch.Tensor]:
+        return p.algorithm.public if name == "choco-sign" else p.algorithm.reference
+
+    _rounds(peers, 2)
+    hub.inject(0, 1, Fault.ACK_LOST)
+    _rounds(peers, 1)
+    hub.heal()
+    assert peers[0].links.state(1) is LinkState.DOWN
+    assert any(
+        not torch.equal(a, b) for a, b in zip(tracked(peers[0], 1), own(peers[1]), strict=True)
+    )
+    for _ in range(60):
+        _rounds(peers, 1, pause=0.005)
+        if _all_up(peers):
+            break
+    assert _all_up(peers)
+    for p in peers:
+        for j in p.topology.neighbors(p.rank):
+            for a, b in zip(tracked(p, j), own(peers[j]), strict=True):
+                assert torch.equal(a, b), (p.rank, j)
+    if name == "choco-sign":
+        before = [x.sum(0) for x in stacked(peers)]
+        _rounds(peers, 10)
+        for b, x in zip(before, stacked(peers), strict=True):
+            assert torch.allclose(x.sum(0), b, atol=1e-4)
+
+
+def _trainers(
+    topology: Topology, config: TrainConfig, hub: InMemoryHub, directory, every: int
+) -> list[PeerTrainer]:
+    data = load_digits_split(seed=config.seed)
+    trainers = []
+    for rank in range(topology.n):
+        model = build_mlp(config.seed)
+        transport = InMemoryTransport(
+            Identity(rank, topology.hash, model_signature(model)), topology.neighbors(rank), hub
+        )
+        peer = Peer(model, topology, rank, build_algorithm(config, topology), transport)
+        store = CheckpointStore(directory, rank) if directory is not None else None
+        trainers.append(PeerTrainer(peer, data, config, store, every))
+    return trainers
+
+
+def _train(trainers: list[PeerTrainer]) -> None:
+    for t in trainers:
+        t.peer.start(5, {})
+    run_in_threads([t.run for t in trainers])
+
+
+def _state_of(trainer: PeerTrainer) -> list[torch.Tensor]:
+    algo = trainer.peer.algorithm.state_dict()
+    tensors = [p.detach() for p in trainer.peer.model.parameters()]
+    for value in algo.values():
+        items = [value[j] for j in sorted(value)] if isinstance(value, dict) else [value]
+        for item in items:
+            tensors += [t for t in item if isinstance(t, torch.Tensor)]
+    assert len(tensors) > 6  # the algorithm's state is compared too, not only the model
+    return tensors
+
+
+@pytest.mark.parametrize(
+    "algorithm,extra",
+    [
+        ("choco", {"compressor": "sign"}),
+        ("powergossip", {}),
+        ("def", {"compressor": "topk:ratio=0.1"}),
+    ],
+)
+def test_a_network_restored_from_checkpoints_continues_bit_for_bit(tmp_path, algorithm, extra):
+    """Train 40 rounds straight; separately train 20, checkpoint, rebuild every peer from its
+    files (new models, optimizers, algorithms, transports) and train 20 more: the models and
+    every piece of algorithm state agree bit for bit, so nothing was lost or applied twice."""
+    topology = load_topology("topologies/ring4.yaml")
+    straight = _trainers(
+        topology,
+        TrainConfig(algorithm=algorithm, rounds=40, eval_every=0, **extra),
+        InMemoryHub(),
+        None,
+        0,
+    )
+    _train(straight)
+    first = _trainers(
+        topology,
+        TrainConfig(algorithm=algorithm, rounds=20, eval_every=0, **extra),
+        InMemoryHub(),
+        tmp_path,
+        10,
+    )
+    _train(first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"rank{r}-round{n:09d}.ckpt" for r in range(4) for n in (10, 20)
+    ]
+    resumed = _trainers(
+        topology,
+        TrainConfig(algorithm=algorithm, rounds=40, eval_every=0, **extra),
+        InMemoryHub(),
+        tmp_path,
+        10,
+    )
+    for t in resumed:
+        assert t.restore() == 20
+    _train(resumed)
+    for a, b in zip(straight, resumed, strict=True):
+        assert a.peer.round == b.peer.round == 40
+        for x, y in zip(_state_of(a), _state_of(b), strict=True):
+            assert torch.equal(x, y)
+        assert a.peer.stats.bytes_sent == b.peer.stats.bytes_sent
+
+
+def test_a_checkpoint_from_another_configuration_is_refused_naming_the_difference(tmp_path):
+    topology = load_topology("topologies/ring4.yaml")
+    _train(
+        _trainers(
+            topology,
+            TrainConfig(algorithm="dpsgd", rounds=10, eval_every=0),
+            InMemoryHub(),
+            tmp_path,
+            10,
+        )
+    )
+    other = _trainers(
+        topology,
+        TrainConfig(algorithm="dpsgd", rounds=10, lr=0.05, eval_every=0),
+        InMemoryHub(),
+        tmp_path,
+        10,
+    )
+    with pytest.raises(ValueError, match=r"lr \(saved 0.1, now 0.05\)"):
+        other[0].restore()
+    wrong_model = _trainers(
+        topology,
+        TrainConfig(algorithm="choco", compressor="sign", rounds=10, eval_every=0),
+        InMemoryHub(),
+        tmp_path,
+        10,
+    )
+    with pytest.raises(ValueError, match="algorithm"):
+        wrong_model[0].restore()
+    assert wrong_model[0].peer.round == 0
