@@ -11,8 +11,9 @@ again. So an edge is used only when both ends put it back at the same round.
 
 Rounds drift apart while an edge is down (a restarted peer starts from its checkpoint's round;
 the two sides of a partition run at their own pace). The end that is behind catches up by
-jumping to R (`catch_up_round`): a jumping peer's other edges then see rounds out of step, fail
-once, and resume the same way, so the catch-up spreads until rounds line up again.
+jumping to the round the other end had when they agreed, R less the margin (`catch_up_round`):
+a jumping peer's other edges then see rounds out of step, fail once, and resume the same way,
+so the catch-up spreads, level and never overshooting, until rounds line up again.
 """
 
 from __future__ import annotations
@@ -73,8 +74,12 @@ class LinkMonitor:
         neighbours: Collection[int],
         backoff: Backoff | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_resume: Callable[[int, int], None] = lambda neighbour, round: None,
     ) -> None:
+        """`on_resume(neighbour, round)` is called whenever an edge is agreed to resume at a
+        round (the peer lets that neighbour's envelopes for it in, however far ahead)."""
         self.rank = rank
+        self._on_resume = on_resume
         self.backoff = backoff or Backoff()
         self._clock = clock
         self._links = {j: _Link() for j in sorted(neighbours)}
@@ -105,14 +110,15 @@ class LinkMonitor:
         return due
 
     def catch_up_round(self, round: int) -> int | None:
-        """The round to jump to when an edge resumes well ahead of `round` (this peer is behind:
-        restarted from a checkpoint, or on the slower side of a healed partition): the
-        earliest such resume round, or None when no edge is that far ahead."""
+        """The round to jump to when this peer is behind a neighbour it is resuming with
+        (restarted from a checkpoint, or on the slower side of a healed partition): the
+        neighbour's round when they agreed (the resume round less the margin), so both reach the
+        resume round together and this peer's other neighbours need catch up only as far."""
         with self._lock:
             ahead = [
-                link.resume_round
+                link.resume_round - RESUME_MARGIN
                 for link in self._links.values()
-                if link.state is LinkState.RESUMING and link.resume_round > round + RESUME_MARGIN
+                if link.state is LinkState.RESUMING and link.resume_round - RESUME_MARGIN > round
             ]
         return min(ahead, default=None)
 
@@ -151,6 +157,7 @@ class LinkMonitor:
                 resume_round = max(resume_round, link.resume_round)
             link.state, link.resume_round = LinkState.RESUMING, resume_round
             link.backoff = 0.0
+        self._on_resume(neighbour, resume_round)
 
     def answer_hello(
         self, sender: int, sender_round: int, proposed: int, round: int
@@ -170,6 +177,7 @@ class LinkMonitor:
             if link.state is LinkState.RESUMING and link.resume_round > round:
                 resume_round = max(resume_round, link.resume_round)
             link.state, link.resume_round = LinkState.RESUMING, resume_round
+        self._on_resume(sender, resume_round)
         log.warning(
             "peer %d: neighbour %d (round %d) rejoins at round %d",
             self.rank,

@@ -98,7 +98,7 @@ class Peer:
         self._last_mark: float | None = None
         self.alone = False  # the last round reached no neighbour
         neighbours = topology.neighbors(rank)
-        self.links = LinkMonitor(rank, neighbours, backoff)
+        self.links = LinkMonitor(rank, neighbours, backoff, on_resume=transport.allow_round)
         for phase, spec in algorithm.setup(self._params, rank, neighbours).items():
             transport.expect(phase, spec)
         transport.set_hello_handler(

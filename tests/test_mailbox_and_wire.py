@@ -83,6 +83,29 @@ def test_mailbox_refuses_late_duplicate_and_far_future():
     assert box.pending() == 1
 
 
+def test_mailbox_lets_in_an_agreed_resume_round_only_from_that_sender():
+    """A resume round agreed with a neighbour far ahead is accepted beyond the window, for that
+    sender and round only; other far rounds and senders are still refused; it stays held when
+    this peer jumps to it, and is dropped like any other once its round is finished."""
+    box = Mailbox(window=2)
+    box.allow(1, 50)
+    far = Envelope(1, 50, "resume", ())
+    box.deliver(far, 10)
+    for refused in (Envelope(1, 49, "resume", ()), Envelope(2, 50, "resume", ())):
+        with pytest.raises(EnvelopeRejected, match="at most 2 ahead"):
+            box.deliver(refused, 10)
+    with pytest.raises(EnvelopeRejected) as dup:
+        box.deliver(far, 10)
+    assert dup.value.code == RejectCode.ALREADY_EXISTS
+    box.open_round(45)  # the peer jumps: 50 is still ahead, the envelope still held
+    assert box.collect(50, "resume", [1], time.monotonic() + 1) == {1: (far, 10)}
+    box.open_round(51)
+    with pytest.raises(EnvelopeRejected, match="earlier rounds are finished"):
+        box.deliver(Envelope(1, 50, "model", ()), 10)
+    with pytest.raises(EnvelopeRejected, match="at most 2 ahead"):  # the allowance is used up
+        box.deliver(Envelope(1, 60, "model", ()), 10)
+
+
 def test_in_memory_transport_validates_and_counts_like_grpc():
     hub = InMemoryHub()
     spec = (tensor_spec("w", torch.zeros(3)),)

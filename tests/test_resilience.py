@@ -8,6 +8,7 @@ acknowledgement lost); processes that really die are in tests/test_peer_processe
 from __future__ import annotations
 
 import copy
+import threading
 import time
 
 import pytest
@@ -153,6 +154,51 @@ def test_partition_then_heal_each_side_keeps_its_sum_and_consensus_returns(name)
     if name in PRESERVES_SUM:
         for b, x in zip(total, stacked(peers), strict=True):
             assert torch.allclose(x.sum(0), b, atol=1e-4), (x.sum(0) - b).abs().max()
+
+
+def test_after_a_partition_where_one_side_ran_ahead_the_side_behind_catches_up(caplog):
+    """The left half of a cut ring8 runs 20 rounds more than the right half. After healing, the
+    right half jumps to the rounds of the left (a wave: each jump makes the next edge resume),
+    every edge comes back, and free-running peers reach consensus with the sum kept."""
+    topology = load_topology("topologies/ring8.yaml")
+    hub = InMemoryHub()
+    peers = _network(topology, _models(8), ALGORITHMS["dpsgd"], hub, round_timeout=0.5)
+    total = [x.sum(0) for x in stacked(peers)]
+    _rounds(peers, 2)
+    hub.partition(range(0, 4), range(4, 8))
+    _rounds(peers, 3)
+    _rounds(peers[:4], 20)
+    assert [p.round for p in peers] == [25] * 4 + [5] * 4
+    d_cut = consensus_distance(peers)
+    hub.heal()
+    stop_at: list[int] = []  # set once: every peer stops at that same round
+
+    def free_run(peer: Peer) -> None:
+        while not stop_at or peer.round < stop_at[0]:
+            time.sleep(0.001)  # a stand-in for the local step: a peer alone does not spin
+            peer.gossip()
+
+    threads = [threading.Thread(target=free_run, args=(p,), daemon=True) for p in peers]
+    with caplog.at_level("WARNING", logger="gossipcomp.peer"):
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while not _all_up(peers) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        all_up_at = max(p.round for p in peers)
+        while min(p.round for p in peers) < all_up_at + 150 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stop_at.append(max(p.round for p in peers) + 5)
+        for t in threads:
+            t.join(10)
+    assert _all_up(peers), "edges did not all resume"
+    jumps = [r.getMessage() for r in caplog.records if "jumps from round" in r.getMessage()]
+    jumped = {int(m.split()[1].rstrip(":")) for m in jumps}
+    assert jumped & {4, 5, 6, 7}, jumps  # the side behind caught up by jumping
+    assert [p.round for p in peers] == stop_at * 8
+    assert consensus_distance(peers) < 1e-4 * d_cut
+    for b, x in zip(total, stacked(peers), strict=True):
+        assert torch.allclose(x.sum(0), b, atol=1e-4), (x.sum(0) - b).abs().max()
 
 
 @pytest.mark.parametrize("name", ["choco-sign", "def-sign"])

@@ -104,6 +104,23 @@ def test_handshake_mismatch_is_refused_naming_both_values(field, ours, theirs):
         client.close()
 
 
+@pytest.mark.parametrize("field", ["round", "proposed_resume_round"])
+def test_handshake_with_a_negative_round_is_invalid_argument(field):
+    server = GrpcTransport(Identity(1, "t", "m"), [0])
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            request = pb.HelloRequest(
+                protocol_version=1, sender=0, topology_hash="t", model_signature="m"
+            )
+            setattr(request, field, -7)
+            with pytest.raises(grpc.RpcError) as caught:
+                pb_grpc.GossipStub(channel).Hello(request, timeout=5)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details() == f"{field}: expected >= 0, got -7"
+    finally:
+        server.close()
+
+
 def test_handshake_status_is_failed_precondition():
     server = GrpcTransport(Identity(1, "topo-A", "m"), [0])
     try:

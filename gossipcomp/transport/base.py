@@ -154,6 +154,10 @@ class Transport(Protocol):
         exchange opens its own round; a peer that jumps ahead opens the new one at once."""
         ...
 
+    def allow_round(self, neighbour: int, round: int) -> None:
+        """Accept `neighbour`'s envelopes for `round` even beyond the window (a resume round)."""
+        ...
+
     def connect(
         self, addresses: Mapping[int, str], timeout: float, round: int = 0
     ) -> dict[int, HelloAnswer]:

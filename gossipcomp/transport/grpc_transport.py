@@ -87,6 +87,14 @@ class _GossipService(pb_grpc.GossipServicer):
                 f"sender: peer {request.sender} is not a neighbour of peer {mine.rank} "
                 f"(expected one of {sorted(self._inbox.neighbours)})",
             )
+        for field, value in (
+            ("round", request.round),
+            ("proposed_resume_round", request.proposed_resume_round),
+        ):
+            if value < 0:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{field}: expected >= 0, got {value}"
+                )
         answer = self.on_hello(request.sender, request.round, request.proposed_resume_round)
         return pb.HelloReply(
             protocol_version=mine.protocol_version,
@@ -197,6 +205,9 @@ class GrpcTransport:
 
     def open_round(self, round: int) -> None:
         self._inbox.mailbox.open_round(round)
+
+    def allow_round(self, neighbour: int, round: int) -> None:
+        self._inbox.mailbox.allow(neighbour, round)
 
     def set_hello_handler(self, handler: HelloHandler) -> None:
         self._service.on_hello = handler

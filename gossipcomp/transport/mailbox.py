@@ -30,7 +30,14 @@ class Mailbox:
         self._consumed: set[tuple[int, str, int]] = set()
         self._closed: set[tuple[int, str, int]] = set()  # collect gave up on these
         self._abandoned: set[tuple[int, str, int]] = set()  # known not to come: stop waiting
+        self._allowed: dict[int, int] = {}  # sender -> one round accepted beyond the window
         self._cond = threading.Condition()
+
+    def allow(self, sender: int, round: int) -> None:
+        """Also accept `sender`'s envelopes for `round`, however far ahead: the round at which
+        an edge resumes, agreed with a neighbour that may be many rounds ahead of this peer."""
+        with self._cond:
+            self._allowed[sender] = round
 
     def open_round(self, round: int) -> None:
         """Mark rounds before `round` finished: their envelopes are dropped and refused from now."""
@@ -41,6 +48,7 @@ class Mailbox:
                 self._consumed = {k for k in self._consumed if k[0] >= round}
                 self._closed = {k for k in self._closed if k[0] >= round}
                 self._abandoned = {k for k in self._abandoned if k[0] >= round}
+                self._allowed = {s: r for s, r in self._allowed.items() if r >= round}
 
     def deliver(self, envelope: Envelope, wire_bytes: int) -> None:
         """Store a validated envelope, or refuse it as late, too early or a duplicate."""
@@ -52,7 +60,8 @@ class Mailbox:
                     f"round: expected >= {self._floor} (earlier rounds are finished), "
                     f"got {envelope.round}",
                 )
-            if envelope.round > self._floor + self._window:
+            beyond = envelope.round > self._floor + self._window
+            if beyond and self._allowed.get(envelope.sender) != envelope.round:
                 raise EnvelopeRejected(
                     RejectCode.FAILED_PRECONDITION,
                     f"round: expected <= {self._floor + self._window} "

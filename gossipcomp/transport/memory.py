@@ -111,6 +111,9 @@ class InMemoryTransport:
     def open_round(self, round: int) -> None:
         self._inbox.mailbox.open_round(round)
 
+    def allow_round(self, neighbour: int, round: int) -> None:
+        self._inbox.mailbox.allow(neighbour, round)
+
     def receive(self, envelope: Envelope) -> int:
         """Validate and store an envelope as if it came over the wire; return its wire bytes."""
         spec = self._inbox.check_header(header_of(envelope))
