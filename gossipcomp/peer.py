@@ -169,7 +169,8 @@ class Peer:
         self._last_mark = time.perf_counter()
 
     def _catch_up(self) -> None:
-        """Jump to an edge's resume round when this peer is well behind it (see links.py)."""
+        """Jump ahead when this peer is well behind a neighbour it resumes with (see links.py),
+        opening the new round at once so that neighbour's envelopes are let in."""
         ahead = self.links.catch_up_round(self.round)
         if ahead is None:
             return
@@ -251,24 +252,14 @@ class Peer:
         if self._last_mark is not None:
             self._compute_seconds += now - self._last_mark
         self.links.poll_probes(self.round, self.transport.probe)
-        ahead = self.links.catch_up_round(self.round)
-        if ahead is not None:
-            log.warning(
-                "peer %d: behind its neighbours; jumps from round %d to %d",
-                self.rank,
-                self.round,
-                ahead,
-            )
-            self.round = ahead
+        self._catch_up()
         self._resume_edges()
-        failures_before = dict(self._links.failures)
         hood = self._neighbourhood(self._links, self.links.live())
         self.algorithm.step(self._params, hood)
-        failed = {j for j, n in self._links.failures.items() if n > failures_before.get(j, 0)}
-        for j in failed & set(hood.weights):
+        for j, reason in hood.failed.items():
             # an edge that a handshake put back meanwhile keeps its agreed resume round
-            self.links.failed(j, self.round, "exchange failed", only_if_up=True)
-        self._report_isolation(hood, failed)
+            self.links.failed(j, self.round, reason, only_if_up=True)
+        self._report_isolation(hood, set(hood.failed))
         self.round += 1
         self._comm_seconds += hood.comm_seconds
         self._last_mark = time.perf_counter()

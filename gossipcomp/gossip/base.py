@@ -55,6 +55,7 @@ class Neighbourhood:
     schedule_epoch: int = 0
     comm_seconds: float = 0.0
     exchanges: int = 0  # exchanges made this round
+    failed: dict[int, str] = field(default_factory=dict)  # neighbour -> why it failed this round
 
     @property
     def neighbours(self) -> list[int]:
@@ -72,6 +73,7 @@ class Neighbourhood:
         self.comm_seconds += time.perf_counter() - start
         self.exchanges += 1
         self.links.add(result)
+        self.failed.update(result.failed)
         return result
 
 
