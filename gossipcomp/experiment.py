@@ -209,10 +209,20 @@ class PeerTrainer:
                 f"{loaded.path}: written by another configuration; differs in "
                 + ", ".join(f"{k} (saved {saved.get(k)!r}, now {mine.get(k)!r})" for k in differing)
             )
+        # check every part before changing any: the optimizer state on a scratch optimizer, the
+        # stream state on a scratch stream, the history by building it; the peer checks its own
+        # parts before assigning them, so it goes last
+        scratch = make_optimizer(self.peer.model, self.config.lr, self.config.momentum)
+        scratch.load_state_dict(state["optimizer"])
+        x, y = peer_examples(self.data, self.peer.topology, self.peer.rank, self.config)
+        stream = BatchStream(x, y, self.config.batch_size, self.config.seed, self.peer.rank)
+        stream.load_state_dict(state["stream"])
+        try:
+            history = [Evaluation(**c) for c in state["history"]]
+        except TypeError as error:
+            raise ValueError(f"{loaded.path}: accuracy history: {error}") from error
         self.peer.load_state_dict(state["peer"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.stream.load_state_dict(state["stream"])
-        self.history = [Evaluation(**c) for c in state["history"]]
+        self.optimizer, self.stream, self.history = scratch, stream, history
         self.restored_from = self.peer.round
         log.warning(
             "peer %d: restored from %s (round %d)", self.peer.rank, loaded.path, loaded.round
@@ -229,25 +239,31 @@ class PeerTrainer:
         (a peer that catches up with its neighbours skips rounds, see Peer.gossip)."""
         peer, config = self.peer, self.config
         while peer.round < config.rounds:
-            r = peer.round + 1
+            before = peer.round
             if should_stop is not None and should_stop():
-                raise TrainingAborted(f"peer {peer.rank} stopped at round {r}")
+                raise TrainingAborted(f"peer {peer.rank} stopped at round {before + 1}")
             local_step(peer.model, self.optimizer, self.stream.next_batch())
             # once a round suffices: received NaN/Inf is refused at the door, and anything gossip
             # itself overflowed to is caught after the next local step
-            _check_finite(peer, r, "after the local step")
+            _check_finite(peer, before + 1, "after the local step")
             peer.gossip()
-            if (config.eval_every and r % config.eval_every == 0) or r == config.rounds:
+            r = peer.round  # usually before + 1; more after catching up with the neighbours
+            if _crossed(before, r, config.eval_every) or r >= config.rounds:
                 accuracy = evaluate_accuracy(peer.model, self.data.x_test, self.data.y_test)
                 self.history.append(Evaluation(r, accuracy, peer.stats.bytes_sent_total))
-            if self.store is not None and self.checkpoint_every and r % self.checkpoint_every == 0:
+            if self.store is not None and _crossed(before, r, self.checkpoint_every):
                 self.store.save(r, self.state_dict())
             if on_round is not None:
                 on_round(r)
-        if not self.history or self.history[-1].round != peer.round:  # jumped past the last
+        if not self.history or self.history[-1].round != peer.round:  # restored at the end
             accuracy = evaluate_accuracy(peer.model, self.data.x_test, self.data.y_test)
             self.history.append(Evaluation(peer.round, accuracy, peer.stats.bytes_sent_total))
         return PeerOutcome(peer.rank, self.history[-1].test_accuracy, peer.stats, self.history)
+
+
+def _crossed(before: int, after: int, every: int) -> bool:
+    """Whether a multiple of `every` lies in (before, after] (never when every is 0)."""
+    return every > 0 and after // every > before // every
 
 
 def _identity(config: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from gossipcomp.transport.base import HelloAnswer
 log = logging.getLogger(__name__)
 
 RESUME_MARGIN = 5  # rounds between agreeing on a resume round and using it
+MAX_RESUME_MARGIN = 640  # the margin doubles each time an answer came too late to be used
 
 
 class LinkState(enum.Enum):
@@ -45,6 +46,7 @@ class _Link:
     resume_round: int = 0
     retry_at: float = 0.0  # monotonic time of the next probe (DOWN, probing end only)
     backoff: float = 0.0
+    margin: int = RESUME_MARGIN  # rounds ahead this end proposes to resume
     probe: Future[HelloAnswer] | None = None
 
 
@@ -66,6 +68,8 @@ class LinkMonitor:
     """Liveness of one peer's edges: up, down (probed with backoff), or resuming at a round.
 
     Thread-safe: `answer_hello` runs on the server's threads, everything else on the peer's.
+    Transitions the peer's thread makes after a long call (an exchange) are compare-and-set:
+    they apply only if no handshake changed the edge meanwhile.
     """
 
     def __init__(
@@ -76,8 +80,9 @@ class LinkMonitor:
         clock: Callable[[], float] = time.monotonic,
         on_resume: Callable[[int, int], None] = lambda neighbour, round: None,
     ) -> None:
-        """`on_resume(neighbour, round)` is called whenever an edge is agreed to resume at a
-        round (the peer lets that neighbour's envelopes for it in, however far ahead)."""
+        """`on_resume(neighbour, round)` is called (under the lock, with the final round)
+        whenever an edge is agreed to resume at a round: the peer lets that neighbour's
+        envelopes for it in, however far ahead."""
         self.rank = rank
         self._on_resume = on_resume
         self.backoff = backoff or Backoff()
@@ -94,19 +99,22 @@ class LinkMonitor:
         with self._lock:
             return [j for j, link in self._links.items() if link.state is LinkState.UP]
 
+    def not_up(self) -> list[int]:
+        """Neighbours whose edge is down or resuming (a checkpoint records them)."""
+        with self._lock:
+            return [j for j, link in self._links.items() if link.state is not LinkState.UP]
+
     def resuming_at(self, round: int) -> list[int]:
         """Neighbours whose edge resumes at `round`; a resume round already missed (the peer is
         past it) counts as a failure, so the edge is probed again."""
-        due, missed = [], []
+        due = []
         with self._lock:
             for j, link in self._links.items():
                 if link.state is LinkState.RESUMING:
                     if link.resume_round == round:
                         due.append(j)
                     elif link.resume_round < round:
-                        missed.append(j)
-        for j in missed:
-            self.failed(j, round, "resume round passed before it was reached")
+                        self._down(j, round, "resume round passed before it was reached")
         return due
 
     def catch_up_round(self, round: int) -> int | None:
@@ -122,62 +130,84 @@ class LinkMonitor:
             ]
         return min(ahead, default=None)
 
-    def up(self, neighbour: int) -> None:
-        with self._lock:
-            self._links[neighbour].state = LinkState.UP
-
-    def failed(self, neighbour: int, round: int, reason: str, only_if_up: bool = False) -> None:
-        """An exchange with `neighbour` failed: leave it out from now on and probe it later
-        (the first probe after `backoff.first` seconds; each unanswered one doubles the wait).
-        With `only_if_up`, an edge already agreed to resume (a handshake came in while the
-        exchange was failing) keeps its resume round."""
+    def up(self, neighbour: int, resume_round: int) -> bool:
+        """The edge resumed at `resume_round`: gossip on it again. False (and nothing changes)
+        if a handshake agreed another round meanwhile."""
         with self._lock:
             link = self._links[neighbour]
-            if link.state is LinkState.DOWN or (only_if_up and link.state is not LinkState.UP):
-                return
-            log.warning(
-                "peer %d: neighbour %d down at round %d (%s)", self.rank, neighbour, round, reason
-            )
-            link.state, link.backoff = LinkState.DOWN, self.backoff.first
-            link.retry_at = self._clock() + link.backoff
+            if link.state is not LinkState.RESUMING or link.resume_round != resume_round:
+                return False
+            link.state, link.margin = LinkState.UP, RESUME_MARGIN
+            return True
 
-    def _probe_unanswered(self, neighbour: int) -> None:
+    def failed(self, neighbour: int, round: int, reason: str) -> None:
+        """An exchange on an up edge failed: leave the neighbour out from now on and probe it
+        later (the first probe after `backoff.first` seconds; each unanswered one doubles the
+        wait). An edge a handshake put back meanwhile keeps its agreed resume round."""
+        with self._lock:
+            if self._links[neighbour].state is LinkState.UP:
+                self._down(neighbour, round, reason)
+
+    def resume_failed(self, neighbour: int, resume_round: int, reason: str) -> None:
+        """The resume exchange at `resume_round` failed: down again, unless a handshake agreed
+        a later round meanwhile."""
         with self._lock:
             link = self._links[neighbour]
-            link.backoff = min(self.backoff.longest, 2 * link.backoff)
-            link.retry_at = self._clock() + link.backoff
+            if link.state is LinkState.RESUMING and link.resume_round == resume_round:
+                self._down(neighbour, resume_round, reason)
 
-    def resume(self, neighbour: int, resume_round: int, round: int) -> None:
-        """Adopt a resume round agreed by handshake (the largest either end proposed)."""
+    def mark_down(self, neighbour: int, round: int, reason: str) -> None:
+        """Take the edge down whatever its state (restored as down from a checkpoint)."""
         with self._lock:
-            link = self._links[neighbour]
-            if resume_round <= round:  # too late to meet it: the other end will fail it too
-                return
-            if link.state is LinkState.RESUMING:
-                resume_round = max(resume_round, link.resume_round)
-            link.state, link.resume_round = LinkState.RESUMING, resume_round
-            link.backoff = 0.0
+            self._down(neighbour, round, reason)
+
+    def _down(self, neighbour: int, round: int, reason: str) -> None:
+        link = self._links[neighbour]  # the caller holds the lock
+        if link.state is LinkState.DOWN:
+            return
+        log.warning(
+            "peer %d: neighbour %d down at round %d (%s)", self.rank, neighbour, round, reason
+        )
+        link.state, link.backoff = LinkState.DOWN, self.backoff.first
+        link.retry_at = self._clock() + link.backoff
+
+    def _adopt(self, neighbour: int, resume_round: int) -> int:
+        """Agree to resume at `resume_round` or a later round already agreed; return it. The
+        caller holds the lock."""
+        link = self._links[neighbour]
+        if link.state is LinkState.RESUMING:
+            resume_round = max(resume_round, link.resume_round)
+        link.state, link.resume_round, link.backoff = LinkState.RESUMING, resume_round, 0.0
         self._on_resume(neighbour, resume_round)
+        return resume_round
+
+    def resume(self, neighbour: int, resume_round: int, round: int) -> bool:
+        """Adopt a resume round a neighbour answered. False if it came too late (this peer is
+        already at or past it): the caller asks again with a larger margin."""
+        with self._lock:
+            if resume_round <= round:
+                return False
+            self._adopt(neighbour, resume_round)
+            return True
 
     def answer_hello(
         self, sender: int, sender_round: int, proposed: int, round: int
     ) -> HelloAnswer:
         """Answer a neighbour's handshake.
 
-        A (re)start (nothing proposed) at our own round, on an edge we never lost, needs no
-        resynchronisation: both ends hold the edge's state as of the same round (a fresh start
-        at round 0, or a whole network restored from checkpoints of the same round). Otherwise
-        the edge resumes at the largest of the proposal, either end's round plus the margin,
-        and any resume round already agreed."""
+        A (re)start (nothing proposed) at our own round, on an edge that was up at both ends,
+        needs no resynchronisation: both ends hold the edge's state as of the same round (a
+        fresh start at round 0, or a whole network restored from checkpoints of the same round).
+        Otherwise the edge resumes at the largest of the proposal, either end's round plus the
+        margin, and any resume round already agreed."""
         with self._lock:
             link = self._links[sender]
             if proposed == 0 and sender_round == round and link.state is LinkState.UP:
                 return HelloAnswer(round, 0)
-            resume_round = max(proposed, round + RESUME_MARGIN, sender_round + RESUME_MARGIN)
-            if link.state is LinkState.RESUMING and link.resume_round > round:
-                resume_round = max(resume_round, link.resume_round)
-            link.state, link.resume_round = LinkState.RESUMING, resume_round
-        self._on_resume(sender, resume_round)
+            wanted = max(proposed, round + RESUME_MARGIN, sender_round + RESUME_MARGIN)
+            if link.state is not LinkState.RESUMING or link.resume_round <= round:
+                link.state = LinkState.DOWN  # any earlier agreement is void: start afresh
+            resume_round = self._adopt(sender, wanted)
         log.warning(
             "peer %d: neighbour %d (round %d) rejoins at round %d",
             self.rank,
@@ -191,28 +221,36 @@ class LinkMonitor:
         self, round: int, probe: Callable[[int, int, int], Future[HelloAnswer]]
     ) -> None:
         """Collect answered probes and send due ones. Only the lower-ranked end of an edge
-        probes, so the two ends never race to agree on different resume rounds."""
+        probes, so the two ends never race to agree on different resume rounds. An answer that
+        comes too late to be used is asked again at once, with twice the margin."""
         now = self._clock()
         answered: list[tuple[int, Future[HelloAnswer]]] = []
-        to_send: list[int] = []
         with self._lock:
             for j, link in self._links.items():
                 if link.probe is not None and link.probe.done():
                     answered.append((j, link.probe))
                     link.probe = None
-                elif (
-                    link.state is LinkState.DOWN
-                    and link.probe is None
-                    and self.rank < j
-                    and now >= link.retry_at
-                ):
-                    to_send.append(j)
         for j, finished in answered:
-            if finished.exception() is None:
-                self.resume(j, finished.result().resume_round, round)
-            else:
+            if finished.exception() is not None:
                 self._probe_unanswered(j)
-        for j in to_send:
-            future = probe(j, round, round + RESUME_MARGIN)
+            elif not self.resume(j, finished.result().resume_round, round):
+                with self._lock:
+                    link = self._links[j]
+                    link.margin = min(MAX_RESUME_MARGIN, 2 * link.margin)
+                    link.retry_at = now
+        to_send: list[tuple[int, int]] = []
+        with self._lock:
+            for j, link in self._links.items():
+                due = link.state is LinkState.DOWN and now >= link.retry_at
+                if due and link.probe is None and self.rank < j:
+                    to_send.append((j, round + link.margin))
+        for j, proposed in to_send:
+            future = probe(j, round, proposed)
             with self._lock:
                 self._links[j].probe = future
+
+    def _probe_unanswered(self, neighbour: int) -> None:
+        with self._lock:
+            link = self._links[neighbour]
+            link.backoff = min(self.backoff.longest, 2 * link.backoff)
+            link.retry_at = self._clock() + link.backoff

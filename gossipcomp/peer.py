@@ -33,7 +33,7 @@ from gossipcomp.gossip.base import (
 )
 from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.state import checked_tensors
-from gossipcomp.links import Backoff, LinkMonitor
+from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor
 from gossipcomp.models import model_signature
 from gossipcomp.topology import Topology
 from gossipcomp.transport.base import Identity, Transport
@@ -156,11 +156,16 @@ class Peer:
         The handshake carries this peer's round. A neighbour at another round (this peer was
         restored from a checkpoint while the neighbour trained on, or the other way round)
         answers with a resume round: until then this peer trains alone (catching up, when it is
-        behind), then both ends resynchronise the edge and gossip on it again.
+        behind), then both ends resynchronise the edge and gossip on it again. An edge that was
+        down when the checkpoint was written is resynchronised whatever the rounds.
         """
         book = addresses or dict(enumerate(self.topology.addresses))
+        proposals = {j: self.round + RESUME_MARGIN for j in self.links.not_up()}
         answers = self.transport.connect(
-            {j: book[j] for j in self.topology.neighbors(self.rank)}, timeout, round=self.round
+            {j: book[j] for j in self.topology.neighbors(self.rank)},
+            timeout,
+            round=self.round,
+            proposals=proposals,
         )
         for j, answer in answers.items():
             if answer.resume_round > 0:
@@ -180,8 +185,10 @@ class Peer:
             self.round,
             ahead,
         )
-        self.round = ahead
+        before, self.round = self.round, ahead
         self.transport.open_round(ahead)
+        for j in self.links.live():  # now out of step: fail at once rather than wait a deadline
+            self.links.failed(j, before, f"this peer jumped to round {ahead}")
 
     def _report_isolation(self, hood: Neighbourhood, failed: set[int]) -> None:
         """Say so when a round reached no neighbour at all (the peer trains alone), and when
@@ -223,23 +230,26 @@ class Peer:
             return
         if not isinstance(self.algorithm, Resumable):
             for j in due:
-                self.links.up(j)
+                self.links.up(j, self.round)
             return
         payload = self.algorithm.resume_payload(self._params)
         if payload is None:
             for j in due:
                 self.algorithm.resume_edge(j, None, self.round)
-                self.links.up(j)
+                self.links.up(j, self.round)
             return
         hood = self._neighbourhood(self._links, due)
         result = hood.exchange(RESUME_PHASE, payload)
         self._comm_seconds += hood.comm_seconds
         for j in due:
             if j in result.received and j not in result.failed:
+                # if a handshake moved the resume round meanwhile, the edge stays resuming and
+                # is resynchronised again then
                 self.algorithm.resume_edge(j, result.received[j], self.round)
-                self.links.up(j)
+                self.links.up(j, self.round)
             else:
-                self.links.failed(j, self.round, result.failed.get(j, "no resume payload"))
+                reason = result.failed.get(j, "no resume payload")
+                self.links.resume_failed(j, self.round, reason)
 
     def gossip(self) -> None:
         """Run one gossip round of the algorithm on the model's parameters (in place).
@@ -257,8 +267,7 @@ class Peer:
         hood = self._neighbourhood(self._links, self.links.live())
         self.algorithm.step(self._params, hood)
         for j, reason in hood.failed.items():
-            # an edge that a handshake put back meanwhile keeps its agreed resume round
-            self.links.failed(j, self.round, reason, only_if_up=True)
+            self.links.failed(j, self.round, reason)
         self._report_isolation(hood, set(hood.failed))
         self.round += 1
         self._comm_seconds += hood.comm_seconds
@@ -293,12 +302,21 @@ class Peer:
             "bytes_sent": dict(self._links.bytes_sent),
             "bytes_received": dict(self._links.bytes_received),
             "failures": dict(self._links.failures),
+            "down": self.links.not_up(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint before `start()`: every part is checked against this peer's
         model and algorithm first, so a mismatch raises ValueError and changes nothing."""
-        expected = {"round", "model", "algorithm", "bytes_sent", "bytes_received", "failures"}
+        expected = {
+            "round",
+            "model",
+            "algorithm",
+            "bytes_sent",
+            "bytes_received",
+            "failures",
+            "down",
+        }
         if set(state) != expected:
             raise ValueError(
                 f"peer checkpoint: expected keys {sorted(expected)}, got {sorted(state)}"
@@ -316,12 +334,24 @@ class Peer:
         checked_tensors(
             "peer checkpoint model", list(current.values()), [saved[k] for k in current]
         )
+        neighbours = set(self._weights)
+        counters = {}
+        for key in ("bytes_sent", "bytes_received", "failures"):
+            counters[key] = _neighbour_counts(state[key], neighbours, key)
+        down = state["down"]
+        if not isinstance(down, list) or not set(down) <= neighbours:
+            raise ValueError(
+                f"peer checkpoint: down must list neighbours of {sorted(neighbours)}, got {down!r}"
+            )
         self.algorithm.load_state_dict(state["algorithm"])  # checks everything, then assigns
-        self.model.load_state_dict(saved)  # checked above: cannot fail half-way
+        # everything below was checked above: nothing can fail half-way
+        self.model.load_state_dict(saved)
         self.round = round
-        self._links.bytes_sent = dict(state["bytes_sent"])
-        self._links.bytes_received = dict(state["bytes_received"])
-        self._links.failures = dict(state["failures"])
+        self._links.bytes_sent = counters["bytes_sent"]
+        self._links.bytes_received = counters["bytes_received"]
+        self._links.failures = counters["failures"]
+        for j in down:  # probed and resynchronised after the restart, like any lost edge
+            self.links.mark_down(j, round, "down when the checkpoint was written")
 
     @property
     def stats(self) -> PeerStats:
@@ -343,3 +373,15 @@ class Peer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _neighbour_counts(value: Any, neighbours: set[int], what: str) -> dict[int, int]:
+    """A checkpointed per-neighbour counter, checked: neighbour ranks to integers >= 0."""
+    if not isinstance(value, dict) or not all(
+        j in neighbours and isinstance(n, int) and n >= 0 for j, n in value.items()
+    ):
+        raise ValueError(
+            f"peer checkpoint: {what} must map neighbours of {sorted(neighbours)} to counts "
+            f">= 0, got {value!r}"
+        )
+    return dict(value)

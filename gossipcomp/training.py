@@ -100,15 +100,25 @@ class BatchStream:
         order, cursor = state["order"], state["cursor"]
         if not isinstance(order, torch.Tensor) or order.dtype != torch.int64:
             raise ValueError("batch stream state: order must be an int64 tensor")
-        if order.numel() not in (0, self.num_examples) or not 0 <= cursor <= order.numel():
+        if (
+            order.numel() not in (0, self.num_examples)
+            or not isinstance(cursor, int)
+            or not 0 <= cursor <= order.numel()
+        ):
             raise ValueError(
                 f"batch stream state: order of {order.numel()} examples, cursor {cursor}; "
                 f"this stream holds {self.num_examples} examples"
             )
+        epoch = state["epoch"]
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"batch stream state: epoch must be an integer >= 0, got {epoch!r}")
         generator = torch.Generator()
-        generator.set_state(state["generator"])
+        try:
+            generator.set_state(state["generator"])
+        except (TypeError, RuntimeError) as error:
+            raise ValueError(f"batch stream state: generator: {error}") from error
         self._generator, self._order = generator, order.clone()
-        self._cursor, self._epoch = int(cursor), int(state["epoch"])
+        self._cursor, self._epoch = cursor, epoch
 
 
 def make_optimizer(

@@ -40,7 +40,12 @@ def _models(n: int) -> list[nn.Module]:
 
 
 def _network(
-    topology: Topology, models, algorithm, hub: InMemoryHub, round_timeout: float = 0.3
+    topology: Topology,
+    models,
+    algorithm,
+    hub: InMemoryHub,
+    round_timeout: float = 0.3,
+    states: list[dict] | None = None,
 ) -> list[Peer]:
     peers = []
     for r, m in enumerate(models):
@@ -57,6 +62,9 @@ def _network(
                 backoff=FAST_BACKOFF,
             )
         )
+    for p, state in zip(peers, states or [None] * len(peers), strict=True):
+        if state is not None:
+            p.load_state_dict(state)
     for p in peers:
         p.start(5, {})
     return peers
@@ -360,3 +368,109 @@ def test_a_checkpoint_from_another_configuration_is_refused_naming_the_differenc
     with pytest.raises(ValueError, match="algorithm"):
         wrong_model[0].restore()
     assert wrong_model[0].peer.round == 0
+
+
+def test_a_network_restarted_with_an_edge_down_resynchronises_it():
+    """An acknowledgement from peer 1 to peer 0 is lost, and every peer is checkpointed right
+    then (same round; peer 0 knows the edge is broken, peer 1 does not). Restored, the edge is
+    not trusted: it resumes with a resynchronisation, after which both copies agree bit for bit
+    and Choco's network sum holds."""
+    topology = load_topology("topologies/ring4.yaml")
+    first = copy.deepcopy(_models(1)[0])
+    hub = InMemoryHub()
+    peers = _network(
+        topology, [copy.deepcopy(first) for _ in range(4)], ALGORITHMS["choco-sign"], hub
+    )
+    with torch.no_grad():
+        for p in peers:
+            for q in p.model.parameters():
+                q.add_(torch.randn(q.shape, generator=torch.Generator().manual_seed(p.rank)))
+    _rounds(peers, 2)
+    hub.inject(1, 0, Fault.ACK_LOST)
+    _rounds(peers, 1)
+    states = [p.state_dict() for p in peers]
+    assert states[1]["down"] == [0] and states[0]["down"] == []
+    for p in peers:
+        p.close()
+    restored = _network(
+        topology,
+        [copy.deepcopy(first) for _ in range(4)],
+        ALGORITHMS["choco-sign"],
+        InMemoryHub(),
+        states=states,
+    )
+    assert {p.round for p in restored} == {3}
+    assert restored[1].links.state(0) is LinkState.RESUMING
+    assert restored[0].links.state(1) is LinkState.RESUMING
+    for _ in range(30):
+        _rounds(restored, 1, pause=0.002)
+        if _all_up(restored):
+            break
+    assert _all_up(restored)
+    for p in restored:
+        for j, tracked in p.algorithm.neighbour_public.items():
+            for a, b in zip(tracked, restored[j].algorithm.public, strict=True):
+                assert torch.equal(a, b), (p.rank, j)
+    before = [x.sum(0) for x in stacked(restored)]
+    _rounds(restored, 10)
+    for b, x in zip(before, stacked(restored), strict=True):
+        assert torch.allclose(x.sum(0), b, atol=1e-4)
+
+
+def test_slow_handshake_answers_still_bring_an_isolated_peer_back():
+    """Probe answers take 100 ms while the isolated peer 0 runs rounds every ~1 ms: an answer
+    that arrives after its resume round is asked again with a doubled margin, until one is in
+    time, and every edge comes back."""
+    topology = load_topology("topologies/ring4.yaml")
+    hub = InMemoryHub(hello_latency=0.1)
+    peers = _network(topology, _models(4), ALGORITHMS["dpsgd"], hub, round_timeout=2.0)
+    hub.partition([0], [1, 2, 3])
+    stop_at: list[int] = []
+
+    def free_run(peer: Peer) -> None:
+        while not stop_at or peer.round < stop_at[0]:
+            time.sleep(0.001 if peer.rank == 0 else 0.01)  # peer 0, alone, runs ahead fast
+            peer.gossip()
+
+    threads = [threading.Thread(target=free_run, args=(p,), daemon=True) for p in peers]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    hub.heal()
+    deadline = time.monotonic() + 20
+    while not _all_up(peers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    came_back = _all_up(peers)
+    stop_at.append(max(p.round for p in peers) + 10)
+    for t in threads:
+        t.join(30)
+    assert came_back, [
+        (p.rank, p.round, [p.links.state(j) for j in p.topology.neighbors(p.rank)]) for p in peers
+    ]
+
+
+def test_a_restore_that_does_not_fit_changes_nothing(tmp_path):
+    """A checkpoint whose last part is bad (a byte counter, then the batch stream) is refused
+    with a ValueError naming it; the peer's round, model, algorithm state, optimizer and stream
+    are exactly what they were."""
+    topology = load_topology("topologies/ring4.yaml")
+    config = TrainConfig(algorithm="choco", compressor="sign", rounds=10, eval_every=0)
+    _train(_trainers(topology, config, InMemoryHub(), tmp_path, 10))
+    store = CheckpointStore(tmp_path, 0)
+    good = store.load_latest().state
+    for broken, message in (
+        ({**good, "peer": {**good["peer"], "bytes_sent": {1: -5}}}, "bytes_sent"),
+        ({**good, "stream": {**good["stream"], "cursor": 10_000}}, "cursor 10000"),
+    ):
+        store.save(10, broken)
+        fresh = _trainers(topology, config, InMemoryHub(), tmp_path, 10)[0]
+        before = _state_of(fresh)
+        optimizer_state = copy.deepcopy(fresh.optimizer.state_dict())
+        stream_state = fresh.stream.state_dict()
+        with pytest.raises(ValueError, match=message):
+            fresh.restore()
+        assert fresh.peer.round == 0
+        for x, y in zip(before, _state_of(fresh), strict=True):
+            assert torch.equal(x, y)
+        assert fresh.optimizer.state_dict() == optimizer_state
+        assert torch.equal(fresh.stream.state_dict()["order"], stream_state["order"])

@@ -318,12 +318,13 @@ def test_wrong_shape_is_refused_and_the_receivers_model_is_bitwise_unchanged():
         assert peer.stats.failed_exchanges == {0: 1}
         for p, b in zip(model.parameters(), before, strict=True):
             assert torch.equal(p.detach(), b)
-        # the failed edge is left out until it resumes (tests/test_resilience.py); once it is
-        # back, the same channel delivers the next valid envelope
-        peer.links.up(0)
+        # the failed edge is left out until it resumes (as a probe would agree, at round 2); then
+        # the same channel delivers the next valid envelope
+        assert peer.links.resume(0, 2, peer.round)
+        peer.gossip()  # round 1: the edge is still resuming, nothing exchanged
         good = tuple(encode_raw(n, torch.ones_like(p)) for n, p in model.named_parameters())
-        sender.send(1, Envelope(0, 1, "model", good), time.monotonic() + 5)
-        peer.gossip()  # round 1: applied, x <- x + 1/2 (1 - x)
+        sender.send(1, Envelope(0, 2, "model", good), time.monotonic() + 5)
+        peer.gossip()  # round 2: the edge is back; applied, x <- x + 1/2 (1 - x)
         for p, b in zip(model.parameters(), before, strict=True):
             assert torch.allclose(p.detach(), b + 0.5 * (1 - b), atol=1e-6)
     finally:

@@ -159,12 +159,17 @@ class Transport(Protocol):
         ...
 
     def connect(
-        self, addresses: Mapping[int, str], timeout: float, round: int = 0
+        self,
+        addresses: Mapping[int, str],
+        timeout: float,
+        round: int = 0,
+        proposals: Mapping[int, int] | None = None,
     ) -> dict[int, HelloAnswer]:
         """Handshake with every neighbour (rank -> address) within `timeout` seconds, or raise
         PeerUnreachableError naming the missing ones (HandshakeError on a mismatch). `round` is
         the peer's round (non-zero when restored from a checkpoint): envelopes are accepted
-        from that round on, and a neighbour at another round answers with a resume round."""
+        from that round on, and a neighbour at another round answers with a resume round, as
+        does one asked to resume by `proposals` (neighbour -> proposed resume round)."""
         ...
 
     def set_hello_handler(self, handler: HelloHandler) -> None:

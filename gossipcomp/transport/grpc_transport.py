@@ -213,7 +213,11 @@ class GrpcTransport:
         self._service.on_hello = handler
 
     def connect(
-        self, addresses: Mapping[int, str], timeout: float, round: int = 0
+        self,
+        addresses: Mapping[int, str],
+        timeout: float,
+        round: int = 0,
+        proposals: Mapping[int, int] | None = None,
     ) -> dict[int, HelloAnswer]:
         """Open channels to every neighbour and handshake, retrying until `timeout` seconds.
 
@@ -221,8 +225,9 @@ class GrpcTransport:
         mismatching neighbour raises HandshakeError at once; still unreachable ones at the end
         raise PeerUnreachableError naming them and their addresses. `round` is this peer's
         round (non-zero when restored from a checkpoint): the mailbox opens at it before anyone
-        is greeted. Returns each neighbour's answer (its round, and a resume round if the edge
-        must be resynchronised).
+        is greeted; `proposals` asks given neighbours to resume their edge at (at least) a round.
+        Returns each neighbour's answer (its round, and a resume round if the edge must be
+        resynchronised).
         """
         missing = [j for j in self._neighbours if j not in addresses]
         if missing:
@@ -241,7 +246,7 @@ class GrpcTransport:
                     f"/{SERVICE_NAME}/PushOne", response_deserializer=pb.PushReply.FromString
                 )
         self._inbox.mailbox.open_round(round)
-        request = self._hello_request(round, 0)
+        proposals = proposals or {}
         answers: dict[int, HelloAnswer] = {}
         deadline = time.monotonic() + timeout
         pending = set(self._neighbours)
@@ -251,6 +256,7 @@ class GrpcTransport:
             for j in sorted(pending):
                 attempt = min(self._options.hello_timeout, max(0.05, deadline - time.monotonic()))
                 try:
+                    request = self._hello_request(round, proposals.get(j, 0))
                     reply = self._stubs[j].Hello(request, timeout=attempt)
                     answers[j] = HelloAnswer(reply.round, reply.resume_round)
                     pending.discard(j)

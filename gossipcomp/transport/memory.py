@@ -43,10 +43,12 @@ class Fault(enum.Enum):
 class InMemoryHub:
     """The shared 'network' of InMemoryTransports living in one process, with injected faults."""
 
-    def __init__(self) -> None:
+    def __init__(self, hello_latency: float = 0.0) -> None:
+        """`hello_latency`: seconds a probe's answer takes to come back (0: at once)."""
         self._transports: dict[int, InMemoryTransport] = {}
         self._faults: dict[tuple[int, int], Fault] = {}
         self._lock = threading.Lock()
+        self.hello_latency = hello_latency
 
     def inject(self, sender: int, receiver: int, fault: Fault) -> None:
         """Apply `fault` to every message from `sender` to `receiver` until `heal`."""
@@ -137,12 +139,22 @@ class InMemoryTransport:
         )
         if target is None or lost:
             answer.set_exception(PeerUnreachableError(f"peer {neighbour} cannot be reached"))
+            return answer
+        reply = target.hello(self.rank, round, proposed)
+        if self._hub.hello_latency > 0:  # the answer is on its way back for a while
+            timer = threading.Timer(self._hub.hello_latency, answer.set_result, (reply,))
+            timer.daemon = True
+            timer.start()
         else:
-            answer.set_result(target.hello(self.rank, round, proposed))
+            answer.set_result(reply)
         return answer
 
     def connect(
-        self, addresses: Mapping[int, str], timeout: float, round: int = 0
+        self,
+        addresses: Mapping[int, str],
+        timeout: float,
+        round: int = 0,
+        proposals: Mapping[int, int] | None = None,
     ) -> dict[int, HelloAnswer]:
         """Wait until every neighbour is on the hub with the same topology, model and protocol;
         then greet each at `round` (see Transport.connect)."""
@@ -170,7 +182,7 @@ class InMemoryTransport:
         for j in self._neighbours:
             other = self._hub.lookup(j)
             if other is not None:
-                answers[j] = other.hello(self.rank, round, 0)
+                answers[j] = other.hello(self.rank, round, (proposals or {}).get(j, 0))
         return answers
 
     def exchange(
