@@ -47,6 +47,7 @@ class _Link:
     retry_at: float = 0.0  # monotonic time of the next probe (DOWN, probing end only)
     backoff: float = 0.0
     margin: int = RESUME_MARGIN  # rounds ahead this end proposes to resume
+    their_round: int | None = None  # the other end's round at agreement, if it is to be followed
     probe: Future[HelloAnswer] | None = None
 
 
@@ -117,18 +118,38 @@ class LinkMonitor:
                         self._down(j, round, "resume round passed before it was reached")
         return due
 
-    def catch_up_round(self, round: int) -> int | None:
-        """The round to jump to when this peer is behind a neighbour it is resuming with
-        (restarted from a checkpoint, or on the slower side of a healed partition): the
-        neighbour's round when they agreed (the resume round less the margin), so both reach the
-        resume round together and this peer's other neighbours need catch up only as far."""
+    def free(self) -> bool:
+        """No edge is up: this peer may move its round back as well as forward."""
         with self._lock:
-            ahead = [
-                link.resume_round - RESUME_MARGIN
-                for link in self._links.values()
-                if link.state is LinkState.RESUMING and link.resume_round - RESUME_MARGIN > round
-            ]
-        return min(ahead, default=None)
+            return all(link.state is not LinkState.UP for link in self._links.values())
+
+    def anchored(self) -> bool:
+        """Some edge is up or agreed to resume: this peer's round matters to a neighbour, so a
+        neighbour it greets must follow it rather than the other way round."""
+        with self._lock:
+            return self._anchored()
+
+    def _anchored(self) -> bool:
+        return any(link.state is not LinkState.DOWN for link in self._links.values())
+
+    def catch_up_round(self, round: int, free: bool) -> int | None:
+        """The round to move to when rounds disagree with a neighbour this peer resumes with:
+        that neighbour's round when they agreed (when it has live edges of its own; otherwise it
+        follows this peer). Forward when this peer is behind it (restarted, or on the slower
+        side of a healed partition), never to or past a resume round; back only for a peer with
+        no live edge that has run past a resume round (isolated, it ran ahead alone). None when
+        no move is needed."""
+        with self._lock:
+            resuming = [link for link in self._links.values() if link.state is LinkState.RESUMING]
+        if not resuming:
+            return None
+        first_resume = min(link.resume_round for link in resuming)
+        followed = [link.their_round for link in resuming if link.their_round is not None]
+        if followed and max(followed) > round:
+            return min(max(followed), first_resume - 1)
+        if free and round > first_resume:
+            return first_resume - RESUME_MARGIN
+        return None
 
     def up(self, neighbour: int, resume_round: int) -> bool:
         """The edge resumed at `resume_round`: gossip on it again. False (and nothing changes)
@@ -155,6 +176,7 @@ class LinkMonitor:
             link = self._links[neighbour]
             if link.state is LinkState.RESUMING and link.resume_round == resume_round:
                 self._down(neighbour, resume_round, reason)
+                link.margin = min(MAX_RESUME_MARGIN, 2 * link.margin)  # more time next try
 
     def mark_down(self, neighbour: int, round: int, reason: str) -> None:
         """Take the edge down whatever its state (restored as down from a checkpoint)."""
@@ -171,58 +193,72 @@ class LinkMonitor:
         link.state, link.backoff = LinkState.DOWN, self.backoff.first
         link.retry_at = self._clock() + link.backoff
 
-    def _adopt(self, neighbour: int, resume_round: int) -> int:
-        """Agree to resume at `resume_round` or a later round already agreed; return it. The
-        caller holds the lock."""
+    def _adopt(self, neighbour: int, resume_round: int, their_round: int | None) -> int:
+        """Agree to resume at `resume_round` or a later round already agreed; return it.
+        `their_round`: the neighbour's round, when this peer is to catch up with it. The caller
+        holds the lock."""
         link = self._links[neighbour]
         if link.state is LinkState.RESUMING:
             resume_round = max(resume_round, link.resume_round)
         link.state, link.resume_round, link.backoff = LinkState.RESUMING, resume_round, 0.0
+        link.their_round = their_round
         self._on_resume(neighbour, resume_round)
         return resume_round
 
-    def resume(self, neighbour: int, resume_round: int, round: int) -> bool:
-        """Adopt a resume round a neighbour answered. False if it came too late (this peer is
-        already at or past it): the caller asks again with a larger margin."""
+    def resume(self, neighbour: int, answer: HelloAnswer, round: int, alone: bool) -> bool:
+        """Adopt the resume round a neighbour answered (`alone`: this peer asked as one with no
+        live edge, so it may move back to meet it). False if it came too late (this peer is
+        already at or past it and cannot go back): the caller asks again with a larger margin."""
         with self._lock:
-            if resume_round <= round:
+            if answer.resume_round <= round and not alone:
                 return False
-            self._adopt(neighbour, resume_round)
+            their_round = None if answer.alone else answer.round
+            self._adopt(neighbour, answer.resume_round, their_round)
             return True
 
     def answer_hello(
-        self, sender: int, sender_round: int, proposed: int, round: int
+        self, sender: int, sender_round: int, proposed: int, sender_alone: bool, round: int
     ) -> HelloAnswer:
         """Answer a neighbour's handshake.
 
         A (re)start (nothing proposed) at our own round, on an edge that was up at both ends,
         needs no resynchronisation: both ends hold the edge's state as of the same round (a
         fresh start at round 0, or a whole network restored from checkpoints of the same round).
-        Otherwise the edge resumes at the largest of the proposal, either end's round plus the
-        margin, and any resume round already agreed."""
+        Otherwise the edge resumes at the round of the end that has live edges (the other will
+        adopt it) plus the margin, or the sender's proposal if later; both ends with live edges:
+        the later of their rounds; any resume round already agreed and still ahead is kept."""
         with self._lock:
             link = self._links[sender]
             if proposed == 0 and sender_round == round and link.state is LinkState.UP:
                 return HelloAnswer(round, 0)
-            wanted = max(proposed, round + RESUME_MARGIN, sender_round + RESUME_MARGIN)
+            anchored = self._anchored()
+            # the sender's margin (grown after failed attempts) when it proposes one
+            margin = max(RESUME_MARGIN, proposed - sender_round) if proposed else RESUME_MARGIN
+            bases = [round + margin] if anchored else []
+            if not sender_alone:
+                bases.append(sender_round + margin)
+            wanted = max(bases or [max(round, sender_round) + margin])
             if link.state is not LinkState.RESUMING or link.resume_round <= round:
                 link.state = LinkState.DOWN  # any earlier agreement is void: start afresh
-            resume_round = self._adopt(sender, wanted)
+            resume_round = self._adopt(sender, wanted, None if sender_alone else sender_round)
         log.warning(
-            "peer %d: neighbour %d (round %d) rejoins at round %d",
+            "peer %d: neighbour %d (round %d%s) rejoins at round %d",
             self.rank,
             sender,
             sender_round,
+            ", alone" if sender_alone else "",
             resume_round,
         )
-        return HelloAnswer(round, resume_round)
+        return HelloAnswer(round, resume_round, alone=not anchored)
 
     def poll_probes(
-        self, round: int, probe: Callable[[int, int, int], Future[HelloAnswer]]
+        self, round: int, probe: Callable[[int, int, int, bool], Future[HelloAnswer]]
     ) -> None:
         """Collect answered probes and send due ones. Only the lower-ranked end of an edge
         probes, so the two ends never race to agree on different resume rounds. An answer that
-        comes too late to be used is asked again at once, with twice the margin."""
+        comes too late to be used is asked again at once, with twice the margin; the margin also
+        doubles after each failed resume exchange, and the answering end honours it, so the
+        agreement leaves enough rounds for slow handshakes."""
         now = self._clock()
         answered: list[tuple[int, Future[HelloAnswer]]] = []
         with self._lock:
@@ -230,10 +266,11 @@ class LinkMonitor:
                 if link.probe is not None and link.probe.done():
                     answered.append((j, link.probe))
                     link.probe = None
+        alone = not self.anchored()
         for j, finished in answered:
             if finished.exception() is not None:
                 self._probe_unanswered(j)
-            elif not self.resume(j, finished.result().resume_round, round):
+            elif not self.resume(j, finished.result(), round, alone):
                 with self._lock:
                     link = self._links[j]
                     link.margin = min(MAX_RESUME_MARGIN, 2 * link.margin)
@@ -245,7 +282,7 @@ class LinkMonitor:
                 if due and link.probe is None and self.rank < j:
                     to_send.append((j, round + link.margin))
         for j, proposed in to_send:
-            future = probe(j, round, proposed)
+            future = probe(j, round, proposed, alone)
             with self._lock:
                 self._links[j].probe = future
 

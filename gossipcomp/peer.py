@@ -99,11 +99,13 @@ class Peer:
         self.alone = False  # the last round reached no neighbour
         neighbours = topology.neighbors(rank)
         self.links = LinkMonitor(rank, neighbours, backoff, on_resume=transport.allow_round)
-        for phase, spec in algorithm.setup(self._params, rank, neighbours).items():
+        specs = algorithm.setup(self._params, rank, neighbours)
+        specs.setdefault(RESUME_PHASE, ())  # an empty resume exchange confirms both ends are there
+        for phase, spec in specs.items():
             transport.expect(phase, spec)
         transport.set_hello_handler(
-            lambda sender, their_round, proposed: self.links.answer_hello(
-                sender, their_round, proposed, self.round
+            lambda sender, their_round, proposed, alone: self.links.answer_hello(
+                sender, their_round, proposed, alone, self.round
             )
         )
         self._averager = DPSGD(phase=AVERAGE_PHASE)
@@ -160,35 +162,42 @@ class Peer:
         down when the checkpoint was written is resynchronised whatever the rounds.
         """
         book = addresses or dict(enumerate(self.topology.addresses))
+        restored = self.round > 0  # its round is stale: adopt the neighbours'
         proposals = {j: self.round + RESUME_MARGIN for j in self.links.not_up()}
         answers = self.transport.connect(
             {j: book[j] for j in self.topology.neighbors(self.rank)},
             timeout,
             round=self.round,
             proposals=proposals,
+            alone=restored,
         )
         for j, answer in answers.items():
             if answer.resume_round > 0:
-                self.links.resume(j, answer.resume_round, self.round)
+                self.links.resume(j, answer, self.round, alone=restored)
         self._catch_up()  # at once: the neighbours reach the resume round within a few rounds
         self._last_mark = time.perf_counter()
 
     def _catch_up(self) -> None:
-        """Jump ahead when this peer is well behind a neighbour it resumes with (see links.py),
-        opening the new round at once so that neighbour's envelopes are let in."""
-        ahead = self.links.catch_up_round(self.round)
-        if ahead is None:
+        """Move to a resuming neighbour's round when rounds disagree (see links.py): forward
+        when behind; back as well when this peer has no live edge (its round is its own). The
+        new round is opened at once so that neighbour's envelopes are let in."""
+        target = self.links.catch_up_round(self.round, self.links.free())
+        if target is None:
             return
         log.warning(
-            "peer %d: behind its neighbours; jumps from round %d to %d",
+            "peer %d: %s its neighbours; moves from round %d to %d",
             self.rank,
+            "behind" if target > self.round else "alone and ahead of",
             self.round,
-            ahead,
+            target,
         )
-        before, self.round = self.round, ahead
-        self.transport.open_round(ahead)
+        before, self.round = self.round, target
+        if target < before:
+            self.transport.rewind_round(target)
+        else:
+            self.transport.open_round(target)
         for j in self.links.live():  # now out of step: fail at once rather than wait a deadline
-            self.links.failed(j, before, f"this peer jumped to round {ahead}")
+            self.links.failed(j, before, f"this peer moved to round {target}")
 
     def _report_isolation(self, hood: Neighbourhood, failed: set[int]) -> None:
         """Say so when a round reached no neighbour at all (the peer trains alone), and when
@@ -228,24 +237,20 @@ class Peer:
         due = self.links.resuming_at(self.round)
         if not due:
             return
-        if not isinstance(self.algorithm, Resumable):
-            for j in due:
-                self.links.up(j, self.round)
-            return
-        payload = self.algorithm.resume_payload(self._params)
-        if payload is None:
-            for j in due:
-                self.algorithm.resume_edge(j, None, self.round)
-                self.links.up(j, self.round)
-            return
+        resumable = isinstance(self.algorithm, Resumable)
+        payload = self.algorithm.resume_payload(self._params) if resumable else None
         hood = self._neighbourhood(self._links, due)
-        result = hood.exchange(RESUME_PHASE, payload)
+        # always exchanged, empty when there is nothing to resynchronise: an edge is back only
+        # when both ends reached the resume round
+        result = hood.exchange(RESUME_PHASE, payload or ())
         self._comm_seconds += hood.comm_seconds
         for j in due:
             if j in result.received and j not in result.failed:
+                if resumable:
+                    envelope = result.received[j] if payload is not None else None
+                    self.algorithm.resume_edge(j, envelope, self.round)
                 # if a handshake moved the resume round meanwhile, the edge stays resuming and
                 # is resynchronised again then
-                self.algorithm.resume_edge(j, result.received[j], self.round)
                 self.links.up(j, self.round)
             else:
                 reason = result.failed.get(j, "no resume payload")

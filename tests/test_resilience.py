@@ -200,7 +200,7 @@ def test_after_a_partition_where_one_side_ran_ahead_the_side_behind_catches_up(c
         for t in threads:
             t.join(10)
     assert _all_up(peers), "edges did not all resume"
-    jumps = [r.getMessage() for r in caplog.records if "jumps from round" in r.getMessage()]
+    jumps = [r.getMessage() for r in caplog.records if "moves from round" in r.getMessage()]
     jumped = {int(m.split()[1].rstrip(":")) for m in jumps}
     assert jumped & {4, 5, 6, 7}, jumps  # the side behind caught up by jumping
     assert [p.round for p in peers] == stop_at * 8

@@ -298,6 +298,7 @@ def test_wrong_shape_is_refused_and_the_receivers_model_is_bitwise_unchanged():
     from gossipcomp.models import build_mlp, model_signature
     from gossipcomp.peer import Peer
     from gossipcomp.topology import build_topology
+    from gossipcomp.transport.base import HelloAnswer
 
     topology = build_topology("ring", n=2)
     model = build_mlp(0, hidden=(8,))
@@ -305,6 +306,7 @@ def test_wrong_shape_is_refused_and_the_receivers_model_is_bitwise_unchanged():
     sender = GrpcTransport(Identity(0, topology.hash, model_signature(model)), [1])
     try:
         sender.expect("model", tuple(tensor_spec(n, p) for n, p in model.named_parameters()))
+        sender.expect("resume", ())
         sender.connect({1: peer.address}, timeout=10)
         peer.start(timeout=10, addresses={0: sender.address})
         before = [p.detach().clone() for p in model.parameters()]
@@ -320,9 +322,10 @@ def test_wrong_shape_is_refused_and_the_receivers_model_is_bitwise_unchanged():
             assert torch.equal(p.detach(), b)
         # the failed edge is left out until it resumes (as a probe would agree, at round 2); then
         # the same channel delivers the next valid envelope
-        assert peer.links.resume(0, 2, peer.round)
+        assert peer.links.resume(0, HelloAnswer(round=1, resume_round=2), peer.round, alone=False)
         peer.gossip()  # round 1: the edge is still resuming, nothing exchanged
         good = tuple(encode_raw(n, torch.ones_like(p)) for n, p in model.named_parameters())
+        sender.send(1, Envelope(0, 2, "resume", ()), time.monotonic() + 5)  # both ends are back
         sender.send(1, Envelope(0, 2, "model", good), time.monotonic() + 5)
         peer.gossip()  # round 2: the edge is back; applied, x <- x + 1/2 (1 - x)
         for p, b in zip(model.parameters(), before, strict=True):

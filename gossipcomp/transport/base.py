@@ -114,18 +114,20 @@ class Identity:
 
 @dataclass(frozen=True)
 class HelloAnswer:
-    """A neighbour's answer to a handshake: its round, and the round at which the edge resumes
-    (0 when nothing needs resuming: both ends start fresh)."""
+    """A neighbour's answer to a handshake: its round, the round at which the edge resumes
+    (0 when nothing needs resuming: both ends start fresh), and whether it is alone."""
 
     round: int
     resume_round: int
+    alone: bool = False  # the answering peer has no live edge: it adopts the asker's round
 
 
-HelloHandler = Callable[[int, int, int], HelloAnswer]
-"""Answers an incoming handshake: (sender, sender's round, proposed resume round) -> answer."""
+HelloHandler = Callable[[int, int, int, bool], HelloAnswer]
+"""Answers an incoming handshake: (sender, sender's round, proposed resume round, whether the
+sender is alone) -> answer."""
 
 
-def no_rejoin(sender: int, round: int, proposed: int) -> HelloAnswer:
+def no_rejoin(sender: int, round: int, proposed: int, alone: bool) -> HelloAnswer:
     """The handler of a transport whose peer never resumes edges (plain handshake only)."""
     return HelloAnswer(0, 0)
 
@@ -154,6 +156,11 @@ class Transport(Protocol):
         exchange opens its own round; a peer that jumps ahead opens the new one at once."""
         ...
 
+    def rewind_round(self, round: int) -> None:
+        """Start again at an earlier `round`, dropping everything held (a peer with no live edge
+        adopting its neighbours' round)."""
+        ...
+
     def allow_round(self, neighbour: int, round: int) -> None:
         """Accept `neighbour`'s envelopes for `round` even beyond the window (a resume round)."""
         ...
@@ -164,19 +171,21 @@ class Transport(Protocol):
         timeout: float,
         round: int = 0,
         proposals: Mapping[int, int] | None = None,
+        alone: bool = False,
     ) -> dict[int, HelloAnswer]:
         """Handshake with every neighbour (rank -> address) within `timeout` seconds, or raise
         PeerUnreachableError naming the missing ones (HandshakeError on a mismatch). `round` is
         the peer's round (non-zero when restored from a checkpoint): envelopes are accepted
         from that round on, and a neighbour at another round answers with a resume round, as
-        does one asked to resume by `proposals` (neighbour -> proposed resume round)."""
+        does one asked to resume by `proposals` (neighbour -> proposed resume round). `alone`: this
+        peer has no live edge (restored from a checkpoint), so its round is not to be followed."""
         ...
 
     def set_hello_handler(self, handler: HelloHandler) -> None:
         """Who answers neighbours' handshakes (and their requests to resume an edge)."""
         ...
 
-    def probe(self, neighbour: int, round: int, proposed: int) -> Future[HelloAnswer]:
+    def probe(self, neighbour: int, round: int, proposed: int, alone: bool) -> Future[HelloAnswer]:
         """Handshake again with a lost neighbour, without blocking, asking to resume the edge."""
         ...
 

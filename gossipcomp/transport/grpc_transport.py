@@ -95,7 +95,9 @@ class _GossipService(pb_grpc.GossipServicer):
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"{field}: expected >= 0, got {value}"
                 )
-        answer = self.on_hello(request.sender, request.round, request.proposed_resume_round)
+        answer = self.on_hello(
+            request.sender, request.round, request.proposed_resume_round, request.alone
+        )
         return pb.HelloReply(
             protocol_version=mine.protocol_version,
             receiver=mine.rank,
@@ -103,6 +105,7 @@ class _GossipService(pb_grpc.GossipServicer):
             model_signature=mine.model_signature,
             round=answer.round,
             resume_round=answer.resume_round,
+            alone=answer.alone,
         )
 
     def Push(
@@ -206,6 +209,9 @@ class GrpcTransport:
     def open_round(self, round: int) -> None:
         self._inbox.mailbox.open_round(round)
 
+    def rewind_round(self, round: int) -> None:
+        self._inbox.mailbox.rewind(round)
+
     def allow_round(self, neighbour: int, round: int) -> None:
         self._inbox.mailbox.allow(neighbour, round)
 
@@ -218,6 +224,7 @@ class GrpcTransport:
         timeout: float,
         round: int = 0,
         proposals: Mapping[int, int] | None = None,
+        alone: bool = False,
     ) -> dict[int, HelloAnswer]:
         """Open channels to every neighbour and handshake, retrying until `timeout` seconds.
 
@@ -256,9 +263,9 @@ class GrpcTransport:
             for j in sorted(pending):
                 attempt = min(self._options.hello_timeout, max(0.05, deadline - time.monotonic()))
                 try:
-                    request = self._hello_request(round, proposals.get(j, 0))
+                    request = self._hello_request(round, proposals.get(j, 0), alone)
                     reply = self._stubs[j].Hello(request, timeout=attempt)
-                    answers[j] = HelloAnswer(reply.round, reply.resume_round)
+                    answers[j] = HelloAnswer(reply.round, reply.resume_round, reply.alone)
                     pending.discard(j)
                 except grpc.RpcError as error:
                     code = error.code()
@@ -285,7 +292,7 @@ class GrpcTransport:
             backoff = min(backoff * 2, 1.0)
         return answers
 
-    def _hello_request(self, round: int, proposed: int) -> pb.HelloRequest:
+    def _hello_request(self, round: int, proposed: int, alone: bool) -> pb.HelloRequest:
         return pb.HelloRequest(
             protocol_version=self._identity.protocol_version,
             sender=self.rank,
@@ -293,22 +300,25 @@ class GrpcTransport:
             model_signature=self._identity.model_signature,
             round=round,
             proposed_resume_round=proposed,
+            alone=alone,
         )
 
-    def probe(self, neighbour: int, round: int, proposed: int) -> futures.Future[HelloAnswer]:
+    def probe(
+        self, neighbour: int, round: int, proposed: int, alone: bool
+    ) -> futures.Future[HelloAnswer]:
         """Ask a lost neighbour, without blocking, to resume the edge (a Hello with our round and
         a proposed resume round); the future fails if it does not answer within hello_timeout."""
         if neighbour not in self._stubs:
             raise RuntimeError(f"peer {self.rank}: probe before connect()")
         call = self._stubs[neighbour].Hello.future(
-            self._hello_request(round, proposed), timeout=self._options.hello_timeout
+            self._hello_request(round, proposed, alone), timeout=self._options.hello_timeout
         )
         answer: futures.Future[HelloAnswer] = futures.Future()
 
         def done(finished: grpc.Future) -> None:
             try:
                 reply = finished.result()
-                answer.set_result(HelloAnswer(reply.round, reply.resume_round))
+                answer.set_result(HelloAnswer(reply.round, reply.resume_round, reply.alone))
             except BaseException as error:  # an RpcError or a cancellation: the probe failed
                 answer.set_exception(error)
 

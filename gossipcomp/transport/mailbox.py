@@ -50,6 +50,18 @@ class Mailbox:
                 self._abandoned = {k for k in self._abandoned if k[0] >= round}
                 self._allowed = {s: r for s, r in self._allowed.items() if r >= round}
 
+    def rewind(self, round: int) -> None:
+        """Start again at `round`, earlier than the floor: everything held or remembered is
+        dropped (agreed resume rounds from `round` on stay allowed)."""
+        with self._cond:
+            self._floor = round
+            self._items.clear()
+            self._consumed.clear()
+            self._closed.clear()
+            self._abandoned.clear()
+            self._allowed = {s: r for s, r in self._allowed.items() if r >= round}
+            self._cond.notify_all()
+
     def deliver(self, envelope: Envelope, wire_bytes: int) -> None:
         """Store a validated envelope, or refuse it as late, too early or a duplicate."""
         key = (envelope.round, envelope.phase, envelope.sender)

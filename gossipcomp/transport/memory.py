@@ -113,6 +113,9 @@ class InMemoryTransport:
     def open_round(self, round: int) -> None:
         self._inbox.mailbox.open_round(round)
 
+    def rewind_round(self, round: int) -> None:
+        self._inbox.mailbox.rewind(round)
+
     def allow_round(self, neighbour: int, round: int) -> None:
         self._inbox.mailbox.allow(neighbour, round)
 
@@ -126,11 +129,11 @@ class InMemoryTransport:
     def set_hello_handler(self, handler: HelloHandler) -> None:
         self._on_hello = handler
 
-    def hello(self, sender: int, round: int, proposed: int) -> HelloAnswer:
+    def hello(self, sender: int, round: int, proposed: int, alone: bool) -> HelloAnswer:
         """A neighbour's handshake arriving here (the in-process Hello)."""
-        return self._on_hello(sender, round, proposed)
+        return self._on_hello(sender, round, proposed, alone)
 
-    def probe(self, neighbour: int, round: int, proposed: int) -> Future[HelloAnswer]:
+    def probe(self, neighbour: int, round: int, proposed: int, alone: bool) -> Future[HelloAnswer]:
         answer: Future[HelloAnswer] = Future()
         target = self._hub.lookup(neighbour)
         lost = Fault.LOST in (
@@ -140,7 +143,7 @@ class InMemoryTransport:
         if target is None or lost:
             answer.set_exception(PeerUnreachableError(f"peer {neighbour} cannot be reached"))
             return answer
-        reply = target.hello(self.rank, round, proposed)
+        reply = target.hello(self.rank, round, proposed, alone)
         if self._hub.hello_latency > 0:  # the answer is on its way back for a while
             timer = threading.Timer(self._hub.hello_latency, answer.set_result, (reply,))
             timer.daemon = True
@@ -155,6 +158,7 @@ class InMemoryTransport:
         timeout: float,
         round: int = 0,
         proposals: Mapping[int, int] | None = None,
+        alone: bool = False,
     ) -> dict[int, HelloAnswer]:
         """Wait until every neighbour is on the hub with the same topology, model and protocol;
         then greet each at `round` (see Transport.connect)."""
@@ -182,7 +186,7 @@ class InMemoryTransport:
         for j in self._neighbours:
             other = self._hub.lookup(j)
             if other is not None:
-                answers[j] = other.hello(self.rank, round, (proposals or {}).get(j, 0))
+                answers[j] = other.hello(self.rank, round, (proposals or {}).get(j, 0), alone)
         return answers
 
     def exchange(

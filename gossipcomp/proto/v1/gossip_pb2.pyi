@@ -51,33 +51,37 @@ class PushReply(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
-    __slots__ = ("protocol_version", "sender", "topology_hash", "model_signature", "round", "proposed_resume_round")
+    __slots__ = ("protocol_version", "sender", "topology_hash", "model_signature", "round", "proposed_resume_round", "alone")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_HASH_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_RESUME_ROUND_FIELD_NUMBER: _ClassVar[int]
+    ALONE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     sender: int
     topology_hash: str
     model_signature: str
     round: int
     proposed_resume_round: int
-    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., round: _Optional[int] = ..., proposed_resume_round: _Optional[int] = ...) -> None: ...
+    alone: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., round: _Optional[int] = ..., proposed_resume_round: _Optional[int] = ..., alone: _Optional[bool] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("protocol_version", "receiver", "topology_hash", "model_signature", "round", "resume_round")
+    __slots__ = ("protocol_version", "receiver", "topology_hash", "model_signature", "round", "resume_round", "alone")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_HASH_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RESUME_ROUND_FIELD_NUMBER: _ClassVar[int]
+    ALONE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     receiver: int
     topology_hash: str
     model_signature: str
     round: int
     resume_round: int
-    def __init__(self, protocol_version: _Optional[int] = ..., receiver: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., round: _Optional[int] = ..., resume_round: _Optional[int] = ...) -> None: ...
+    alone: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., receiver: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., round: _Optional[int] = ..., resume_round: _Optional[int] = ..., alone: _Optional[bool] = ...) -> None: ...
