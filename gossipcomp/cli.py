@@ -1,4 +1,5 @@
-"""Command line: `gossipcomp simulate`, `gossipcomp peer`, `gossipcomp topology show`.
+"""Command line: `gossipcomp simulate`, `gossipcomp peer`, `gossipcomp topology show`,
+`gossipcomp keys new`.
 
 Argument parsing, progress display and reports only; the work happens in simulation.py.
 """
@@ -21,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gossipcomp.experiment import TrainConfig
 from gossipcomp.gossip import ALGORITHMS
 from gossipcomp.report import Report
+from gossipcomp.security import CA_CERT_NAME, CA_KEY_NAME, TlsFiles, new_ca, new_peer_certificate
 from gossipcomp.simulation import CheckpointPolicy, run_peer, run_simulation
 from gossipcomp.topology import Topology, TopologyError, format_topology, load_topology
 from gossipcomp.transport.base import HandshakeError, PeerUnreachableError
@@ -153,6 +155,43 @@ def _checkpoints(args: argparse.Namespace) -> CheckpointPolicy | None:
     return CheckpointPolicy(args.checkpoint_dir, every=every, keep=args.checkpoint_keep)
 
 
+_TLS_FLAGS = {"tls_cert": "--tls-cert", "tls_key": "--tls-key", "tls_ca": "--tls-ca"}
+
+
+def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """The peer's TLS files: all three flags, or none of them (plaintext)."""
+    given = {name: getattr(args, name) for name in _TLS_FLAGS}
+    missing = [flag for name, flag in _TLS_FLAGS.items() if given[name] is None]
+    if len(missing) == len(_TLS_FLAGS):
+        return None
+    if missing:
+        raise ValueError(
+            f"TLS needs all of --tls-cert, --tls-key and --tls-ca (or none, for plaintext): "
+            f"missing {', '.join(missing)}"
+        )
+    return TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
+
+
+def _keys_new(args: argparse.Namespace, console: Console) -> None:
+    """Write a CA (with --ca) and a peer certificate signed by the CA in --out."""
+    out: Path = args.out
+    ca_cert, ca_key = out / CA_CERT_NAME, out / CA_KEY_NAME
+    if args.ca:
+        new_ca(out)
+        console.print(f"wrote {ca_cert} (CA certificate: give it to every peer as --tls-ca)")
+        console.print(f"wrote {ca_key} (CA private key: keep it private, only to sign peers)")
+    else:
+        absent = [str(p) for p in (ca_cert, ca_key) if not p.is_file()]
+        if absent:
+            raise ValueError(
+                f"no CA in {out}: {' and '.join(absent)} not found (expected a CA made by "
+                f"`gossipcomp keys new --out {out} --ca`)"
+            )
+    files = new_peer_certificate(out, args.name, args.address or (), ca_cert, ca_key)
+    console.print(f"wrote {files.cert} (certificate of {args.name}: --tls-cert)")
+    console.print(f"wrote {files.key} (private key of {args.name}: --tls-key, mode 0600)")
+
+
 def _config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         algorithm=args.algorithm,
@@ -199,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TOPOLOGY,
         help="topology YAML file, or a shipped name",
     )
+    sim.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS between the peers, with a throwaway CA and certificates",
+    )
     _add_training_flags(sim, rank_is_low_rank=True)
 
     peer = sub.add_parser(
@@ -220,12 +264,40 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="seconds to wait for neighbours to come up before giving up",
     )
+    tls = peer.add_argument_group(
+        "mutual TLS", "all three, or none for plaintext; make them with `gossipcomp keys new`"
+    )
+    tls.add_argument("--tls-cert", type=Path, metavar="FILE", help="this peer's certificate (PEM)")
+    tls.add_argument("--tls-key", type=Path, metavar="FILE", help="this peer's private key (PEM)")
+    tls.add_argument("--tls-ca", type=Path, metavar="FILE", help="the network's CA certificate")
     _add_training_flags(peer, rank_is_low_rank=False)
 
     topo = sub.add_parser("topology", help="inspect topology files")
     topo_sub = topo.add_subparsers(dest="topology_command", required=True)
     show = topo_sub.add_parser("show", help="peers, degrees, spectral gap and mixing weights")
     show.add_argument("file", help="topology YAML file (or shipped name)")
+
+    keys = sub.add_parser("keys", help="certificates for mutual TLS between peers")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    new = keys_sub.add_parser(
+        "new",
+        formatter_class=_HelpWithDefaults,
+        help="a peer certificate signed by the CA in --out (with --ca: make that CA first)",
+    )
+    new.add_argument("--out", type=Path, required=True, metavar="DIR", help="directory of the CA")
+    new.add_argument(
+        "--ca", action="store_true", help="create a new CA in DIR first (never overwrites one)"
+    )
+    new.add_argument(
+        "--name", default="peer", help="certificate name: writes NAME.pem and NAME-key.pem"
+    )
+    new.add_argument(
+        "--address",
+        action="extend",
+        nargs="+",
+        metavar="HOST",
+        help="hosts neighbours reach this peer at (localhost and 127.0.0.1 always included)",
+    )
     return parser
 
 
@@ -279,6 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "topology":
             Console().print(format_topology(resolve_topology(args.file)))
             return 0
+        if args.command == "keys":
+            _keys_new(args, Console(highlight=False))
+            return 0
+        tls = _tls_files(args) if args.command == "peer" else None
         config = _config(args)
         checkpoints = _checkpoints(args)
         topology = resolve_topology(args.topology)
@@ -287,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             label = f"{config.algorithm} on {topology.name}"
             with _ProgressDisplay(console, config.rounds * topology.n, label, args.quiet) as bar:
                 report = run_simulation(
-                    config, topology, progress=bar.advance, checkpoints=checkpoints
+                    config, topology, progress=bar.advance, checkpoints=checkpoints, tls=args.tls
                 )
         else:
             rank = args.rank if args.rank is not None else _rank_from_env()
@@ -301,10 +377,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     progress=bar.advance,
                     startup_timeout=args.startup_timeout,
                     checkpoints=checkpoints,
+                    tls=tls,
                 )
         _finish(report, args, console)
         return 0
-    except (TopologyError, ValueError, HandshakeError, PeerUnreachableError) as error:
+    except (
+        TopologyError,
+        ValueError,
+        FileNotFoundError,
+        FileExistsError,
+        HandshakeError,
+        PeerUnreachableError,
+    ) as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False)
         return 2
     except RuntimeError as error:  # training failed (diverged, a peer crashed): no traceback

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from gossipcomp.gossip.state import checked_tensors
 from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor
 from gossipcomp.models import model_signature
 from gossipcomp.topology import Topology
-from gossipcomp.transport.base import Identity, Transport
+from gossipcomp.transport.base import HelloAnswer, Identity, PeerNotReady, Transport
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
 
 AVERAGE_PHASE = "average"
@@ -73,7 +74,10 @@ class Peer:
         *,
         round_timeout: float = 30.0,
         backoff: Backoff | None = None,
+        ready: bool = True,
     ) -> None:
+        """`ready=False` (a peer about to restore a checkpoint): neighbours' handshakes are
+        answered "not ready" until `ready()`, so none is answered from a round about to change."""
         if not 0 <= rank < topology.n:
             raise ValueError(
                 f"rank {rank} out of range for topology {topology.name} (n={topology.n})"
@@ -103,14 +107,24 @@ class Peer:
         specs.setdefault(RESUME_PHASE, ())  # an empty resume exchange confirms both ends are there
         for phase, spec in specs.items():
             transport.expect(phase, spec)
-        transport.set_hello_handler(
-            lambda sender, their_round, proposed, alone: self.links.answer_hello(
-                sender, their_round, proposed, alone, self.round
-            )
-        )
+        self._ready = threading.Event()
+        if ready:
+            self._ready.set()
+        transport.set_hello_handler(self._answer_hello)
         self._averager = DPSGD(phase=AVERAGE_PHASE)
         for phase, spec in self._averager.setup(self._params, rank, neighbours).items():
             transport.expect(phase, spec)
+
+    def ready(self) -> None:
+        """Start answering neighbours' handshakes (see `ready` in the constructor)."""
+        self._ready.set()
+
+    def _answer_hello(
+        self, sender: int, their_round: int, proposed: int, alone: bool
+    ) -> HelloAnswer:
+        if not self._ready.is_set():
+            raise PeerNotReady(f"peer {self.rank} is restoring its checkpoint")
+        return self.links.answer_hello(sender, their_round, proposed, alone, self.round)
 
     @classmethod
     def over_grpc(
@@ -124,6 +138,7 @@ class Peer:
         options: GrpcOptions | None = None,
         round_timeout: float = 30.0,
         backoff: Backoff | None = None,
+        ready: bool = True,
     ) -> Peer:
         """A peer with its own gRPC server at `bind` (default: its address in the topology)."""
         identity = Identity(rank, topology.hash, model_signature(model))
@@ -142,6 +157,7 @@ class Peer:
                 transport,
                 round_timeout=round_timeout,
                 backoff=backoff,
+                ready=ready,
             )
         except Exception:
             transport.close()

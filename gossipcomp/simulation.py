@@ -3,14 +3,16 @@
 `run_simulation` puts every peer of a topology in this process (each with its own gRPC server on
 a loopback port, each training in its own thread); `run_peer` runs one peer of a network whose
 other peers live in other processes or machines. Both train with experiment.PeerTrainer and
-return the same Report.
+return the same Report. Either may run over mutual TLS: `run_peer` with the peer's own files,
+`run_simulation` with a throwaway CA and certificates that exist only while it runs.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +30,10 @@ from gossipcomp.experiment import (
 from gossipcomp.models import build_mlp
 from gossipcomp.peer import Peer
 from gossipcomp.report import Report, flat, merge_history, peer_reports
+from gossipcomp.security import TlsFiles, throwaway_certificates
 from gossipcomp.topology import Topology
 from gossipcomp.training import evaluate_accuracy
+from gossipcomp.transport.grpc_transport import GrpcOptions
 
 ProgressCallback = Callable[[int, int], None]  # (rank, round just finished)
 
@@ -50,6 +54,7 @@ class CheckpointPolicy:
         store = CheckpointStore(self.directory, peer.rank, keep=self.keep)
         trainer = PeerTrainer(peer, data, config, store, self.every)
         trainer.restore()
+        peer.ready()  # handshakes are answered from the restored round only
         return trainer
 
 
@@ -107,45 +112,60 @@ def run_simulation(
     progress: ProgressCallback | None = None,
     startup_timeout: float = 30.0,
     checkpoints: CheckpointPolicy | None = None,
+    tls: bool = False,
 ) -> Report:
-    """Train every peer of `topology` in this process over gRPC on loopback."""
+    """Train every peer of `topology` in this process over gRPC on loopback; with `tls`, over
+    mutual TLS with a throwaway CA and per-peer certificates (deleted when training ends)."""
     start = time.perf_counter()
     data = load_digits_split(seed=config.seed)
     peers: list[Peer] = []
-    try:
-        for rank in range(topology.n):
-            peers.append(
-                Peer.over_grpc(
-                    build_mlp(config.seed),
-                    topology,
-                    rank,
-                    build_algorithm(config, topology),
-                    bind="127.0.0.1:0",
-                    round_timeout=config.round_timeout,
+    with _simulation_tls(topology.n, tls) as tls_files:
+        try:
+            for rank in range(topology.n):
+                peers.append(
+                    Peer.over_grpc(
+                        build_mlp(config.seed),
+                        topology,
+                        rank,
+                        build_algorithm(config, topology),
+                        bind="127.0.0.1:0",
+                        options=GrpcOptions(tls=tls_files[rank]),
+                        round_timeout=config.round_timeout,
+                        ready=checkpoints is None,
+                    )
                 )
+            trainers = [_trainer(peer, data, config, checkpoints) for peer in peers]
+            addresses = {p.rank: p.address for p in peers}
+            for peer in peers:
+                peer.start(startup_timeout, addresses)
+            outcomes = _train_all(trainers, progress)
+            params = [[p.detach() for p in peer.model.parameters()] for peer in peers]
+            average = [torch.stack(group).mean(dim=0) for group in zip(*params, strict=True)]
+            mean_vector = flat(average)
+            distances = [float((flat(ps) - mean_vector).pow(2).sum()) for ps in params]
+            return _report(
+                "simulate",
+                config,
+                topology,
+                outcomes,
+                distances,
+                average,
+                data,
+                time.perf_counter() - start,
             )
-        trainers = [_trainer(peer, data, config, checkpoints) for peer in peers]
-        addresses = {p.rank: p.address for p in peers}
-        for peer in peers:
-            peer.start(startup_timeout, addresses)
-        outcomes = _train_all(trainers, progress)
-        params = [[p.detach() for p in peer.model.parameters()] for peer in peers]
-        average = [torch.stack(group).mean(dim=0) for group in zip(*params, strict=True)]
-        mean_vector = flat(average)
-        distances = [float((flat(ps) - mean_vector).pow(2).sum()) for ps in params]
-        return _report(
-            "simulate",
-            config,
-            topology,
-            outcomes,
-            distances,
-            average,
-            data,
-            time.perf_counter() - start,
-        )
-    finally:
-        for peer in peers:
-            peer.close()
+        finally:
+            for peer in peers:
+                peer.close()
+
+
+@contextmanager
+def _simulation_tls(n: int, enabled: bool) -> Iterator[list[TlsFiles | None]]:
+    """Per rank: its TLS files (existing while the context lasts), or None for plaintext."""
+    if not enabled:
+        yield [None] * n
+        return
+    with throwaway_certificates([f"peer{rank}" for rank in range(n)]) as files:
+        yield [files[f"peer{rank}"] for rank in range(n)]
 
 
 def _train_all(
@@ -190,9 +210,11 @@ def run_peer(
     progress: ProgressCallback | None = None,
     startup_timeout: float = 60.0,
     checkpoints: CheckpointPolicy | None = None,
+    tls: TlsFiles | None = None,
 ) -> Report:
     """Train one peer of `topology` at its address; its neighbours run elsewhere. With
-    `checkpoints`, it continues from its newest valid checkpoint and keeps writing them."""
+    `checkpoints`, it continues from its newest valid checkpoint and keeps writing them; with
+    `tls`, it talks to its neighbours over mutual TLS only."""
     start = time.perf_counter()
     data = load_digits_split(seed=config.seed)
     with Peer.over_grpc(
@@ -201,7 +223,9 @@ def run_peer(
         rank,
         build_algorithm(config, topology),
         bind=bind,
+        options=GrpcOptions(tls=tls),
         round_timeout=config.round_timeout,
+        ready=checkpoints is None,
     ) as peer:
         trainer = _trainer(peer, data, config, checkpoints)
         peer.start(startup_timeout)

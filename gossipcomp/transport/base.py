@@ -102,6 +102,10 @@ class PeerUnreachableError(RuntimeError):
     """Neighbours could not be reached within the start-up timeout."""
 
 
+class PeerNotReady(RuntimeError):
+    """A handshake reached a peer that is still restoring its checkpoint: try again later."""
+
+
 @dataclass(frozen=True)
 class Identity:
     """What two peers must agree on before exchanging anything (checked by the Hello handshake)."""

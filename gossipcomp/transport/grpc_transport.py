@@ -5,6 +5,9 @@ standard gRPC health service, and pushes its own envelopes to its neighbours. Ev
 deadline; message size limits are set on both ends; every envelope is validated (header before
 data, values after) before it reaches the mailbox, so nothing invalid is ever handed to an
 algorithm.
+
+With `GrpcOptions.tls` set, the server and every channel use mutual TLS (gossipcomp.security):
+only peers holding a certificate from the network's CA can connect. Plaintext is the default.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.proto.v1 import gossip_pb2_grpc as pb_grpc
+from gossipcomp.security.tls import TlsFiles, channel_credentials, server_credentials
 from gossipcomp.transport.base import (
     Envelope,
     EnvelopeRejected,
@@ -29,6 +33,7 @@ from gossipcomp.transport.base import (
     Identity,
     Payload,
     PayloadSpec,
+    PeerNotReady,
     PeerUnreachableError,
     no_rejoin,
 )
@@ -41,13 +46,14 @@ SERVICE_NAME = "gossipcomp.v1.Gossip"
 
 @dataclass(frozen=True)
 class GrpcOptions:
-    """Limits and timings of the gRPC transport."""
+    """Limits, timings and security of the gRPC transport."""
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # data bytes per streamed chunk
     max_message_bytes: int = 16 << 20  # one gRPC message (a chunk plus its header), both ends
     max_envelope_bytes: int = 1 << 30  # a whole envelope, checked from its header
     hello_timeout: float = 2.0  # deadline of one handshake attempt
     mailbox_window: int = 4  # rounds a neighbour may run ahead
+    tls: TlsFiles | None = None  # mutual TLS with these files; None: plaintext
 
     def channel_options(self) -> list[tuple[str, int]]:
         return [
@@ -95,9 +101,12 @@ class _GossipService(pb_grpc.GossipServicer):
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"{field}: expected >= 0, got {value}"
                 )
-        answer = self.on_hello(
-            request.sender, request.round, request.proposed_resume_round, request.alone
-        )
+        try:
+            answer = self.on_hello(
+                request.sender, request.round, request.proposed_resume_round, request.alone
+            )
+        except PeerNotReady as error:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         return pb.HelloReply(
             protocol_version=mine.protocol_version,
             receiver=mine.rank,
@@ -172,6 +181,9 @@ class GrpcTransport:
         self._identity = identity
         self._neighbours = sorted(neighbours)
         self._options = options or GrpcOptions()
+        tls = self._options.tls  # files read and checked before anything is started
+        credentials = server_credentials(tls) if tls else None
+        self._channel_credentials = channel_credentials(tls) if tls else None
         self._inbox = Inbox(
             self.rank, neighbours, self._options.max_envelope_bytes, self._options.mailbox_window
         )
@@ -187,7 +199,10 @@ class GrpcTransport:
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         host = bind.rsplit(":", 1)[0]
-        port = self._server.add_insecure_port(bind)
+        if credentials is None:
+            port = self._server.add_insecure_port(bind)
+        else:
+            port = self._server.add_secure_port(bind, credentials)
         if port == 0:
             raise OSError(f"peer {self.rank}: cannot bind gRPC server to {bind}")
         self.address = f"{host}:{port}"
@@ -241,9 +256,7 @@ class GrpcTransport:
             raise ValueError(f"peer {self.rank}: no address for neighbours {missing}")
         for j in self._neighbours:
             if j not in self._channels:
-                channel = grpc.insecure_channel(
-                    addresses[j], options=self._options.channel_options()
-                )
+                channel = self._channel(addresses[j])
                 self._channels[j] = channel
                 self._stubs[j] = pb_grpc.GossipStub(channel)
                 self._pushers[j] = channel.stream_unary(  # chunks arrive serialised already
@@ -291,6 +304,12 @@ class GrpcTransport:
             time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
             backoff = min(backoff * 2, 1.0)
         return answers
+
+    def _channel(self, address: str) -> grpc.Channel:
+        options = self._options.channel_options()
+        if self._channel_credentials is None:
+            return grpc.insecure_channel(address, options=options)
+        return grpc.secure_channel(address, self._channel_credentials, options=options)
 
     def _hello_request(self, round: int, proposed: int, alone: bool) -> pb.HelloRequest:
         return pb.HelloRequest(

@@ -26,6 +26,7 @@ from gossipcomp.transport.base import (
     Identity,
     Payload,
     PayloadSpec,
+    PeerNotReady,
     PeerUnreachableError,
     no_rejoin,
 )
@@ -143,7 +144,11 @@ class InMemoryTransport:
         if target is None or lost:
             answer.set_exception(PeerUnreachableError(f"peer {neighbour} cannot be reached"))
             return answer
-        reply = target.hello(self.rank, round, proposed, alone)
+        try:
+            reply = target.hello(self.rank, round, proposed, alone)
+        except PeerNotReady as error:
+            answer.set_exception(error)
+            return answer
         if self._hub.hello_latency > 0:  # the answer is on its way back for a while
             timer = threading.Timer(self._hub.hello_latency, answer.set_result, (reply,))
             timer.daemon = True
