@@ -6,6 +6,7 @@ process), so both train exactly the same way.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -183,7 +184,6 @@ class PeerTrainer:
         self.stream = BatchStream(x, y, config.batch_size, config.seed, peer.rank)
         self.optimizer = make_optimizer(peer.model, config.lr, config.momentum)
         self.history: list[Evaluation] = []
-        self.restored_from: int | None = None  # the round of the checkpoint restored, if any
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -210,12 +210,11 @@ class PeerTrainer:
                 + ", ".join(f"{k} (saved {saved.get(k)!r}, now {mine.get(k)!r})" for k in differing)
             )
         # check every part before changing any: the optimizer state on a scratch optimizer, the
-        # stream state on a scratch stream, the history by building it; the peer checks its own
-        # parts before assigning them, so it goes last
+        # stream state on a copy of the stream (sharing its examples), the history by building
+        # it; the peer checks its own parts before assigning them, so it goes last
         scratch = make_optimizer(self.peer.model, self.config.lr, self.config.momentum)
         scratch.load_state_dict(state["optimizer"])
-        x, y = peer_examples(self.data, self.peer.topology, self.peer.rank, self.config)
-        stream = BatchStream(x, y, self.config.batch_size, self.config.seed, self.peer.rank)
+        stream = copy.copy(self.stream)
         stream.load_state_dict(state["stream"])
         try:
             history = [Evaluation(**c) for c in state["history"]]
@@ -223,7 +222,6 @@ class PeerTrainer:
             raise ValueError(f"{loaded.path}: accuracy history: {error}") from error
         self.peer.load_state_dict(state["peer"])
         self.optimizer, self.stream, self.history = scratch, stream, history
-        self.restored_from = self.peer.round
         log.warning(
             "peer %d: restored from %s (round %d)", self.peer.rank, loaded.path, loaded.round
         )

@@ -5,15 +5,17 @@ more waiting a full deadline every round) and its mixing weight stays with the p
 keeps the live mixing matrix symmetric and doubly stochastic. The lower-ranked end of a lost edge
 probes the other with a handshake, with exponential backoff; a peer restarted from a checkpoint
 asks every neighbour at start. The two ends of an answered probe agree on a *resume round* R
-(the largest of either end's round plus a margin and any round already agreed), and at
+(the round of the end that is not alone, plus a margin, or a later one already agreed), and at
 round R both resynchronise the edge's state (the algorithm's resume phase) before gossiping on it
 again. So an edge is used only when both ends put it back at the same round.
 
 Rounds drift apart while an edge is down (a restarted peer starts from its checkpoint's round;
-the two sides of a partition run at their own pace). The end that is behind catches up by
-jumping to the round the other end had when they agreed, R less the margin (`catch_up_round`):
-a jumping peer's other edges then see rounds out of step, fail once, and resume the same way,
-so the catch-up spreads, level and never overshooting, until rounds line up again.
+the two sides of a partition run at their own pace; an isolated peer runs ahead alone). The end
+that is behind moves forward to the round the other end had when they agreed
+(`catch_up_round`): its other edges then see rounds out of step, fail once, and resume the same
+way, so the catch-up spreads, level and never overshooting, until rounds line up again. A peer
+that is *alone* (no edge up or agreed) says so in its handshakes; its round is not followed,
+and if it ran past the resume round it moves back instead.
 """
 
 from __future__ import annotations
@@ -118,11 +120,6 @@ class LinkMonitor:
                         self._down(j, round, "resume round passed before it was reached")
         return due
 
-    def free(self) -> bool:
-        """No edge is up: this peer may move its round back as well as forward."""
-        with self._lock:
-            return all(link.state is not LinkState.UP for link in self._links.values())
-
     def anchored(self) -> bool:
         """Some edge is up or agreed to resume: this peer's round matters to a neighbour, so a
         neighbour it greets must follow it rather than the other way round."""
@@ -132,7 +129,7 @@ class LinkMonitor:
     def _anchored(self) -> bool:
         return any(link.state is not LinkState.DOWN for link in self._links.values())
 
-    def catch_up_round(self, round: int, free: bool) -> int | None:
+    def catch_up_round(self, round: int) -> int | None:
         """The round to move to when rounds disagree with a neighbour this peer resumes with:
         that neighbour's round when they agreed (when it has live edges of its own; otherwise it
         follows this peer). Forward when this peer is behind it (restarted, or on the slower
@@ -141,6 +138,7 @@ class LinkMonitor:
         no move is needed."""
         with self._lock:
             resuming = [link for link in self._links.values() if link.state is LinkState.RESUMING]
+            free = all(link.state is not LinkState.UP for link in self._links.values())
         if not resuming:
             return None
         first_resume = min(link.resume_round for link in resuming)

@@ -95,7 +95,6 @@ class Peer:
         self.round = 0
         self._params: NamedParams = [(n, p) for n, p in model.named_parameters()]
         self._weights = topology.neighbor_weights(rank)
-        self._self_weight = topology.self_weight(rank)
         self._links = LinkStats()
         self._compute_seconds = 0.0
         self._comm_seconds = 0.0
@@ -197,7 +196,7 @@ class Peer:
         """Move to a resuming neighbour's round when rounds disagree (see links.py): forward
         when behind; back as well when this peer has no live edge (its round is its own). The
         new round is opened at once so that neighbour's envelopes are let in."""
-        target = self.links.catch_up_round(self.round, self.links.free())
+        target = self.links.catch_up_round(self.round)
         if target is None:
             return
         log.warning(

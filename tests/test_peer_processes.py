@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from test_cli_and_processes import _peer_command, _ring_file
@@ -45,10 +46,12 @@ def _report(tmp_path: Path, rank: int) -> dict:
     return json.loads((tmp_path / f"peer{rank}.json").read_text())
 
 
-def test_a_peer_killed_mid_run_is_left_out_and_the_others_finish(tmp_path):
-    """SIGKILL peer 2 of a 4-ring mid-run: its neighbours notice within one deadline, stop
-    waiting for it (a handful of failed exchanges, not one per remaining round), keep training
-    with the peers left, and finish with a good model."""
+def _four_peers_with_peer_2_killed(
+    tmp_path: Path,
+) -> tuple[dict[int, subprocess.Popen], Path, Callable[[], subprocess.Popen]]:
+    """A 4-ring of checkpointing peer processes; peer 2 is killed (SIGKILL) once it has written
+    its round-100 checkpoint. Returns the processes, the checkpoint folder, and a function that
+    starts peer 2 again with the same command."""
     topology = _ring_file(tmp_path, 4)
     checkpoints = tmp_path / "checkpoints"
     extra = ("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "25")
@@ -56,6 +59,14 @@ def test_a_peer_killed_mid_run_is_left_out_and_the_others_finish(tmp_path):
     _wait_for_checkpoint(checkpoints, 2, at_least=100)
     peers[2].send_signal(signal.SIGKILL)
     peers[2].wait(timeout=30)
+    return peers, checkpoints, lambda: _start(topology, tmp_path, 2, *extra)
+
+
+def test_a_peer_killed_mid_run_is_left_out_and_the_others_finish(tmp_path):
+    """SIGKILL peer 2 of a 4-ring mid-run: its neighbours notice within one deadline, stop
+    waiting for it (a handful of failed exchanges, not one per remaining round), keep training
+    with the peers left, and finish with a good model."""
+    peers, _, _ = _four_peers_with_peer_2_killed(tmp_path)
     for rank in (0, 1, 3):
         _finish(peers[rank])
     for rank in (0, 1, 3):
@@ -73,18 +84,12 @@ def test_a_killed_peer_restarts_from_its_checkpoint_catches_up_and_rejoins(tmp_p
     command: it skips the damaged file (saying so), restores the one before, catches up with its
     neighbours, resumes both edges at agreed rounds, and at the end all four peers hold the same
     estimate of the network average (so peer 2 gossips again) and agree."""
-    topology = _ring_file(tmp_path, 4)
-    checkpoints = tmp_path / "checkpoints"
-    extra = ("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "25")
-    peers = {rank: _start(topology, tmp_path, rank, *extra) for rank in range(4)}
-    _wait_for_checkpoint(checkpoints, 2, at_least=100)
-    peers[2].send_signal(signal.SIGKILL)
-    peers[2].wait(timeout=30)
+    peers, checkpoints, restart = _four_peers_with_peer_2_killed(tmp_path)
     newest, previous = sorted(checkpoints.glob("rank2-round*.ckpt"), reverse=True)[:2]
     damaged = bytearray(newest.read_bytes())
     damaged[len(damaged) // 2] ^= 0xFF
     newest.write_bytes(bytes(damaged))
-    peers[2] = _start(topology, tmp_path, 2, *extra)
+    peers[2] = restart()
     stderr = {rank: _finish(process) for rank, process in peers.items()}
     said = " ".join(stderr[2].split())
     assert f"skipping unusable checkpoint {newest}: digest mismatch" in said, said

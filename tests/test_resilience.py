@@ -83,6 +83,32 @@ def _all_up(peers: list[Peer]) -> bool:
     )
 
 
+class _FreeRunning:
+    """Every peer gossiping in its own thread, pausing `pause(peer)` seconds before each round (a
+    stand-in for the local step: a peer alone does not spin), until `stop` names a round at which
+    all of them stop together."""
+
+    def __init__(self, peers: list[Peer], pause) -> None:
+        self._peers = peers
+        self._pause = pause
+        self._stop_at: list[int] = []
+        self._threads = [threading.Thread(target=self._run, args=(p,), daemon=True) for p in peers]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, peer: Peer) -> None:
+        while not self._stop_at or peer.round < self._stop_at[0]:
+            time.sleep(self._pause(peer))
+            peer.gossip()
+
+    def stop(self, after: int) -> int:
+        """Stop every peer at `after` rounds past the furthest one; return that round."""
+        self._stop_at.append(max(p.round for p in self._peers) + after)
+        for t in self._threads:
+            t.join(30)
+        return self._stop_at[0]
+
+
 def _group_sum(peers: list[Peer], group: range) -> list[torch.Tensor]:
     return [x[list(group)].sum(0) for x in stacked(peers)]
 
@@ -179,31 +205,20 @@ def test_after_a_partition_where_one_side_ran_ahead_the_side_behind_catches_up(c
     assert [p.round for p in peers] == [25] * 4 + [5] * 4
     d_cut = consensus_distance(peers)
     hub.heal()
-    stop_at: list[int] = []  # set once: every peer stops at that same round
-
-    def free_run(peer: Peer) -> None:
-        while not stop_at or peer.round < stop_at[0]:
-            time.sleep(0.001)  # a stand-in for the local step: a peer alone does not spin
-            peer.gossip()
-
-    threads = [threading.Thread(target=free_run, args=(p,), daemon=True) for p in peers]
     with caplog.at_level("WARNING", logger="gossipcomp.peer"):
-        for t in threads:
-            t.start()
+        running = _FreeRunning(peers, pause=lambda peer: 0.001)
         deadline = time.monotonic() + 60
         while not _all_up(peers) and time.monotonic() < deadline:
             time.sleep(0.01)
         all_up_at = max(p.round for p in peers)
         while min(p.round for p in peers) < all_up_at + 150 and time.monotonic() < deadline:
             time.sleep(0.01)
-        stop_at.append(max(p.round for p in peers) + 5)
-        for t in threads:
-            t.join(10)
+        stopped_at = running.stop(after=5)
     assert _all_up(peers), "edges did not all resume"
     jumps = [r.getMessage() for r in caplog.records if "moves from round" in r.getMessage()]
     jumped = {int(m.split()[1].rstrip(":")) for m in jumps}
     assert jumped & {4, 5, 6, 7}, jumps  # the side behind caught up by jumping
-    assert [p.round for p in peers] == stop_at * 8
+    assert [p.round for p in peers] == [stopped_at] * 8
     assert consensus_distance(peers) < 1e-4 * d_cut
     for b, x in zip(total, stacked(peers), strict=True):
         assert torch.allclose(x.sum(0), b, atol=1e-4), (x.sum(0) - b).abs().max()
@@ -425,25 +440,15 @@ def test_slow_handshake_answers_still_bring_an_isolated_peer_back():
     hub = InMemoryHub(hello_latency=0.1)
     peers = _network(topology, _models(4), ALGORITHMS["dpsgd"], hub, round_timeout=2.0)
     hub.partition([0], [1, 2, 3])
-    stop_at: list[int] = []
-
-    def free_run(peer: Peer) -> None:
-        while not stop_at or peer.round < stop_at[0]:
-            time.sleep(0.001 if peer.rank == 0 else 0.01)  # peer 0, alone, runs ahead fast
-            peer.gossip()
-
-    threads = [threading.Thread(target=free_run, args=(p,), daemon=True) for p in peers]
-    for t in threads:
-        t.start()
+    # peer 0, alone, runs ahead fast
+    running = _FreeRunning(peers, pause=lambda peer: 0.001 if peer.rank == 0 else 0.01)
     time.sleep(0.3)
     hub.heal()
     deadline = time.monotonic() + 20
     while not _all_up(peers) and time.monotonic() < deadline:
         time.sleep(0.01)
     came_back = _all_up(peers)
-    stop_at.append(max(p.round for p in peers) + 10)
-    for t in threads:
-        t.join(30)
+    running.stop(after=10)
     assert came_back, [
         (p.rank, p.round, [p.links.state(j) for j in p.topology.neighbors(p.rank)]) for p in peers
     ]

@@ -150,12 +150,15 @@ class Choco:
                 scale = self._scales[i]
                 own = codec.decompress_own(sent[i], key, i, self.public[i])
                 self.public[i].add_(own, alpha=scale)
+                # only neighbours heard this step mix in; the others' weight stays with the peer:
+                # pull = sum_j w_ij (xh_j - xh_i) over them
                 pull = torch.zeros_like(self.public[i])
-                # only neighbours heard this step mix in; the others' weight stays with the peer
                 for j, envelope in result.received.items():
                     tracked = self.neighbour_public[j][i]
                     tracked.add_(codec.decompress_from(envelope, i, tracked, key), alpha=scale)
-                    pull.add_(tracked - self.public[i], alpha=hood.weights[j])
+                    pull.add_(tracked, alpha=hood.weights[j])
+                heard = sum(hood.weights[j] for j in result.received)
+                pull.add_(self.public[i], alpha=-heard)
                 p.add_(pull.to(p.dtype), alpha=self.consensus_step)
 
     def resume_payload(self, params: NamedParams) -> Payload | None:
