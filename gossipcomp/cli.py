@@ -20,9 +20,14 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from gossipcomp.experiment import TrainConfig
-from gossipcomp.gossip import ALGORITHMS
+from gossipcomp.gossip import ALGORITHMS, ATTACKS, parse_clip
 from gossipcomp.report import Report
 from gossipcomp.security import CA_CERT_NAME, CA_KEY_NAME, TlsFiles, new_ca, new_peer_certificate
+from gossipcomp.security.signing_keys import (
+    public_key_text,
+    record_in_allowlist,
+    write_signing_key,
+)
 from gossipcomp.simulation import CheckpointPolicy, run_peer, run_simulation
 from gossipcomp.topology import Topology, TopologyError, format_topology, load_topology
 from gossipcomp.transport.base import HandshakeError, PeerUnreachableError
@@ -54,6 +59,14 @@ def _consensus_step(text: str) -> float | str:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+
+
+def _clip_spec(text: str) -> str:
+    try:
+        parse_clip(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) -> None:
@@ -127,6 +140,32 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         default=d.round_timeout,
         help="seconds a round waits for neighbours before leaving them out",
     )
+    r = parser.add_argument_group("robustness")
+    r.add_argument(
+        "--clip",
+        type=_clip_spec,
+        default=d.clip,
+        metavar="SPEC",
+        help="clipped gossip: each neighbour's difference clipped to a radius before mixing; "
+        "'adaptive' (robust to 1 lying neighbour), 'adaptive:B' (to B), or a fixed radius",
+    )
+    r.add_argument(
+        "--byzantine",
+        type=int,
+        nargs="+",
+        default=list(d.byzantine),
+        metavar="RANK",
+        help="ranks that lie: they gossip an attacked model and train honestly on their own",
+    )
+    r.add_argument(
+        "--attack", default=d.attack, choices=sorted(ATTACKS), help="what Byzantine ranks send"
+    )
+    r.add_argument(
+        "--attack-scale",
+        type=float,
+        default=d.attack_scale,
+        help="sign_flip sends -X times the model, scale sends X times it",
+    )
     c = parser.add_argument_group("checkpoints")
     c.add_argument(
         "--checkpoint-dir",
@@ -173,8 +212,12 @@ def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
 
 
 def _keys_new(args: argparse.Namespace, console: Console) -> None:
-    """Write a CA (with --ca) and a peer certificate signed by the CA in --out."""
+    """Write a CA (with --ca), a peer certificate signed by the CA in --out and the peer's
+    signing key pair (with --rank, its public half recorded in --out's allowlist)."""
     out: Path = args.out
+    if args.rank is not None and args.rank < 0:
+        raise ValueError(f"--rank must be >= 0, got {args.rank}")
+    name = args.name or (f"peer{args.rank}" if args.rank is not None else "peer")
     ca_cert, ca_key = out / CA_CERT_NAME, out / CA_KEY_NAME
     if args.ca:
         new_ca(out)
@@ -187,9 +230,21 @@ def _keys_new(args: argparse.Namespace, console: Console) -> None:
                 f"no CA in {out}: {' and '.join(absent)} not found (expected a CA made by "
                 f"`gossipcomp keys new --out {out} --ca`)"
             )
-    files = new_peer_certificate(out, args.name, args.address or (), ca_cert, ca_key)
-    console.print(f"wrote {files.cert} (certificate of {args.name}: --tls-cert)")
-    console.print(f"wrote {files.key} (private key of {args.name}: --tls-key, mode 0600)")
+    signing_path = out / f"{name}-signing-key.pem"
+    if signing_path.exists():  # before writing anything, so nothing is left half made
+        raise FileExistsError(
+            f"{signing_path} already exists: refusing to overwrite a signing key (expected a "
+            f"new --name)"
+        )
+    files = new_peer_certificate(out, name, args.address or (), ca_cert, ca_key)
+    console.print(f"wrote {files.cert} (certificate of {name}: --tls-cert)")
+    console.print(f"wrote {files.key} (private key of {name}: --tls-key, mode 0600)")
+    signing = write_signing_key(signing_path)
+    console.print(f"wrote {signing_path} (signing key of {name}: --key, mode 0600)")
+    if args.rank is not None:
+        allowlist = record_in_allowlist(out, args.rank, signing)
+        console.print(f"recorded peer {args.rank}'s public key in {allowlist} (allowlist: FILE)")
+    console.print(f"public key of {name}: {public_key_text(signing)}")
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
@@ -209,6 +264,10 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         gamma=args.gamma,
         eval_every=args.eval_every,
         round_timeout=args.round_timeout,
+        clip=args.clip,
+        byzantine=tuple(args.byzantine),
+        attack=args.attack,
+        attack_scale=args.attack_scale,
     )
 
 
@@ -243,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="mutual TLS between the peers, with a throwaway CA and certificates",
     )
+    sim.add_argument(
+        "--authenticate",
+        action="store_true",
+        help="peers sign every message with throwaway keys and check each other's (needs --tls)",
+    )
     _add_training_flags(sim, rank_is_low_rank=True)
 
     peer = sub.add_parser(
@@ -270,6 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--tls-cert", type=Path, metavar="FILE", help="this peer's certificate (PEM)")
     tls.add_argument("--tls-key", type=Path, metavar="FILE", help="this peer's private key (PEM)")
     tls.add_argument("--tls-ca", type=Path, metavar="FILE", help="the network's CA certificate")
+    peer.add_argument(
+        "--key",
+        type=Path,
+        metavar="FILE",
+        help="this peer's signing key: sign every message, accept only messages signed by the "
+        "keys the topology lists (needs TLS; required when the topology lists public keys)",
+    )
     _add_training_flags(peer, rank_is_low_rank=False)
 
     topo = sub.add_parser("topology", help="inspect topology files")
@@ -277,19 +348,28 @@ def build_parser() -> argparse.ArgumentParser:
     show = topo_sub.add_parser("show", help="peers, degrees, spectral gap and mixing weights")
     show.add_argument("file", help="topology YAML file (or shipped name)")
 
-    keys = sub.add_parser("keys", help="certificates for mutual TLS between peers")
+    keys = sub.add_parser("keys", help="certificates for mutual TLS and keys for signing")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     new = keys_sub.add_parser(
         "new",
         formatter_class=_HelpWithDefaults,
-        help="a peer certificate signed by the CA in --out (with --ca: make that CA first)",
+        help="a peer's certificate signed by the CA in --out (with --ca: make that CA first) "
+        "and its signing key pair",
     )
     new.add_argument("--out", type=Path, required=True, metavar="DIR", help="directory of the CA")
     new.add_argument(
         "--ca", action="store_true", help="create a new CA in DIR first (never overwrites one)"
     )
     new.add_argument(
-        "--name", default="peer", help="certificate name: writes NAME.pem and NAME-key.pem"
+        "--name",
+        help="file name stem: writes NAME.pem, NAME-key.pem and NAME-signing-key.pem "
+        "(default: peerRANK with --rank, else peer)",
+    )
+    new.add_argument(
+        "--rank",
+        type=int,
+        help="the peer's rank: record its public key in DIR/allowlist.yaml, which a topology "
+        "names with 'allowlist:'",
     )
     new.add_argument(
         "--address",
@@ -363,7 +443,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             label = f"{config.algorithm} on {topology.name}"
             with _ProgressDisplay(console, config.rounds * topology.n, label, args.quiet) as bar:
                 report = run_simulation(
-                    config, topology, progress=bar.advance, checkpoints=checkpoints, tls=args.tls
+                    config,
+                    topology,
+                    progress=bar.advance,
+                    checkpoints=checkpoints,
+                    tls=args.tls,
+                    authenticate=args.authenticate,
                 )
         else:
             rank = args.rank if args.rank is not None else _rank_from_env()
@@ -378,6 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     startup_timeout=args.startup_timeout,
                     checkpoints=checkpoints,
                     tls=tls,
+                    signing_key=args.key,
                 )
         _finish(report, args, console)
         return 0

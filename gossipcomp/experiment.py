@@ -17,7 +17,18 @@ import torch
 from gossipcomp.checkpoint import CheckpointStore
 from gossipcomp.compress import parse_spec
 from gossipcomp.data import DigitsSplit, parse_partition, partition_indices
-from gossipcomp.gossip import ALGORITHMS, DEFATC, DPSGD, Choco, GossipAlgorithm, PowerGossip
+from gossipcomp.gossip import (
+    ALGORITHMS,
+    DEFATC,
+    DPSGD,
+    Byzantine,
+    Choco,
+    GossipAlgorithm,
+    PowerGossip,
+    make_attack,
+    parse_clip,
+)
+from gossipcomp.gossip.byzantine import DEFAULT_SCALE
 from gossipcomp.peer import Peer, PeerStats
 from gossipcomp.topology import Topology
 from gossipcomp.training import (
@@ -53,6 +64,10 @@ class TrainConfig:
     gamma: float | None = None  # def: mixing weight of the combine step (None: per compressor)
     eval_every: int = 50  # rounds between test-accuracy checkpoints (0: only at the end)
     round_timeout: float = 30.0  # seconds a round may wait for its neighbours
+    clip: str | None = None  # clipped gossip: "adaptive", "adaptive:B", a radius; None: plain
+    byzantine: tuple[int, ...] = ()  # ranks that lie (robustness experiments)
+    attack: str = "sign_flip"  # what they send: a name from gossipcomp.gossip.ATTACKS
+    attack_scale: float = DEFAULT_SCALE  # sign_flip sends -scale x, scale sends scale x
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -70,22 +85,46 @@ class TrainConfig:
         parse_partition(self.partition)
         if self.compressor is not None:
             parse_spec(self.compressor)  # fail early on a bad spec, naming what exists
+        if self.clip is not None:
+            parse_clip(self.clip)
+        if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in self.byzantine):
+            raise ValueError(f"byzantine ranks must be integers >= 0, got {self.byzantine!r}")
+        object.__setattr__(self, "byzantine", tuple(sorted(self.byzantine)))  # a list is welcome
+        if len(set(self.byzantine)) != len(self.byzantine):
+            raise ValueError(f"byzantine ranks must differ, got {self.byzantine!r}")
+        make_attack(self.attack, self.attack_scale)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def build_algorithm(config: TrainConfig, topology: Topology) -> GossipAlgorithm:
-    """The configured gossip algorithm, with step sizes resolved against the topology."""
+def build_algorithm(config: TrainConfig, topology: Topology, rank: int) -> GossipAlgorithm:
+    """The configured gossip algorithm of peer `rank`, with step sizes resolved against the
+    topology, clipped gossip when configured, and wrapped as a liar when `rank` is Byzantine."""
+    outside = [r for r in config.byzantine if r >= topology.n]
+    if outside:
+        raise ValueError(
+            f"byzantine rank {outside[0]} out of range for topology {topology.name} "
+            f"(ranks 0 to {topology.n - 1})"
+        )
+    algorithm = _honest_algorithm(config, topology)
+    if rank in config.byzantine:
+        return Byzantine(algorithm, make_attack(config.attack, config.attack_scale))
+    return algorithm
+
+
+def _honest_algorithm(config: TrainConfig, topology: Topology) -> GossipAlgorithm:
     step = config.consensus_step
+    clipping = None if config.clip is None else parse_clip(config.clip)
     if config.algorithm == "dpsgd":
-        return DPSGD(consensus_step=_spectral_step(step, topology))
+        return DPSGD(consensus_step=_spectral_step(step, topology), clipping=clipping)
     if config.algorithm == "powergossip":
         return PowerGossip(
             rank=config.rank,
             power_steps=config.gossip_steps,
             consensus_step=_spectral_step(step, topology),
             seed=config.seed,
+            clipping=clipping,
         )
     if config.algorithm in ("choco", "def"):
         if not config.compressor:
@@ -95,9 +134,15 @@ def build_algorithm(config: TrainConfig, topology: Topology) -> GossipAlgorithm:
             # "auto" and None both mean the compressor's documented default for choco
             given = None if step in (None, "auto") else float(step)
             return Choco(
-                compressor, consensus_step=given, seed=config.seed, steps=config.gossip_steps
+                compressor,
+                consensus_step=given,
+                seed=config.seed,
+                steps=config.gossip_steps,
+                clipping=clipping,
             )
-        return DEFATC(compressor, zeta=config.zeta, gamma=config.gamma, seed=config.seed)
+        return DEFATC(
+            compressor, zeta=config.zeta, gamma=config.gamma, seed=config.seed, clipping=clipping
+        )
     raise ValueError(f"unknown algorithm {config.algorithm!r}; known: {sorted(ALGORITHMS)}")
 
 
@@ -266,5 +311,7 @@ def _crossed(before: int, after: int, every: int) -> bool:
 
 def _identity(config: dict[str, Any]) -> dict[str, Any]:
     """The settings a checkpoint must agree on; the run's length, evaluation interval and
-    timeout may change between a run and its restart."""
-    return {k: v for k, v in config.items() if k not in ("rounds", "eval_every", "round_timeout")}
+    timeout may change between a run and its restart. A setting missing from an older
+    checkpoint ran with its default."""
+    full = {**TrainConfig().to_dict(), **config}
+    return {k: v for k, v in full.items() if k not in ("rounds", "eval_every", "round_timeout")}

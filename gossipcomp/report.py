@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ class PeerReport:
     comm_seconds: float
     failed_exchanges: int
     consensus_distance: float  # squared distance of this peer's model to the network average
+    byzantine: bool = False  # this peer lied to its neighbours (a robustness experiment)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class Report:
     per_peer: list[PeerReport]
     history: list[HistoryPoint] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    # mean and min over the reported peers that did not lie (None when every one lied); the
+    # same as final/min_test_accuracy when no peer is Byzantine
+    honest_test_accuracy: float | None = None
+    honest_min_test_accuracy: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,13 +87,21 @@ class Report:
                 f"average model {self.average_model_test_accuracy:.4f}, consensus distance "
                 f"{self.consensus_distance:.3e}, {self.bytes_sent_total / 1e6:.2f} MB sent, "
                 f"{self.wall_seconds:.1f} s"
+                + (
+                    f"; honest peers: mean {self.honest_test_accuracy:.4f}, "
+                    f"min {self.honest_min_test_accuracy:.4f}"
+                    if self.honest_test_accuracy is not None
+                    and self.honest_min_test_accuracy is not None
+                    and any(p.byzantine for p in self.per_peer)
+                    else ""
+                )
             ),
         )
         for column in ("peer", "test acc", "MB sent", "MB recv", "compute s", "comm s", "fails"):
             table.add_column(column, justify="right")
         for p in self.per_peer:
             table.add_row(
-                str(p.rank),
+                f"{p.rank} (byzantine)" if p.byzantine else str(p.rank),
                 f"{p.test_accuracy:.4f}",
                 f"{p.bytes_sent / 1e6:.2f}",
                 f"{p.bytes_received / 1e6:.2f}",
@@ -104,7 +117,10 @@ def flat(params: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in params])
 
 
-def peer_reports(outcomes: Sequence[PeerOutcome], distances: Sequence[float]) -> list[PeerReport]:
+def peer_reports(
+    outcomes: Sequence[PeerOutcome], distances: Sequence[float], byzantine: Collection[int] = ()
+) -> list[PeerReport]:
+    """One row per peer; `byzantine`: the ranks that lied."""
     return [
         PeerReport(
             rank=o.rank,
@@ -115,9 +131,18 @@ def peer_reports(outcomes: Sequence[PeerOutcome], distances: Sequence[float]) ->
             comm_seconds=o.stats.comm_seconds,
             failed_exchanges=sum(o.stats.failed_exchanges.values()),
             consensus_distance=d,
+            byzantine=o.rank in byzantine,
         )
         for o, d in zip(outcomes, distances, strict=True)
     ]
+
+
+def honest_accuracy(per_peer: Sequence[PeerReport]) -> tuple[float | None, float | None]:
+    """Mean and min test accuracy of the peers that did not lie (None, None when all lied)."""
+    honest = [p.test_accuracy for p in per_peer if not p.byzantine]
+    if not honest:
+        return None, None
+    return sum(honest) / len(honest), min(honest)
 
 
 def merge_history(outcomes: Sequence[PeerOutcome]) -> list[HistoryPoint]:

@@ -4,7 +4,9 @@
 a loopback port, each training in its own thread); `run_peer` runs one peer of a network whose
 other peers live in other processes or machines. Both train with experiment.PeerTrainer and
 return the same Report. Either may run over mutual TLS: `run_peer` with the peer's own files,
-`run_simulation` with a throwaway CA and certificates that exist only while it runs.
+`run_simulation` with a throwaway CA and certificates that exist only while it runs; and with
+TLS, peers may also sign every message (`run_peer` with its key and the topology's public keys,
+`run_simulation` with throwaway keys).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gossipcomp.checkpoint import CheckpointStore
 from gossipcomp.data import DigitsSplit, load_digits_split
@@ -29,11 +32,12 @@ from gossipcomp.experiment import (
 )
 from gossipcomp.models import build_mlp
 from gossipcomp.peer import Peer
-from gossipcomp.report import Report, flat, merge_history, peer_reports
+from gossipcomp.report import Report, flat, honest_accuracy, merge_history, peer_reports
 from gossipcomp.security import TlsFiles, throwaway_certificates
+from gossipcomp.security.signing_keys import PeerKeys, load_signing_key
 from gossipcomp.topology import Topology
 from gossipcomp.training import evaluate_accuracy
-from gossipcomp.transport.grpc_transport import GrpcOptions
+from gossipcomp.transport.grpc_transport import WHY_AUTHENTICATION_NEEDS_TLS, GrpcOptions
 
 ProgressCallback = Callable[[int, int], None]  # (rank, round just finished)
 
@@ -87,6 +91,8 @@ def _report(
     wall_seconds: float,
 ) -> Report:
     accuracies = [o.test_accuracy for o in outcomes]
+    per_peer = peer_reports(outcomes, distances, config.byzantine)
+    honest_mean, honest_min = honest_accuracy(per_peer)
     return Report(
         mode=mode,
         algorithm=config.algorithm,
@@ -99,9 +105,11 @@ def _report(
         average_model_norm=float(flat(average).norm()),
         bytes_sent_total=sum(o.stats.bytes_sent_total for o in outcomes),
         wall_seconds=wall_seconds,
-        per_peer=peer_reports(outcomes, distances),
+        per_peer=per_peer,
         history=merge_history(outcomes),
         config={**config.to_dict(), "topology_file": topology.source},
+        honest_test_accuracy=honest_mean,
+        honest_min_test_accuracy=honest_min,
     )
 
 
@@ -113,12 +121,17 @@ def run_simulation(
     startup_timeout: float = 30.0,
     checkpoints: CheckpointPolicy | None = None,
     tls: bool = False,
+    authenticate: bool = False,
 ) -> Report:
     """Train every peer of `topology` in this process over gRPC on loopback; with `tls`, over
-    mutual TLS with a throwaway CA and per-peer certificates (deleted when training ends)."""
+    mutual TLS with a throwaway CA and per-peer certificates (deleted when training ends); with
+    `authenticate` as well, every message signed by a throwaway per-peer key."""
+    if authenticate and not tls:
+        raise ValueError(f"--authenticate needs --tls: {WHY_AUTHENTICATION_NEEDS_TLS}")
     start = time.perf_counter()
     data = load_digits_split(seed=config.seed)
     peers: list[Peer] = []
+    keys = _throwaway_keys(topology.n) if authenticate else [None] * topology.n
     with _simulation_tls(topology.n, tls) as tls_files:
         try:
             for rank in range(topology.n):
@@ -127,9 +140,9 @@ def run_simulation(
                         build_mlp(config.seed),
                         topology,
                         rank,
-                        build_algorithm(config, topology),
+                        build_algorithm(config, topology, rank),
                         bind="127.0.0.1:0",
-                        options=GrpcOptions(tls=tls_files[rank]),
+                        options=GrpcOptions(tls=tls_files[rank], keys=keys[rank]),
                         round_timeout=config.round_timeout,
                         ready=checkpoints is None,
                     )
@@ -166,6 +179,30 @@ def _simulation_tls(n: int, enabled: bool) -> Iterator[list[TlsFiles | None]]:
         return
     with throwaway_certificates([f"peer{rank}" for rank in range(n)]) as files:
         yield [files[f"peer{rank}"] for rank in range(n)]
+
+
+def _throwaway_keys(n: int) -> list[PeerKeys | None]:
+    """A fresh signing key per rank, each peer knowing all the public halves."""
+    private = [Ed25519PrivateKey.generate() for _ in range(n)]
+    public = {rank: key.public_key() for rank, key in enumerate(private)}
+    return [PeerKeys(key, public) for key in private]
+
+
+def peer_keys(topology: Topology, rank: int, signing_key: Path | None) -> PeerKeys | None:
+    """A peer's keys from its `--key` file and the topology's public keys; None when the network
+    does not authenticate. A topology listing public keys needs the key: a peer that cannot sign
+    would be refused by every neighbour, so it is refused at start instead."""
+    if signing_key is None:
+        listed = [r for r, key in enumerate(topology.public_keys) if key is not None]
+        if listed:
+            raise ValueError(
+                f"{topology.source} lists public keys (peers {listed}), so peers authenticate: "
+                f"expected this peer's signing key as --key FILE"
+            )
+        return None
+    return PeerKeys.for_rank(
+        rank, load_signing_key(signing_key), topology.public_keys, topology.source
+    )
 
 
 def _train_all(
@@ -211,19 +248,28 @@ def run_peer(
     startup_timeout: float = 60.0,
     checkpoints: CheckpointPolicy | None = None,
     tls: TlsFiles | None = None,
+    signing_key: Path | None = None,
 ) -> Report:
     """Train one peer of `topology` at its address; its neighbours run elsewhere. With
     `checkpoints`, it continues from its newest valid checkpoint and keeps writing them; with
-    `tls`, it talks to its neighbours over mutual TLS only."""
+    `tls`, it talks to its neighbours over mutual TLS only; with `signing_key` (required when
+    the topology lists public keys, and only with `tls`), it signs every message and accepts
+    only messages signed by its neighbours' keys."""
+    if signing_key is not None and tls is None:
+        raise ValueError(
+            "peer authentication (--key) needs mutual TLS (--tls-cert, --tls-key, --tls-ca): "
+            + WHY_AUTHENTICATION_NEEDS_TLS
+        )
+    keys = peer_keys(topology, rank, signing_key)
     start = time.perf_counter()
     data = load_digits_split(seed=config.seed)
     with Peer.over_grpc(
         build_mlp(config.seed),
         topology,
         rank,
-        build_algorithm(config, topology),
+        build_algorithm(config, topology, rank),
         bind=bind,
-        options=GrpcOptions(tls=tls),
+        options=GrpcOptions(tls=tls, keys=keys),
         round_timeout=config.round_timeout,
         ready=checkpoints is None,
     ) as peer:

@@ -24,11 +24,14 @@ import yaml
 from rich.console import Group, RenderableType
 from rich.table import Table
 
+from gossipcomp.security.signing_keys import parse_public_key, read_allowlist
+
 DEFAULT_BASE_PORT = 50100
 MAX_PEERS = 4096  # W is dense (n x n) and its spectrum is computed eagerly
 _TOL = 1e-9
 _TOP_KEYS = tuple(
-    "name kind n rows cols dim degree p seed edges weights weights_matrix base_port peers".split()
+    "name kind n rows cols dim degree p seed edges weights weights_matrix base_port peers "
+    "allowlist".split()
 )
 # kind -> (required parameters, optional parameters)
 _KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -357,11 +360,37 @@ def _peers(raw: object, n: int, base_port: int, source: str) -> tuple[list[str],
                 problem = f"peer {r} entry has keys {sorted(map(str, value))}"
                 raise _fail(source, problem, "address (required) and public_key (optional)")
             key = value.get("public_key")
-            if key is not None and not isinstance(key, str):
-                raise _fail(source, f"peer {r} public_key is {key!r}", "a string")
+            if key is not None:
+                try:
+                    parse_public_key(key, f"peer {r}")
+                except ValueError as error:
+                    raise _fail(source, str(error)) from None
             value, keys[r] = value["address"], key
         addresses[r] = _check_address(value, f"peer {r}", source)
     return addresses, keys
+
+
+def _allowlisted(raw: object, keys: list[str | None], source: str) -> list[str | None]:
+    """Merge the allowlist file `raw` names (relative to the topology file's folder) into the
+    per-rank public keys; a rank given in both places must have the same key in both."""
+    if raw is None:
+        return keys
+    if not isinstance(raw, str) or not raw:
+        raise _fail(source, f"allowlist is {raw!r}", "a path to a YAML file of rank -> public key")
+    folder = Path(source).parent if source != "<dict>" else Path.cwd()
+    try:
+        listed = read_allowlist(folder / raw)
+    except (FileNotFoundError, ValueError) as error:
+        raise _fail(source, str(error)) from None
+    merged = list(keys)
+    for rank, key in listed.items():
+        if rank >= len(merged):
+            raise _fail(source, f"allowlist has rank {rank}", f"ranks 0..{len(merged) - 1}")
+        if merged[rank] not in (None, key):
+            problem = f"peer {rank} has public_key {merged[rank]} but the allowlist says {key}"
+            raise _fail(source, problem, "one key per peer")
+        merged[rank] = key
+    return merged
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -403,8 +432,9 @@ def load_topology(path: str | os.PathLike[str]) -> Topology:
 def topology_from_dict(spec: Mapping[str, Any], source: str = "<dict>") -> Topology:
     """Build a Topology from a parsed spec. Keys: name, kind, kind parameters (n, rows, cols, dim,
     degree, p, seed, edges), weights (metropolis | uniform | explicit, with weights_matrix),
-    base_port (default 50100: rank r at 127.0.0.1:base_port+r) and peers (rank -> "host:port"
-    or {address, public_key})."""
+    base_port (default 50100: rank r at 127.0.0.1:base_port+r), peers (rank -> "host:port"
+    or {address, public_key}) and allowlist (a YAML file of rank -> public key, relative to the
+    topology file)."""
     if not isinstance(spec, Mapping):
         raise _fail(source, f"spec is {type(spec).__name__}, not a mapping", "a mapping")
     unknown = [str(k) for k in spec if k not in _TOP_KEYS]
@@ -430,6 +460,7 @@ def topology_from_dict(spec: Mapping[str, Any], source: str = "<dict>") -> Topol
     if not _is_int(base_port) or not 1 <= base_port <= 65536 - n:
         raise _fail(source, f"base_port is {base_port!r}", f"an integer in 1..{65536 - n}")
     addresses, keys = _peers(spec.get("peers"), n, base_port, source)
+    keys = _allowlisted(spec.get("allowlist"), keys, source)
     name = spec.get("name")
     if name is None:
         name = Path(source).stem if source != "<dict>" else f"{kind}{n}"

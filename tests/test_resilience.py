@@ -281,7 +281,7 @@ def _trainers(
         transport = InMemoryTransport(
             Identity(rank, topology.hash, model_signature(model)), topology.neighbors(rank), hub
         )
-        peer = Peer(model, topology, rank, build_algorithm(config, topology), transport)
+        peer = Peer(model, topology, rank, build_algorithm(config, topology, rank), transport)
         store = CheckpointStore(directory, rank) if directory is not None else None
         trainers.append(PeerTrainer(peer, data, config, store, every))
     return trainers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -12,9 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+import yaml
 from conftest import run_in_threads
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_cli_and_processes import _peer_command, _ring_file
+from test_cli_and_processes import _free_ports
 
 from gossipcomp.cli import main
 from gossipcomp.security import (
@@ -144,47 +146,61 @@ def test_simulate_over_tls_trains(tmp_path, capsys):
     assert result["bytes_sent_total"] > 0
 
 
+def _readme_secure_ring() -> str:
+    """The bash block of the README's secure-ring section, as written there."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### A secure ring") :]
+    start = section.index("```bash\n") + len("```bash\n")
+    return section[start : section.index("\n```", start)]
+
+
+def _free_port_run(count: int) -> int:
+    """A base port with `count` consecutive free ports after it."""
+    for _ in range(50):
+        base = _free_ports(1)[0]
+        if base + count < 65536 and all(_port_free(base + k) for k in range(count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def test_secure_setup_as_in_the_readme_with_peer_processes(tmp_path):
-    keys = tmp_path / "keys"
-    gossipcomp = [sys.executable, "-m", "gossipcomp"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.run(
-        [*gossipcomp, "keys", "new", "--out", str(keys), "--ca", "--name", "peer0"]
-        + ["--address", "127.0.0.1"],
+    """Runs the README's block in bash, changed only to train 60 rounds quietly and to listen
+    on free ports (a base_port line in the topology it writes)."""
+    script = _readme_secure_ring()
+    topology_line = "printf 'kind: ring\\nn: 4\\n"
+    assert topology_line in script and "--report peer$r.json &" in script
+    script = script.replace(topology_line, f"{topology_line}base_port: {_free_port_run(4)}\\n")
+    script = script.replace("--report peer$r.json &", "--report peer$r.json --rounds 60 --quiet &")
+    bin_dir = str(Path(sys.executable).parent)  # where pip put the gossipcomp script
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # this checkout's code
+    done = subprocess.run(
+        ["bash", "-e", "-c", script],
+        cwd=tmp_path,
+        env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
-    assert first.returncode == 0, first.stderr
-    assert "ca.pem" in first.stdout and "peer0-key.pem" in first.stdout
-    signing = [
-        subprocess.Popen(
-            [*gossipcomp, "keys", "new", "--out", str(keys), "--name", f"peer{r}"]
-            + ["--address", "127.0.0.1"],
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-        )
-        for r in (1, 2, 3)
-    ]
-    for process in signing:
-        _, stderr = process.communicate(timeout=120)
-        assert process.returncode == 0, stderr.decode()
-    topology = _ring_file(tmp_path, 4)
-    peers = []
+    assert done.returncode == 0, done.stderr
+    listed = yaml.safe_load((tmp_path / "keys" / "allowlist.yaml").read_text())
+    assert sorted(listed) == [0, 1, 2, 3] and len(set(listed.values())) == 4
     for rank in range(4):
-        tls = ["--tls-cert", str(keys / f"peer{rank}.pem"), "--tls-key"]
-        tls += [str(keys / f"peer{rank}-key.pem"), "--tls-ca", str(keys / "ca.pem")]
-        command = _peer_command(
-            topology, tmp_path / f"peer{rank}.json", "--rank", str(rank), "--rounds", "60", *tls
-        )
-        peers.append(subprocess.Popen(command, env=env, stderr=subprocess.PIPE))
-    for process in peers:
-        _, stderr = process.communicate(timeout=240)
-        assert process.returncode == 0, stderr.decode()
-    for rank in range(4):
-        report = json.loads((tmp_path / f"peer{rank}.json").read_text())
+        report_file = tmp_path / f"peer{rank}.json"
+        assert report_file.is_file(), f"peer {rank} wrote no report: {done.stderr}"
+        report = json.loads(report_file.read_text())
         assert report["mode"] == "peer" and report["rounds"] == 60
         assert report["bytes_sent_total"] > 0
+        assert report["per_peer"][0]["failed_exchanges"] == 0
 
 
 def test_tls_flags_come_all_three_or_none(tmp_path, capsys):

@@ -11,8 +11,10 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.console import Console
 
+from gossipcomp.security.signing_keys import public_key_text
 from gossipcomp.topology import (
     Topology,
     TopologyError,
@@ -23,6 +25,7 @@ from gossipcomp.topology import (
 )
 
 TOPOLOGY_DIR = Path(__file__).resolve().parents[1] / "topologies"
+KEY_A, KEY_B = (public_key_text(Ed25519PrivateKey.generate()) for _ in range(2))
 SHIPPED = sorted(TOPOLOGY_DIR.glob("*.yaml"))
 EXPECTED_FILES = {"ring8", "torus16", "hypercube8", "exponential16", "complete4", "star6", "ring4"}
 
@@ -231,7 +234,7 @@ def test_build_topology_ring4_defaults() -> None:
 
 
 def test_topology_is_immutable_and_pickles() -> None:
-    t = build_topology("ring", n=4, peers={1: {"address": "h:9", "public_key": "k1"}})
+    t = build_topology("ring", n=4, peers={1: {"address": "h:9", "public_key": KEY_A}})
     with pytest.raises(ValueError):
         t.weights[0, 0] = 1.0
     with pytest.raises(nx.NetworkXError):
@@ -263,11 +266,11 @@ def test_peers_and_with_addresses(tmp_path: Path) -> None:
     path = tmp_path / "peers.yaml"
     path.write_text(
         "kind: ring\nn: 4\nbase_port: 6000\npeers:\n  0: '10.0.0.1:7000'\n"
-        "  3: {address: '[::1]:7003', public_key: abc123}\n"
+        f"  3: {{address: '[::1]:7003', public_key: '{KEY_A}'}}\n"
     )
     t = load_topology(path)
     assert t.addresses == ("10.0.0.1:7000", "127.0.0.1:6001", "127.0.0.1:6002", "[::1]:7003")
-    assert t.public_keys == (None, None, None, "abc123")
+    assert t.public_keys == (None, None, None, KEY_A)
     moved = t.with_addresses(["h0:1", "h1:2", "h2:3", "h3:4"])
     assert moved.addresses[2] == "h2:3" and moved.public_keys == t.public_keys
     with pytest.raises(TopologyError, match="4"):
@@ -312,6 +315,15 @@ BAD_FILES = {
     "peer_not_hostport": ("kind: ring\nn: 4\npeers: {2: 'localhost'}\n", "host:port"),
     "peer_bad_port": ("kind: ring\nn: 4\npeers: {2: 'h:99999'}\n", "host:port"),
     "peer_no_address": ("kind: ring\nn: 4\npeers: {2: {public_key: k}}\n", "address"),
+    "peer_key_not_ed25519": (
+        "kind: ring\nn: 4\npeers: {2: {address: 'h:1', public_key: abc123}}\n",
+        "peer 2: public key 'abc123' is not an Ed25519 key",
+    ),
+    "peer_key_short": (
+        "kind: ring\nn: 4\npeers: {2: {address: 'h:1', public_key: 'ed25519:AAAA'}}\n",
+        "public key has 3 bytes",
+    ),
+    "allowlist_missing": ("kind: ring\nn: 4\nallowlist: nowhere.yaml\n", "no such file"),
     "bad_base_port": ("kind: ring\nn: 4\nbase_port: 65534\n", "base_port"),
     "unknown_scheme": ("kind: ring\nn: 4\nweights: magic\n", "unknown weights scheme"),
     "explicit_missing": ("kind: ring\nn: 4\nweights: explicit\n", "weights_matrix"),
@@ -390,3 +402,24 @@ def test_format_topology_renders() -> None:
         "1:0.3333, 7:0.3333",
     ):
         assert needle in text
+
+
+def test_allowlist_file_fills_public_keys_relative_to_the_topology(tmp_path: Path) -> None:
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / "allow.yaml").write_text(f"0: '{KEY_A}'\n2: '{KEY_B}'\n")
+    path = tmp_path / "ring.yaml"
+    path.write_text(
+        f"kind: ring\nn: 4\nallowlist: keys/allow.yaml\npeers:\n"
+        f"  2: {{address: 'h:1', public_key: '{KEY_B}'}}\n"
+    )
+    assert load_topology(path).public_keys == (KEY_A, None, KEY_B, None)
+    path.write_text(
+        f"kind: ring\nn: 4\nallowlist: keys/allow.yaml\npeers:\n"
+        f"  2: {{address: 'h:1', public_key: '{KEY_A}'}}\n"
+    )
+    with pytest.raises(TopologyError, match="peer 2 has public_key .* but the allowlist says"):
+        load_topology(path)
+    (tmp_path / "keys" / "allow.yaml").write_text(f"9: '{KEY_A}'\n")
+    path.write_text("kind: ring\nn: 4\nallowlist: keys/allow.yaml\n")
+    with pytest.raises(TopologyError, match="allowlist has rank 9; expected ranks 0..3"):
+        load_topology(path)

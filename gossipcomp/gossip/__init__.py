@@ -6,7 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 from gossipcomp.gossip.base import GossipAlgorithm, LinkStats, NamedParams, Neighbourhood
+from gossipcomp.gossip.byzantine import ATTACKS, Attack, Byzantine, make_attack
 from gossipcomp.gossip.choco import Choco
+from gossipcomp.gossip.clipping import CLIP_RULES, ClipRadius, parse_clip
 from gossipcomp.gossip.def_atc import DEFATC
 from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.powergossip import PowerGossip
@@ -30,8 +32,13 @@ def make_algorithm(name: str, **options: Any) -> GossipAlgorithm:
 
 __all__ = [
     "ALGORITHMS",
+    "ATTACKS",
+    "CLIP_RULES",
     "DEFATC",
+    "Attack",
+    "Byzantine",
     "Choco",
+    "ClipRadius",
     "DPSGD",
     "GossipAlgorithm",
     "LinkStats",
@@ -39,4 +46,6 @@ __all__ = [
     "Neighbourhood",
     "PowerGossip",
     "make_algorithm",
+    "make_attack",
+    "parse_clip",
 ]

@@ -16,6 +16,10 @@ variance bound beta ||x||^2 (QSGD, TernGrad, unbiased random-k) is made contract
 its output by 1 / (1 + beta), as the Choco paper does; both ends scale the same bytes by the same
 factor, so the public copies stay identical. gamma is the consensus step; defaults per
 compressor in `default_consensus_step`, measured on ring8 digits (docs/benchmarks.md).
+
+With `clipping`, each neighbour's xh_j - xh_i (over the whole model) is clipped to the round's
+radius before mixing (gossip/clipping.py); the public copies themselves are tracked unclipped,
+so both ends of every edge still agree on them exactly.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 
 from gossipcomp.compress.base import Compressor
 from gossipcomp.gossip.base import RESUME_PHASE, NamedParams, Neighbourhood
+from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
 from gossipcomp.gossip.compressed import BroadcastCodec, compressed_spec, to_wire
 from gossipcomp.gossip.state import (
     checked_tensors,
@@ -103,6 +108,7 @@ class Choco:
         consensus_step: float | None = None,
         seed: int = 0,
         steps: int = 1,
+        clipping: ClipRadius | None = None,
     ):
         step = default_consensus_step(compressor) if consensus_step is None else consensus_step
         if not 0.0 < step <= 1.0:
@@ -113,6 +119,7 @@ class Choco:
         self.consensus_step = step
         self.seed = seed
         self.steps = steps
+        self.clipping = clipping
         self._codec: BroadcastCodec | None = None
         self._scales: list[float] = []  # 1 / (1 + beta) per tensor
         self.public: list[torch.Tensor] = []  # xh_i
@@ -146,18 +153,28 @@ class Choco:
             ]
             payload = tuple(to_wire(n, c) for (n, _), c in zip(params, sent, strict=True))
             result = hood.exchange(f"{PHASE}{s}", payload)
-            for i, (_, p) in enumerate(params):
+            # first every tensor's public copies (own and tracked), then the mixing weights
+            # (clipping needs the distances over all tensors), then the mixing
+            for i in range(len(params)):
                 scale = self._scales[i]
                 own = codec.decompress_own(sent[i], key, i, self.public[i])
                 self.public[i].add_(own, alpha=scale)
-                # only neighbours heard this step mix in; the others' weight stays with the peer:
-                # pull = sum_j w_ij (xh_j - xh_i) over them
-                pull = torch.zeros_like(self.public[i])
                 for j, envelope in result.received.items():
                     tracked = self.neighbour_public[j][i]
                     tracked.add_(codec.decompress_from(envelope, i, tracked, key), alpha=scale)
-                    pull.add_(tracked, alpha=hood.weights[j])
-                heard = sum(hood.weights[j] for j in result.received)
+            # only neighbours heard this step mix in; the others' weight stays with the peer
+            weights = {j: hood.weights[j] for j in result.received}
+            if self.clipping is not None:
+                distances = {
+                    j: difference_norm(self.neighbour_public[j], self.public) for j in weights
+                }
+                weights = clipped_weights(weights, distances, self.clipping)
+            heard = sum(weights.values())
+            for i, (_, p) in enumerate(params):
+                # pull = sum_j w_ij (xh_j - xh_i) over them
+                pull = torch.zeros_like(self.public[i])
+                for j, w in weights.items():
+                    pull.add_(self.neighbour_public[j][i], alpha=w)
                 pull.add_(self.public[i], alpha=-heard)
                 p.add_(pull.to(p.dtype), alpha=self.consensus_step)
 

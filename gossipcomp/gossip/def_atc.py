@@ -11,6 +11,11 @@ compressor and zeta = gamma = 1 a round is exactly one D-PSGD (ATC diffusion) ro
 that fails a round keeps its last reference in the combine; a neighbour left out after a failure
 gives its weight to the peer, and when the edge comes back both ends send their own reference
 exactly once (`resume_payload`), so each end's copy of the other's reference is exact again.
+
+The combine is w_k = phi_k + gamma sum_l a_lk (phi_l - phi_k) (l in N(k)), computed as above with
+a_kk = 1 - sum_l a_lk. With `clipping`, each phi_l - phi_k (over the whole model) is clipped to
+the round's radius, i.e. a_lk becomes a_lk min(1, tau / ||phi_l - phi_k||) and a_kk takes the
+rest (gossip/clipping.py); the references themselves are tracked unclipped.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 from gossipcomp.compress.base import Compressor
 from gossipcomp.gossip.base import RESUME_PHASE, NamedParams, Neighbourhood
+from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
 from gossipcomp.gossip.compressed import BroadcastCodec, compressed_spec, to_wire
 from gossipcomp.gossip.state import (
     checked_tensors,
@@ -58,6 +64,7 @@ class DEFATC:
         zeta: float | None = None,
         gamma: float | None = None,
         seed: int = 0,
+        clipping: ClipRadius | None = None,
     ) -> None:
         default_zeta, default_gamma = default_def_steps(compressor)
         zeta = default_zeta if zeta is None else zeta
@@ -69,6 +76,7 @@ class DEFATC:
         self.zeta = zeta
         self.gamma = gamma
         self.seed = seed
+        self.clipping = clipping
         self._codec: BroadcastCodec | None = None
         self.reference: list[torch.Tensor] = []  # phi_k
         self.neighbour_references: dict[int, list[torch.Tensor]] = {}  # phi_l
@@ -103,13 +111,23 @@ class DEFATC:
             result = hood.exchange(
                 PHASE, tuple(to_wire(n, c) for (n, _), c in zip(params, sent, strict=True))
             )
-            for i, (_, p) in enumerate(params):
+            for i in range(len(params)):
                 self.reference[i].add_(own[i], alpha=self.zeta)
                 for j, envelope in result.received.items():
                     theirs = codec.decompress_from(envelope, i, self.reference[i])
                     self.neighbour_references[j][i].add_(theirs, alpha=self.zeta)
-                combined = self.reference[i] * hood.self_weight
-                for j, w in hood.weights.items():
+            # every live neighbour combines, with its last reference when it failed this round
+            weights, self_weight = hood.weights, hood.self_weight
+            if self.clipping is not None:
+                distances = {
+                    j: difference_norm(self.neighbour_references[j], self.reference)
+                    for j in weights
+                }
+                weights = clipped_weights(weights, distances, self.clipping)
+                self_weight = 1.0 - sum(weights.values())
+            for i, (_, p) in enumerate(params):
+                combined = self.reference[i] * self_weight
+                for j, w in weights.items():
                     combined.add_(self.neighbour_references[j][i], alpha=w)
                 mixed = self.reference[i] * (1.0 - self.gamma) + combined * self.gamma
                 p.copy_(mixed.to(p.dtype))

@@ -4,7 +4,8 @@ x_i <- x_i + gamma * sum_j w_ij (x_j - x_i), which for gamma = 1 is x_i <- sum_j
 w_ii = 1 - sum_j w_ij). gamma > 1 over-relaxes: gamma* = 2 / (2 - lambda_2 - lambda_min) of W
 contracts disagreement fastest. A neighbour that failed this round is left out; its weight stays
 with the peer itself, which keeps the live mixing matrix symmetric and doubly stochastic when
-both ends of the edge miss each other.
+both ends of the edge miss each other. With `clipping`, each neighbour's difference x_j - x_i
+(over the whole model) is clipped to the round's radius before mixing (gossip/clipping.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from gossipcomp.gossip.base import NamedParams, Neighbourhood
+from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
 from gossipcomp.gossip.state import require_keys
 from gossipcomp.transport.base import PayloadSpec
 from gossipcomp.transport.codec import decode_raw, encode_raw, tensor_spec
@@ -27,11 +29,17 @@ class DPSGD:
 
     name = "dpsgd"
 
-    def __init__(self, consensus_step: float = 1.0, phase: str = MODEL_PHASE) -> None:
+    def __init__(
+        self,
+        consensus_step: float = 1.0,
+        phase: str = MODEL_PHASE,
+        clipping: ClipRadius | None = None,
+    ) -> None:
         if not 0.0 < consensus_step < 2.0:
             raise ValueError(f"consensus_step must lie in (0, 2), got {consensus_step}")
         self.consensus_step = consensus_step
         self.phase = phase
+        self.clipping = clipping
 
     def setup(
         self, params: NamedParams, rank: int, neighbours: Sequence[int]
@@ -45,6 +53,13 @@ class DPSGD:
         if not live:
             return
         with torch.no_grad():
+            if self.clipping is not None:
+                mine = [p for _, p in params]
+                distances = {
+                    j: difference_norm(map(decode_raw, result.received[j].tensors), mine)
+                    for j in live
+                }
+                live = clipped_weights(live, distances, self.clipping)
             for index, (_, p) in enumerate(params):
                 pull = torch.zeros_like(p)
                 for j, w in live.items():

@@ -22,6 +22,12 @@ end's vector for that side advances; the next step of the other side uses its ow
 so the two ends stay in agreement when both see the failure. When an edge resumes after a
 failure or a restart, both ends draw its vectors afresh from a seed that includes the resume
 round: no data is needed to agree on them again.
+
+With `clipping`, what a neighbour j contributes in one step (the low-rank updates of every
+matrix, plus the exact differences of the vectors in step 0) is clipped as one vector to the
+step's radius: its norm is that of the received differences, since the basis is orthonormal
+(||D q^T|| = ||D||), so it is known before any update is formed; the update is then applied with
+step gamma w_ij min(1, tau / d_j) (gossip/clipping.py). The warm-start vectors are unaffected.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 import torch
 
 from gossipcomp.gossip.base import NamedParams, Neighbourhood
+from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, total_norm
 from gossipcomp.gossip.linalg import hashed_seed, orthonormalize
 from gossipcomp.gossip.state import checked_tensors, require_keys
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec, TensorSpec
@@ -57,6 +64,7 @@ class PowerGossip:
         power_steps: int = 1,
         consensus_step: float = 1.0,
         seed: int = 0,
+        clipping: ClipRadius | None = None,
     ) -> None:
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
@@ -68,6 +76,7 @@ class PowerGossip:
         self.power_steps = power_steps
         self.consensus_step = consensus_step
         self.seed = seed
+        self.clipping = clipping
         self._me = -1
         self._matrices: list[int] = []
         self._vectors: list[int] = []
@@ -177,11 +186,29 @@ class PowerGossip:
             )
             result = hood.exchange(f"{side}{s}", outgoing)
             other = LEFT if side == RIGHT else RIGHT
+            # per neighbour: (X_j - X_i) applied to the basis for each matrix, and X_j - X_i for
+            # each vector (step 0); all of them first, since clipping needs their norms
+            differences: dict[int, list[torch.Tensor]] = {}
+            vector_differences: dict[int, dict[int, torch.Tensor]] = {}
             for j, envelope in result.received.items():
-                step = self.consensus_step * hood.weights[j]
-                for t, i in enumerate(self._matrices):
-                    theirs = decode_raw(envelope.tensors[t]).to(mine[(j, i)].device)
-                    difference = theirs - mine[(j, i)]  # (X_j - X_i) applied to the basis
+                differences[j] = [
+                    decode_raw(envelope.tensors[t]).to(mine[(j, i)].device) - mine[(j, i)]
+                    for t, i in enumerate(self._matrices)
+                ]
+                vector_differences[j] = {
+                    i: decode_raw(envelope.tensors[t]).to(params[i][1].device) - sent_vectors[i]
+                    for t, i in enumerate(sent_vectors, start=len(self._matrices))
+                }
+            weights = {j: hood.weights[j] for j in result.received}
+            if self.clipping is not None:
+                distances = {
+                    j: total_norm([*differences[j], *vector_differences[j].values()])
+                    for j in weights
+                }
+                weights = clipped_weights(weights, distances, self.clipping)
+            for j, w in weights.items():
+                step = self.consensus_step * w
+                for i, difference in zip(self._matrices, differences[j], strict=True):
                     update = (
                         difference @ bases[(j, i)].t()
                         if side == RIGHT
@@ -192,6 +219,5 @@ class PowerGossip:
                     # warm start: the next vector of the other side, the same at both ends
                     low_minus_high = -difference if self._me < j else difference
                     self._state[(j, i, other)] = low_minus_high
-                for t, i in enumerate(self._vectors if s == 0 else (), start=len(self._matrices)):
-                    theirs = decode_raw(envelope.tensors[t]).to(params[i][1].device)
-                    params[i][1].add_(theirs - sent_vectors[i], alpha=step)
+                for i, difference in vector_differences[j].items():
+                    params[i][1].add_(difference, alpha=step)

@@ -80,6 +80,7 @@ class RejectCode(enum.Enum):
     """Why an incoming envelope was refused; maps one to one onto gRPC status codes."""
 
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
     PERMISSION_DENIED = "PERMISSION_DENIED"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"

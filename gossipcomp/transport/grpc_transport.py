@@ -8,6 +8,9 @@ algorithm.
 
 With `GrpcOptions.tls` set, the server and every channel use mutual TLS (gossipcomp.security):
 only peers holding a certificate from the network's CA can connect. Plaintext is the default.
+With `GrpcOptions.keys` as well, every envelope and handshake is signed by its sender and
+checked by its receiver (gossipcomp.security.authentication) before anything else is looked at;
+authentication without TLS is refused at start.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.proto.v1 import gossip_pb2_grpc as pb_grpc
+from gossipcomp.security.authentication import DEFAULT_CLOCK_TOLERANCE, Authenticator
+from gossipcomp.security.signing_keys import PeerKeys
 from gossipcomp.security.tls import TlsFiles, channel_credentials, server_credentials
 from gossipcomp.transport.base import (
     Envelope,
@@ -39,9 +44,20 @@ from gossipcomp.transport.base import (
 )
 from gossipcomp.transport.inbox import Inbox
 from gossipcomp.transport.mailbox import Mailbox
-from gossipcomp.transport.wire import DEFAULT_CHUNK_BYTES, envelope_chunks, read_envelope
+from gossipcomp.transport.wire import (
+    DEFAULT_CHUNK_BYTES,
+    content_sha256,
+    envelope_chunks,
+    header_of,
+    read_envelope,
+    with_header,
+)
 
 SERVICE_NAME = "gossipcomp.v1.Gossip"
+WHY_AUTHENTICATION_NEEDS_TLS = (
+    "signatures prove who sent a message but hide nothing, and without TLS anyone on the path "
+    "can read the models and capture messages to replay"
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,8 @@ class GrpcOptions:
     hello_timeout: float = 2.0  # deadline of one handshake attempt
     mailbox_window: int = 4  # rounds a neighbour may run ahead
     tls: TlsFiles | None = None  # mutual TLS with these files; None: plaintext
+    keys: PeerKeys | None = None  # sign and check every message with these keys (needs tls)
+    clock_tolerance: float = DEFAULT_CLOCK_TOLERANCE  # seconds a signed timestamp may be off
 
     def channel_options(self) -> list[tuple[str, int]]:
         return [
@@ -68,13 +86,21 @@ _STATUS = {code.name: code for code in grpc.StatusCode}
 class _GossipService(pb_grpc.GossipServicer):
     """Server side: handshake checks, rejoin requests and validated delivery into the inbox."""
 
-    def __init__(self, identity: Identity, inbox: Inbox) -> None:
+    def __init__(
+        self, identity: Identity, inbox: Inbox, authenticator: Authenticator | None
+    ) -> None:
         self._identity = identity
         self._inbox = inbox
+        self._auth = authenticator
         self.on_hello: HelloHandler = no_rejoin
 
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
         mine = self._identity
+        if self._auth is not None:  # before anything else: strangers learn nothing
+            try:
+                self._auth.check_hello(request)
+            except EnvelopeRejected as refused:
+                context.abort(_STATUS[refused.code.value], str(refused))
         checks = [
             ("protocol_version", mine.protocol_version, request.protocol_version),
             ("topology_hash", mine.topology_hash, request.topology_hash),
@@ -107,7 +133,7 @@ class _GossipService(pb_grpc.GossipServicer):
             )
         except PeerNotReady as error:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        return pb.HelloReply(
+        reply = pb.HelloReply(
             protocol_version=mine.protocol_version,
             receiver=mine.rank,
             topology_hash=mine.topology_hash,
@@ -116,6 +142,9 @@ class _GossipService(pb_grpc.GossipServicer):
             resume_round=answer.resume_round,
             alone=answer.alone,
         )
+        if self._auth is not None:
+            self._auth.prove_reply(reply, request)
+        return reply
 
     def Push(
         self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
@@ -125,9 +154,15 @@ class _GossipService(pb_grpc.GossipServicer):
     def PushOne(self, request: bytes, context: grpc.ServicerContext) -> pb.PushReply:
         return self._deliver((request,), context)
 
+    def _check_header(self, header: pb.EnvelopeHeader) -> PayloadSpec:
+        if self._auth is not None:  # who sent it first; what it holds only then
+            self._auth.check_envelope(header)
+        return self._inbox.check_header(header)
+
     def _deliver(self, chunks: Iterable[bytes], context: grpc.ServicerContext) -> pb.PushReply:
+        check_content = self._auth.check_content if self._auth is not None else None
         try:
-            envelope, spec, wire_bytes = read_envelope(chunks, self._inbox.check_header)
+            envelope, spec, wire_bytes = read_envelope(chunks, self._check_header, check_content)
             self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
         except EnvelopeRejected as rejected:
             context.abort(_STATUS[rejected.code.value], str(rejected))
@@ -145,6 +180,15 @@ def _abandon_on_failure(
             mailbox.abandon(round, phase, neighbour)
 
     return callback
+
+
+def _signed_header(
+    auth: Authenticator, envelope: Envelope, receiver: int, content: bytes
+) -> pb.EnvelopeHeader:
+    """The envelope's header with a proof for `receiver` (`content`: its data's SHA-256)."""
+    header = header_of(envelope)
+    auth.prove_envelope(header, receiver, content)
+    return header
 
 
 def _handlers(service: _GossipService) -> grpc.GenericRpcHandler:
@@ -181,13 +225,19 @@ class GrpcTransport:
         self._identity = identity
         self._neighbours = sorted(neighbours)
         self._options = options or GrpcOptions()
-        tls = self._options.tls  # files read and checked before anything is started
-        credentials = server_credentials(tls) if tls else None
+        tls, keys = self._options.tls, self._options.keys
+        if keys is not None and tls is None:
+            raise ValueError(
+                f"peer {self.rank}: signing keys (GrpcOptions.keys) need mutual TLS "
+                f"(GrpcOptions.tls): {WHY_AUTHENTICATION_NEEDS_TLS}"
+            )
+        credentials = server_credentials(tls) if tls else None  # files checked before starting
         self._channel_credentials = channel_credentials(tls) if tls else None
+        self._auth = Authenticator(self.rank, keys, self._options.clock_tolerance) if keys else None
         self._inbox = Inbox(
             self.rank, neighbours, self._options.max_envelope_bytes, self._options.mailbox_window
         )
-        self._service = _GossipService(identity, self._inbox)
+        self._service = _GossipService(identity, self._inbox, self._auth)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(
                 max_workers=2 * len(self._neighbours) + 4,
@@ -276,15 +326,21 @@ class GrpcTransport:
             for j in sorted(pending):
                 attempt = min(self._options.hello_timeout, max(0.05, deadline - time.monotonic()))
                 try:
-                    request = self._hello_request(round, proposals.get(j, 0), alone)
+                    request = self._hello_request(j, round, proposals.get(j, 0), alone)
                     reply = self._stubs[j].Hello(request, timeout=attempt)
-                    answers[j] = HelloAnswer(reply.round, reply.resume_round, reply.alone)
+                    answers[j] = self._answer(j, request, reply)
                     pending.discard(j)
+                except EnvelopeRejected as refused:
+                    raise HandshakeError(
+                        f"peer {self.rank}: handshake reply from peer {j} at {addresses[j]} "
+                        f"not accepted: {refused}"
+                    ) from None
                 except grpc.RpcError as error:
                     code = error.code()
                     if code in (
                         grpc.StatusCode.FAILED_PRECONDITION,
                         grpc.StatusCode.PERMISSION_DENIED,
+                        grpc.StatusCode.UNAUTHENTICATED,
                     ):
                         raise HandshakeError(
                             f"peer {self.rank}: handshake with peer {j} at {addresses[j]} refused: "
@@ -311,8 +367,10 @@ class GrpcTransport:
             return grpc.insecure_channel(address, options=options)
         return grpc.secure_channel(address, self._channel_credentials, options=options)
 
-    def _hello_request(self, round: int, proposed: int, alone: bool) -> pb.HelloRequest:
-        return pb.HelloRequest(
+    def _hello_request(
+        self, neighbour: int, round: int, proposed: int, alone: bool
+    ) -> pb.HelloRequest:
+        request = pb.HelloRequest(
             protocol_version=self._identity.protocol_version,
             sender=self.rank,
             topology_hash=self._identity.topology_hash,
@@ -321,6 +379,18 @@ class GrpcTransport:
             proposed_resume_round=proposed,
             alone=alone,
         )
+        if self._auth is not None:
+            self._auth.prove_hello(request, neighbour)
+        return request
+
+    def _answer(
+        self, neighbour: int, request: pb.HelloRequest, reply: pb.HelloReply
+    ) -> HelloAnswer:
+        """A neighbour's handshake reply, once its proof (when peers authenticate) is checked;
+        raises EnvelopeRejected when it is not from that neighbour or not for this request."""
+        if self._auth is not None:
+            self._auth.check_reply(reply, request, neighbour)
+        return HelloAnswer(reply.round, reply.resume_round, reply.alone)
 
     def probe(
         self, neighbour: int, round: int, proposed: int, alone: bool
@@ -329,16 +399,14 @@ class GrpcTransport:
         a proposed resume round); the future fails if it does not answer within hello_timeout."""
         if neighbour not in self._stubs:
             raise RuntimeError(f"peer {self.rank}: probe before connect()")
-        call = self._stubs[neighbour].Hello.future(
-            self._hello_request(round, proposed, alone), timeout=self._options.hello_timeout
-        )
+        request = self._hello_request(neighbour, round, proposed, alone)
+        call = self._stubs[neighbour].Hello.future(request, timeout=self._options.hello_timeout)
         answer: futures.Future[HelloAnswer] = futures.Future()
 
         def done(finished: grpc.Future) -> None:
             try:
-                reply = finished.result()
-                answer.set_result(HelloAnswer(reply.round, reply.resume_round, reply.alone))
-            except BaseException as error:  # an RpcError or a cancellation: the probe failed
+                answer.set_result(self._answer(neighbour, request, finished.result()))
+            except BaseException as error:  # refused, unanswered, cancelled: the probe failed
                 answer.set_exception(error)
 
         call.add_done_callback(done)
@@ -349,9 +417,11 @@ class GrpcTransport:
 
         Raises grpc.RpcError with the receiver's status when it refuses the envelope.
         """
-        return self._send_chunks(
-            neighbour, envelope_chunks(envelope, self._options.chunk_bytes), deadline
-        )
+        header = None
+        if self._auth is not None:
+            header = _signed_header(self._auth, envelope, neighbour, content_sha256(envelope))
+        chunks = envelope_chunks(envelope, self._options.chunk_bytes, header)
+        return self._send_chunks(neighbour, chunks, deadline)
 
     def _send_chunks(self, neighbour: int, chunks: Iterable[bytes], deadline: float) -> int:
         sent = 0
@@ -378,16 +448,24 @@ class GrpcTransport:
             raise RuntimeError(f"peer {self.rank}: exchange before connect()")
         deadline = time.monotonic() + timeout
         self._inbox.mailbox.open_round(round)
-        # The envelope names no receiver: one payload sent to several neighbours is chunked once.
-        chunked: dict[int, list[bytes]] = {}
+        # One payload sent to several neighbours is chunked (and hashed) once; when peers
+        # authenticate, only its first chunk is rebuilt per receiver, with a signed header.
+        chunked: dict[int, tuple[Envelope, list[bytes], bytes]] = {}
         for payload in outgoing.values():
             if id(payload) not in chunked:
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch)
-                chunked[id(payload)] = list(envelope_chunks(envelope, self._options.chunk_bytes))
+                chunks = list(envelope_chunks(envelope, self._options.chunk_bytes))
+                content = content_sha256(envelope) if self._auth is not None else b""
+                chunked[id(payload)] = (envelope, chunks, content)
         pushes: dict[int, futures.Future[int] | grpc.Future] = {}
+        sizes: dict[int, int] = {}
         mailbox = self._inbox.mailbox
         for j, payload in outgoing.items():
-            chunks = chunked[id(payload)]
+            envelope, chunks, content = chunked[id(payload)]
+            if self._auth is not None:
+                header = _signed_header(self._auth, envelope, j, content)
+                chunks = [with_header(chunks[0], header), *chunks[1:]]
+            sizes[j] = sum(len(c) for c in chunks)
             if len(chunks) == 1:  # one unary call, issued asynchronously: no thread per push
                 remaining = max(0.001, deadline - time.monotonic())
                 pushes[j] = self._push_ones[j].future(chunks[0], timeout=remaining)
@@ -400,7 +478,7 @@ class GrpcTransport:
         for j, push in pushes.items():
             try:
                 push.result(timeout=max(0.0, deadline - time.monotonic()))
-                result.bytes_sent[j] = sum(len(c) for c in chunked[id(outgoing[j])])
+                result.bytes_sent[j] = sizes[j]
             except grpc.RpcError as error:
                 result.failed[j] = f"push failed: {error.code().name}: {error.details()}"
             except (futures.TimeoutError, grpc.FutureTimeoutError):

@@ -10,6 +10,7 @@ times, which cost a 64 MiB envelope about half its loopback throughput.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy
@@ -80,11 +81,17 @@ def _chunk(header: bytes | None, pieces: list[memoryview], size: int) -> bytes:
     return b"".join(parts)
 
 
-def envelope_chunks(envelope: Envelope, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
-    """Yield the serialised chunks of an envelope: header first, data pieces of <= chunk_bytes."""
+def envelope_chunks(
+    envelope: Envelope,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    header: pb.EnvelopeHeader | None = None,
+) -> Iterator[bytes]:
+    """Yield the serialised chunks of an envelope: header first, data pieces of <= chunk_bytes.
+
+    `header` replaces the one built from the envelope (a signed copy of it)."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    header: bytes | None = header_of(envelope).SerializeToString()
+    serialised: bytes | None = (header or header_of(envelope)).SerializeToString()
     pieces: list[memoryview] = []
     size = 0
     for tensor in envelope.tensors:
@@ -96,10 +103,29 @@ def envelope_chunks(envelope: Envelope, chunk_bytes: int = DEFAULT_CHUNK_BYTES) 
             size += take
             offset += take
             if size == chunk_bytes:
-                yield _chunk(header, pieces, size)
-                header, pieces, size = None, [], 0
-    if pieces or header is not None:
-        yield _chunk(header, pieces, size)
+                yield _chunk(serialised, pieces, size)
+                serialised, pieces, size = None, [], 0
+    if pieces or serialised is not None:
+        yield _chunk(serialised, pieces, size)
+
+
+def with_header(first_chunk: bytes, header: pb.EnvelopeHeader) -> bytes:
+    """The first chunk of an envelope with its header replaced (the data bytes it carries are
+    kept): how one payload chunked once is signed for each receiver."""
+    if first_chunk[:1] != _HEADER_TAG:
+        raise ValueError("first chunk: expected it to start with the envelope header")
+    length, start = _read_varint(first_chunk, 1)
+    rest = memoryview(first_chunk)[start + length :]
+    serialised = header.SerializeToString()
+    return b"".join((_HEADER_TAG, _varint(len(serialised)), serialised, rest))
+
+
+def content_sha256(envelope: Envelope) -> bytes:
+    """SHA-256 of an envelope's data bytes in wire order (what a sender's proof signs)."""
+    digest = hashlib.sha256()
+    for tensor in envelope.tensors:
+        digest.update(tensor.data)
+    return digest.digest()
 
 
 def envelope_wire_bytes(envelope: Envelope, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -131,14 +157,17 @@ def parse_chunk(raw: bytes) -> tuple[pb.EnvelopeHeader | None, memoryview]:
 
 
 HeaderCheck = Callable[[pb.EnvelopeHeader], PayloadSpec]
+ContentCheck = Callable[[pb.EnvelopeHeader, bytes], None]
 
 
 def read_envelope(
-    chunks: Iterable[bytes], check_header: HeaderCheck
+    chunks: Iterable[bytes], check_header: HeaderCheck, check_content: ContentCheck | None = None
 ) -> tuple[Envelope, PayloadSpec, int]:
     """Assemble an envelope from serialised chunks, validating the header before any data.
 
-    Raw float tensors are checked for NaN/Inf as their bytes arrive. Returns the envelope, the
+    Raw float tensors are checked for NaN/Inf as their bytes arrive. With `check_content`, the
+    data's SHA-256 is computed as it arrives and handed to it with the header at the end (it
+    raises EnvelopeRejected when the digest is not the signed one). Returns the envelope, the
     spec it was checked against, and the serialised bytes read. Raises EnvelopeRejected for a
     missing or repeated header, a byte count other than the header declared, or NaN/Inf.
     """
@@ -153,6 +182,7 @@ def read_envelope(
     buffer = memoryview(numpy.empty(total, dtype=numpy.uint8))  # no memset: every byte is written
     wire_bytes = len(first)
     filled = 0
+    digest = hashlib.sha256() if check_content is not None else None
     while True:
         if filled + len(data) > total:
             raise EnvelopeRejected(
@@ -160,6 +190,8 @@ def read_envelope(
                 f"data bytes: header declared {total}, received more than that",
             )
         buffer[filled : filled + len(data)] = data
+        if digest is not None:
+            digest.update(data)
         filled += len(data)
         scanner.scan(buffer, filled)
         raw = next(iterator, None)
@@ -175,6 +207,8 @@ def read_envelope(
         raise EnvelopeRejected(
             RejectCode.INVALID_ARGUMENT, f"data bytes: header declared {total}, received {filled}"
         )
+    if check_content is not None and digest is not None:
+        check_content(header, digest.digest())
     view = buffer
     tensors: list[WireTensor] = []
     offset = 0

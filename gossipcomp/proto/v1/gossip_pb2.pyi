@@ -20,21 +20,39 @@ class TensorHeader(_message.Message):
     nbytes: int
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
+class SenderProof(_message.Message):
+    __slots__ = ("key_id", "timestamp_ms", "nonce", "receiver", "content_sha256", "signature")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    key_id: bytes
+    timestamp_ms: int
+    nonce: bytes
+    receiver: int
+    content_sha256: bytes
+    signature: bytes
+    def __init__(self, key_id: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., receiver: _Optional[int] = ..., content_sha256: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
 class EnvelopeHeader(_message.Message):
-    __slots__ = ("protocol_version", "sender", "round", "phase", "schedule_epoch", "tensors")
+    __slots__ = ("protocol_version", "sender", "round", "phase", "schedule_epoch", "tensors", "proof")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     sender: int
     round: int
     phase: str
     schedule_epoch: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
-    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., schedule_epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ...) -> None: ...
+    proof: SenderProof
+    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., schedule_epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., proof: _Optional[_Union[SenderProof, _Mapping]] = ...) -> None: ...
 
 class EnvelopeChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -51,11 +69,12 @@ class PushReply(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
-    __slots__ = ("protocol_version", "sender", "topology_hash", "model_signature", "round", "proposed_resume_round", "alone")
+    __slots__ = ("protocol_version", "sender", "topology_hash", "model_signature", "proof", "round", "proposed_resume_round", "alone")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_HASH_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_RESUME_ROUND_FIELD_NUMBER: _ClassVar[int]
     ALONE_FIELD_NUMBER: _ClassVar[int]
@@ -63,17 +82,19 @@ class HelloRequest(_message.Message):
     sender: int
     topology_hash: str
     model_signature: str
+    proof: SenderProof
     round: int
     proposed_resume_round: int
     alone: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., round: _Optional[int] = ..., proposed_resume_round: _Optional[int] = ..., alone: _Optional[bool] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., proof: _Optional[_Union[SenderProof, _Mapping]] = ..., round: _Optional[int] = ..., proposed_resume_round: _Optional[int] = ..., alone: _Optional[bool] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("protocol_version", "receiver", "topology_hash", "model_signature", "round", "resume_round", "alone")
+    __slots__ = ("protocol_version", "receiver", "topology_hash", "model_signature", "proof", "round", "resume_round", "alone")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_HASH_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RESUME_ROUND_FIELD_NUMBER: _ClassVar[int]
     ALONE_FIELD_NUMBER: _ClassVar[int]
@@ -81,7 +102,8 @@ class HelloReply(_message.Message):
     receiver: int
     topology_hash: str
     model_signature: str
+    proof: SenderProof
     round: int
     resume_round: int
     alone: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., receiver: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., round: _Optional[int] = ..., resume_round: _Optional[int] = ..., alone: _Optional[bool] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., receiver: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., proof: _Optional[_Union[SenderProof, _Mapping]] = ..., round: _Optional[int] = ..., resume_round: _Optional[int] = ..., alone: _Optional[bool] = ...) -> None: ...

@@ -63,8 +63,8 @@ class GossipServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
-        """Delivers one envelope. Refused with INVALID_ARGUMENT, PERMISSION_DENIED, RESOURCE_EXHAUSTED or
-        FAILED_PRECONDITION (naming the field, the expected and the actual value) when invalid.
+        """Delivers one envelope. Refused with INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED,
+        RESOURCE_EXHAUSTED or FAILED_PRECONDITION (naming the field, the expected and the actual value) when invalid.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
