@@ -136,7 +136,7 @@ def main() -> None:
             + " ".join(
                 f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                 for k, v in vars(args).items()
-                if k != "json" and v is not None
+                if v is not None
             ),
             "seconds": {what: medians for what, medians in rows.items()},
             "ratios": {what: _ratios(medians) for what, medians in rows.items()},
