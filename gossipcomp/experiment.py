@@ -29,6 +29,7 @@ from gossipcomp.gossip import (
     parse_clip,
 )
 from gossipcomp.gossip.byzantine import DEFAULT_SCALE
+from gossipcomp.gossip.clipping import AdaptiveRadius
 from gossipcomp.peer import Peer, PeerStats
 from gossipcomp.topology import Topology
 from gossipcomp.training import (
@@ -106,6 +107,17 @@ def build_algorithm(config: TrainConfig, topology: Topology, rank: int) -> Gossi
         raise ValueError(
             f"byzantine rank {outside[0]} out of range for topology {topology.name} "
             f"(ranks 0 to {topology.n - 1})"
+        )
+    clipping = None if config.clip is None else parse_clip(config.clip)
+    degree = len(topology.neighbors(rank))
+    if isinstance(clipping, AdaptiveRadius) and clipping.b >= degree:
+        log.warning(
+            "peer %d has %d neighbours and --clip %s assumes up to %d of them lie: it will "
+            "never mix (a fixed radius, or a smaller B, lets it)",
+            rank,
+            degree,
+            config.clip,
+            clipping.b,
         )
     algorithm = _honest_algorithm(config, topology)
     if rank in config.byzantine:

@@ -89,6 +89,11 @@ class Topology:
         keys = tuple(self.public_keys)
         if len(keys) != n or any(k is not None and not isinstance(k, str) for k in keys):
             raise _fail(self.source, f"got {len(keys)} public_keys", f"{n}, each a str or None")
+        listed: dict[str, int] = {}
+        for rank, key in enumerate(keys):
+            if key is not None and listed.setdefault(key, rank) != rank:
+                problem = f"peers {listed[key]} and {rank} have the same public key {key}"
+                raise _fail(self.source, problem, "one key per peer")
         object.__setattr__(self, "public_keys", keys)
         if self.spectral_gap <= 1e-12:
             slem = self.second_largest_eigenvalue_modulus

@@ -51,6 +51,11 @@ def test_adaptive_radius_is_the_b_plus_first_largest_distance():
     assert AdaptiveRadius(1).radius([5.0]) == 0.0
     assert AdaptiveRadius(2).radius([5.0, 1.0]) == 0.0
     assert AdaptiveRadius(1).radius([]) == 0.0
+    # a non-finite distance is a certain liar: it uses up one of the b and sets no radius
+    inf = float("inf")
+    assert AdaptiveRadius(1).radius([inf, 2.0, 1.0]) == 2.0
+    assert AdaptiveRadius(1).radius([inf, inf, 1.0]) == 1.0
+    assert AdaptiveRadius(2).radius([float("nan"), 3.0, 2.0, 1.0]) == 2.0
 
 
 def test_clipped_weights_scale_each_weight_by_min_1_tau_over_d():
@@ -64,7 +69,9 @@ def test_clipped_weights_scale_each_weight_by_min_1_tau_over_d():
         {1: 0.25, 2: 0.25, 3: 0.125}
     )
     assert clipped_weights({1: 0.3}, {1: 0.0}, FixedRadius(1e-9)) == {1: 0.3}  # nothing to clip
-    assert clipped_weights({1: 0.3}, {1: 2.0}, AdaptiveRadius(1)) == {1: 0.0}  # b >= heard
+    assert clipped_weights({1: 0.3}, {1: 2.0}, AdaptiveRadius(1)) == {}  # b >= heard: left out
+    inf = float("inf")  # a non-finite difference is left out, never weighted by 0
+    assert clipped_weights({1: 0.3, 2: 0.3}, {1: inf, 2: 1.0}, FixedRadius(2.0)) == {2: 0.3}
     with pytest.raises(ValueError, match=r"no distance for neighbours \[2\]"):
         clipped_weights({1: 0.5, 2: 0.5}, {1: 1.0}, FixedRadius(1.0))
 
@@ -253,3 +260,36 @@ def test_adaptive_clipping_mixes_nothing_when_every_neighbour_may_lie():
         assert torch.equal(a, b)
     sent = peers[0].stats.bytes_sent
     assert set(sent) == {1, 7} and min(sent.values()) > 0  # it still gossiped
+
+
+@pytest.mark.parametrize("rule", [FixedRadius(0.1), AdaptiveRadius(1)], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("name", ["choco", "def"])
+def test_a_neighbour_sending_huge_finite_values_cannot_make_a_peer_non_finite(name, rule):
+    """Finite payloads of 3e38 (they pass the finite check) overflow the tracked copy of the
+    liar to inf; clipping must leave it out instead of multiplying it by 0 (inf * 0 = NaN)."""
+
+    def algorithm() -> GossipAlgorithm:
+        if name == "choco":
+            return Choco(parse_spec("identity"), consensus_step=0.5, clipping=rule)
+        return DEFATC(parse_spec("identity"), clipping=rule)
+
+    torch.manual_seed(0)
+    peers = build_network(RING8, [nn.Linear(3, 2) for _ in range(8)], algorithm)
+    liar = peers[0].algorithm._codec
+    honest_compress = liar.compress
+    liar.compress = lambda x, key, i: honest_compress(torch.full_like(x, 3e38), key, i)
+    for _ in range(4):
+        gossip_round(peers)
+    for peer in peers[1:]:
+        for parameter in peer.model.parameters():
+            assert torch.isfinite(parameter).all() and parameter.abs().max() < 10
+
+
+def test_adaptive_clipping_warns_a_peer_that_could_never_mix(caplog):
+    star = load_topology("topologies/star6.yaml")
+    config = TrainConfig(algorithm="dpsgd", clip="adaptive")
+    with caplog.at_level("WARNING", logger="gossipcomp.experiment"):
+        build_algorithm(config, star, 0)  # the hub: 5 neighbours, mixes
+        assert not caplog.records
+        build_algorithm(config, star, 1)  # a leaf: its only neighbour may be the liar
+    assert "peer 1 has 1 neighbours" in caplog.text and "will never mix" in caplog.text

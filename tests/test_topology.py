@@ -419,6 +419,10 @@ def test_allowlist_file_fills_public_keys_relative_to_the_topology(tmp_path: Pat
     )
     with pytest.raises(TopologyError, match="peer 2 has public_key .* but the allowlist says"):
         load_topology(path)
+    (tmp_path / "keys" / "allow.yaml").write_text(f"0: '{KEY_A}'\n3: '{KEY_A}'\n")
+    path.write_text("kind: ring\nn: 4\nallowlist: keys/allow.yaml\n")
+    with pytest.raises(TopologyError, match="peers 0 and 3 have the same public key"):
+        load_topology(path)
     (tmp_path / "keys" / "allow.yaml").write_text(f"9: '{KEY_A}'\n")
     path.write_text("kind: ring\nn: 4\nallowlist: keys/allow.yaml\n")
     with pytest.raises(TopologyError, match="allowlist has rank 9; expected ranks 0..3"):

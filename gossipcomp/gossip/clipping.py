@@ -76,9 +76,12 @@ class AdaptiveRadius:
             raise ValueError(f"adaptive clipping: b must be an integer >= 0, got {self.b!r}")
 
     def radius(self, distances: Sequence[float]) -> float:
-        if len(distances) <= self.b:
+        # a non-finite distance is a liar for sure: it uses up one of the b, and sets no radius
+        finite = sorted((d for d in distances if math.isfinite(d)), reverse=True)
+        unknown = max(0, self.b - (len(distances) - len(finite)))
+        if len(finite) <= unknown:
             return 0.0
-        return sorted(distances, reverse=True)[self.b]
+        return finite[unknown]
 
     @property
     def spec(self) -> str:
@@ -134,7 +137,10 @@ def _parse(kind: Callable[[str], float], arg: str | None, expected: str) -> Any:
 
 
 def clip_factor(distance: float, tau: float) -> float:
-    """min(1, tau / d): the factor CLIP(z, tau) scales z by when ||z|| = d (1 when d is 0)."""
+    """min(1, tau / d): the factor CLIP(z, tau) scales z by when ||z|| = d (1 when d is 0, and
+    0 when d is not finite: such a difference carries nothing usable)."""
+    if not math.isfinite(distance):
+        return 0.0
     return 1.0 if distance <= tau else tau / distance
 
 
@@ -142,12 +148,14 @@ def clipped_weights(
     weights: Mapping[int, float], distances: Mapping[int, float], rule: ClipRadius
 ) -> dict[int, float]:
     """w_ij * min(1, tau_i / d_j) for each neighbour j in `weights` (all must have a distance),
-    with tau_i chosen by `rule` from the distances of those neighbours."""
+    with tau_i chosen by `rule` from the distances of those neighbours. Neighbours clipped to
+    nothing are left out, so a caller never multiplies their (possibly non-finite) copy by 0."""
     missing = set(weights) - set(distances)
     if missing:
         raise ValueError(f"clipping: no distance for neighbours {sorted(missing)}")
     tau = rule.radius([distances[j] for j in weights])
-    return {j: w * clip_factor(distances[j], tau) for j, w in weights.items()}
+    clipped = {j: w * clip_factor(distances[j], tau) for j, w in weights.items()}
+    return {j: w for j, w in clipped.items() if w > 0.0}
 
 
 def difference_norm(theirs: Iterable[torch.Tensor], mine: Iterable[torch.Tensor]) -> float:

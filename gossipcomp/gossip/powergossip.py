@@ -28,6 +28,8 @@ matrix, plus the exact differences of the vectors in step 0) is clipped as one v
 step's radius: its norm is that of the received differences, since the basis is orthonormal
 (||D q^T|| = ||D||), so it is known before any update is formed; the update is then applied with
 step gamma w_ij min(1, tau / d_j) (gossip/clipping.py). The warm-start vectors are unaffected.
+Each power step is clipped on its own, so a round of `power_steps` steps moves a peer by at most
+power_steps * gamma * sum_j w_ij * tau.
 """
 
 from __future__ import annotations
@@ -206,18 +208,20 @@ class PowerGossip:
                     for j in weights
                 }
                 weights = clipped_weights(weights, distances, self.clipping)
-            for j, w in weights.items():
-                step = self.consensus_step * w
+            for j in result.received:
+                step = self.consensus_step * weights.get(j, 0.0)  # 0: clipped to nothing
                 for i, difference in zip(self._matrices, differences[j], strict=True):
-                    update = (
-                        difference @ bases[(j, i)].t()
-                        if side == RIGHT
-                        else bases[(j, i)] @ difference.t()
-                    )
-                    x = oriented(params[i][1])
-                    x.add_(update.to(x.dtype), alpha=step)
+                    if step:
+                        update = (
+                            difference @ bases[(j, i)].t()
+                            if side == RIGHT
+                            else bases[(j, i)] @ difference.t()
+                        )
+                        x = oriented(params[i][1])
+                        x.add_(update.to(x.dtype), alpha=step)
                     # warm start: the next vector of the other side, the same at both ends
                     low_minus_high = -difference if self._me < j else difference
                     self._state[(j, i, other)] = low_minus_high
                 for i, difference in vector_differences[j].items():
-                    params[i][1].add_(difference, alpha=step)
+                    if step:
+                        params[i][1].add_(difference, alpha=step)

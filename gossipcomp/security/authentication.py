@@ -5,8 +5,10 @@ receiver's rank, for envelopes the SHA-256 of the data bytes, and an Ed25519 sig
 signing string. The signing string is built here from the message's fields, never from protobuf
 bytes, so it is the same for any implementation:
 
-    domain tag (b"gossipcomp/<kind>/v1\\n"), then each field in order, integers as 8-byte
-    little-endian signed, strings and bytes as a 4-byte little-endian length and the bytes.
+    domain tag (b"gossipcomp/<kind>/v1\\n"), then each field in order, integers as 8 bytes
+    little-endian (unsigned for protocol_version and nbytes, which are unsigned on the wire;
+    two's complement for the others), strings and bytes as a 4-byte little-endian length and
+    the bytes.
 
     envelope:  protocol_version, sender, receiver, round, phase, schedule_epoch, tensor count,
                per tensor (name, dtype, ndim, each dim, codec, nbytes), then the proof's key_id,
@@ -16,8 +18,9 @@ bytes, so it is the same for any implementation:
     reply:     protocol_version, replier, requester, topology_hash, model_signature, round,
                resume_round, alone, the request's nonce, key_id, timestamp_ms, nonce
 
-A receiver checks, in this order, and refuses with the code given: a proof is present, names a
-key in the topology, is addressed to it, and its signature verifies (UNAUTHENTICATED); the key is
+A receiver checks, in this order, and refuses with the code given: the proof's fields have their
+fixed sizes and an envelope header is within the size limits (before any string is built, so a
+stranger's oversized header costs nothing), a proof is present, names a key in the topology, is addressed to it, and its signature verifies (UNAUTHENTICATED); the key is
 the claimed sender's (PERMISSION_DENIED: a peer speaking for another); the timestamp is within the
 tolerance of its own clock and the nonce has not been seen in that window (UNAUTHENTICATED: a
 stale or replayed message). Nonces are remembered only while their timestamps are inside the
@@ -38,11 +41,15 @@ from collections.abc import Callable
 from cryptography.exceptions import InvalidSignature
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
-from gossipcomp.security.signing_keys import PeerKeys, key_id
+from gossipcomp.security.signing_keys import KEY_ID_BYTES, PeerKeys, key_id
 from gossipcomp.transport.base import EnvelopeRejected, RejectCode
 
 DEFAULT_CLOCK_TOLERANCE = 30.0  # seconds a message's timestamp may differ from the receiver's clock
 NONCE_BYTES = 16
+SIGNATURE_BYTES = 64  # Ed25519
+DIGEST_BYTES = 32  # SHA-256
+MAX_TENSORS = 1 << 16  # per envelope header: far above any model's parameter count
+MAX_NDIM = 64  # per tensor, as in torch
 _ENVELOPE, _HELLO, _REPLY = (
     b"gossipcomp/%s/v1\n" % kind for kind in (b"envelope", b"hello", b"reply")
 )
@@ -54,48 +61,50 @@ class _SigningString:
     """Builds the canonical byte string a signature covers (layout in the module docstring)."""
 
     def __init__(self, domain: bytes) -> None:
-        self._parts = [domain]
+        self._string = bytearray(domain)
 
     def number(self, *values: int) -> _SigningString:
-        self._parts += [struct.pack("<q", int(v)) for v in values]
+        self._string += struct.pack(f"<{len(values)}q", *values)
+        return self
+
+    def unsigned(self, *values: int) -> _SigningString:
+        self._string += struct.pack(f"<{len(values)}Q", *values)
         return self
 
     def blob(self, *values: bytes | str) -> _SigningString:
         for value in values:
-            data = value.encode("utf-8") if isinstance(value, str) else bytes(value)
-            self._parts += [struct.pack("<I", len(data)), data]
+            data = value.encode("utf-8") if isinstance(value, str) else value
+            self._string += struct.pack("<I", len(data))
+            self._string += data
         return self
 
     def proof(self, proof: pb.SenderProof) -> bytes:
         self.blob(proof.key_id).number(proof.timestamp_ms).blob(proof.nonce)
-        return b"".join(self._parts)
+        return bytes(self._string)
 
 
 def _envelope_string(header: pb.EnvelopeHeader) -> bytes:
     proof = header.proof
-    string = _SigningString(_ENVELOPE).number(
-        header.protocol_version, header.sender, proof.receiver, header.round
-    )
-    string.blob(header.phase).number(header.schedule_epoch, len(header.tensors))
+    string = _SigningString(_ENVELOPE).unsigned(header.protocol_version)
+    string.number(header.sender, proof.receiver, header.round).blob(header.phase)
+    string.number(header.schedule_epoch, len(header.tensors))
     for tensor in header.tensors:
         string.blob(tensor.name, tensor.dtype).number(len(tensor.shape), *tensor.shape)
-        string.blob(tensor.codec).number(tensor.nbytes)
+        string.blob(tensor.codec).unsigned(tensor.nbytes)
     return string.blob(proof.content_sha256).proof(proof)
 
 
 def _hello_string(request: pb.HelloRequest) -> bytes:
-    string = _SigningString(_HELLO).number(
-        request.protocol_version, request.sender, request.proof.receiver
-    )
+    string = _SigningString(_HELLO).unsigned(request.protocol_version)
+    string.number(request.sender, request.proof.receiver)
     string.blob(request.topology_hash, request.model_signature)
     string.number(request.round, request.proposed_resume_round, request.alone)
     return string.proof(request.proof)
 
 
 def _reply_string(reply: pb.HelloReply, request_nonce: bytes) -> bytes:
-    string = _SigningString(_REPLY).number(
-        reply.protocol_version, reply.receiver, reply.proof.receiver
-    )
+    string = _SigningString(_REPLY).unsigned(reply.protocol_version)
+    string.number(reply.receiver, reply.proof.receiver)
     string.blob(reply.topology_hash, reply.model_signature)
     string.number(reply.round, reply.resume_round, reply.alone)
     return string.blob(request_nonce).proof(reply.proof)
@@ -105,11 +114,11 @@ class _SeenNonces:
     """Nonces seen from one signer whose timestamps are still inside the tolerance window."""
 
     def __init__(self) -> None:
-        self._expiry: list[tuple[float, bytes]] = []
+        self._expiry: list[tuple[int, bytes]] = []
         self._seen: set[bytes] = set()
 
-    def add(self, nonce: bytes, expires: float, now: float) -> bool:
-        """Remember `nonce` until `expires`; False if it was seen already (a replay)."""
+    def add(self, nonce: bytes, expires: int, now: int) -> bool:
+        """Remember `nonce` until `expires` (ms); False if it was seen already (a replay)."""
         while self._expiry and self._expiry[0][0] < now:
             self._seen.discard(heapq.heappop(self._expiry)[1])
         if nonce in self._seen:
@@ -170,6 +179,9 @@ class Authenticator:
         """Check an envelope header's proof (before any data is read); EnvelopeRejected if not
         valid. The data's digest is checked by `check_content` once the data has arrived."""
         present = header.HasField("proof")
+        if present:
+            self._check_sizes(header.proof, DIGEST_BYTES)
+            _check_header_size(header, self._refused)
         self._verify(header.proof, present, header.sender, lambda: _envelope_string(header))
 
     def check_content(self, header: pb.EnvelopeHeader, digest: bytes) -> None:
@@ -183,6 +195,8 @@ class Authenticator:
 
     def check_hello(self, request: pb.HelloRequest) -> None:
         present = request.HasField("proof")
+        if present:
+            self._check_sizes(request.proof, 0)
         self._verify(request.proof, present, request.sender, lambda: _hello_string(request))
 
     def check_reply(self, reply: pb.HelloReply, request: pb.HelloRequest, neighbour: int) -> None:
@@ -193,8 +207,24 @@ class Authenticator:
                 f"reply: names peer {reply.receiver}, expected peer {neighbour}",
             )
         present = reply.HasField("proof")
+        if present:
+            self._check_sizes(reply.proof, 0)
         nonce = request.proof.nonce
         self._verify(reply.proof, present, neighbour, lambda: _reply_string(reply, nonce))
+
+    def _check_sizes(self, proof: pb.SenderProof, digest_bytes: int) -> None:
+        """Refuse a proof whose fields are not their fixed sizes, before anything is built."""
+        for field, size in (
+            ("key_id", KEY_ID_BYTES),
+            ("nonce", NONCE_BYTES),
+            ("content_sha256", digest_bytes),
+            ("signature", SIGNATURE_BYTES),
+        ):
+            got = len(getattr(proof, field))
+            if got != size and (field != "signature" or got):  # no signature: refused below
+                raise self._refused(
+                    RejectCode.UNAUTHENTICATED, f"proof {field}: {got} bytes, expected {size}"
+                )
 
     def _verify(
         self, proof: pb.SenderProof, present: bool, sender: int, signed: Callable[[], bytes]
@@ -234,8 +264,8 @@ class Authenticator:
         self._check_fresh(signer, proof)
 
     def _check_fresh(self, signer: int, proof: pb.SenderProof) -> None:
-        now = self._clock()
-        skew = proof.timestamp_ms / 1000.0 - now
+        now = round(self._clock() * 1000)
+        skew = (proof.timestamp_ms - now) / 1000.0
         if abs(skew) > self._tolerance:
             raise self._refused(
                 RejectCode.UNAUTHENTICATED,
@@ -243,12 +273,7 @@ class Authenticator:
                 f"this peer's clock, expected within ±{self._tolerance:g} s (a stale message, "
                 f"or clocks out of sync)",
             )
-        if len(proof.nonce) != NONCE_BYTES:
-            raise self._refused(
-                RejectCode.UNAUTHENTICATED,
-                f"nonce: {len(proof.nonce)} bytes, expected {NONCE_BYTES}",
-            )
-        expires = proof.timestamp_ms / 1000.0 + self._tolerance
+        expires = proof.timestamp_ms + round(self._tolerance * 1000)
         with self._lock:
             fresh = self._nonces[signer].add(bytes(proof.nonce), expires, now)
         if not fresh:
@@ -260,3 +285,21 @@ class Authenticator:
 
     def _refused(self, code: RejectCode, message: str) -> EnvelopeRejected:
         return EnvelopeRejected(code, f"peer {self.rank} refused: {message}")
+
+
+def _check_header_size(
+    header: pb.EnvelopeHeader, refused: Callable[[RejectCode, str], EnvelopeRejected]
+) -> None:
+    """Bound the signing string by the header's size: no more tensors or dimensions than any
+    model has (the receiver's own spec checks the exact layout after the signature)."""
+    if len(header.tensors) > MAX_TENSORS:
+        raise refused(
+            RejectCode.INVALID_ARGUMENT,
+            f"header: {len(header.tensors)} tensors, at most {MAX_TENSORS} accepted",
+        )
+    for tensor in header.tensors:
+        if len(tensor.shape) > MAX_NDIM:
+            raise refused(
+                RejectCode.INVALID_ARGUMENT,
+                f"header: a tensor with {len(tensor.shape)} dimensions, at most {MAX_NDIM}",
+            )

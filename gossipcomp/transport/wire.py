@@ -91,7 +91,9 @@ def envelope_chunks(
     `header` replaces the one built from the envelope (a signed copy of it)."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    serialised: bytes | None = (header or header_of(envelope)).SerializeToString()
+    serialised: bytes | None = (
+        header if header is not None else header_of(envelope)
+    ).SerializeToString()
     pieces: list[memoryview] = []
     size = 0
     for tensor in envelope.tensors:
