@@ -9,8 +9,11 @@ from typing import Any
 import pytest
 import torch
 
+from gossipcomp.checkpoint import CheckpointStore
+from gossipcomp.data import load_digits_split
+from gossipcomp.experiment import PeerTrainer, TrainConfig, build_algorithm
 from gossipcomp.gossip import GossipAlgorithm
-from gossipcomp.models import model_signature
+from gossipcomp.models import build_mlp, model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.topology import Topology
 from gossipcomp.transport.base import Identity
@@ -101,3 +104,36 @@ def stacked(peers: Sequence[Peer]) -> list[torch.Tensor]:
 
 def consensus_distance(peers: Sequence[Peer]) -> float:
     return sum(float((x - x.mean(0)).pow(2).sum()) for x in stacked(peers)) / len(peers)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Many small peers share two cores: one intra-op thread each avoids contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def in_memory_trainers(
+    topology: Topology,
+    config: TrainConfig,
+    hub: InMemoryHub,
+    directory: Any = None,
+    every: int = 50,
+) -> list[PeerTrainer]:
+    """A PeerTrainer per rank over the in-memory hub (the training loop `simulate` runs, without
+    gRPC); with `directory`, each checkpoints there every `every` rounds."""
+    data = load_digits_split(seed=config.seed)
+    trainers = []
+    for rank in range(topology.n):
+        model = build_mlp(config.seed)
+        transport = InMemoryTransport(
+            Identity(rank, topology.hash, model_signature(model)), topology.neighbors(rank), hub
+        )
+        peer = Peer(model, topology, rank, build_algorithm(config, topology, rank), transport)
+        store = CheckpointStore(directory, rank) if directory is not None else None
+        trainers.append(PeerTrainer(peer, data, config, store, every if store else 0))
+    return trainers

@@ -8,42 +8,26 @@ rounds, fixed seeds); the thresholds leave margin around the measured figures qu
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
 import torch
-from conftest import build_network, gossip_round, run_in_threads
+from conftest import build_network, gossip_round, in_memory_trainers, run_in_threads
 from torch import nn
 
 from gossipcomp.cli import _config, build_parser, main
 from gossipcomp.compress import parse_spec
-from gossipcomp.data import load_digits_split
-from gossipcomp.experiment import PeerTrainer, TrainConfig, build_algorithm
+from gossipcomp.experiment import TrainConfig, build_algorithm
 from gossipcomp.gossip import DPSGD, Attack, Byzantine, Choco, make_attack
 from gossipcomp.gossip.base import Resumable
 from gossipcomp.gossip.clipping import AdaptiveRadius
-from gossipcomp.models import build_mlp, model_signature
-from gossipcomp.peer import Peer
 from gossipcomp.report import Report
 from gossipcomp.simulation import run_simulation
 from gossipcomp.topology import load_topology
-from gossipcomp.transport.base import Identity
-from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
+from gossipcomp.transport.memory import InMemoryHub
 
 RING8 = load_topology("topologies/ring8.yaml")
 LIAR = 3
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Eight peers share two cores: one intra-op thread each avoids contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 # --- attacks and the wrapper -------------------------------------------------------------------
@@ -215,16 +199,7 @@ def test_clipping_keeps_honest_peers_accurate_with_a_sign_flipping_neighbour():
 def _honest_in_memory(config: TrainConfig) -> tuple[float, float]:
     """Honest peers' mean and min test accuracy after training every peer of ring8 with
     PeerTrainer over the in-memory hub (the same training loop as `simulate`, without gRPC)."""
-    data = load_digits_split(seed=config.seed)
-    hub = InMemoryHub()
-    trainers = []
-    for rank in range(RING8.n):
-        model = build_mlp(config.seed)
-        transport = InMemoryTransport(
-            Identity(rank, RING8.hash, model_signature(model)), RING8.neighbors(rank), hub
-        )
-        peer = Peer(model, RING8, rank, build_algorithm(config, RING8, rank), transport)
-        trainers.append(PeerTrainer(peer, data, config))
+    trainers = in_memory_trainers(RING8, config, InMemoryHub())
     for t in trainers:
         t.peer.start(5, {})
     outcomes = run_in_threads([t.run for t in trainers], timeout=300)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -34,17 +32,6 @@ SPECS = ["iid", "by-label", "dirichlet:0.5", "dirichlet:0.05"]
 @pytest.fixture(scope="module")
 def digits() -> DigitsSplit:
     return load_digits_split(seed=0)
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls: one intra-op thread avoids stalls when another process holds a core."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 # --- the split -----------------------------------------------------------------------------

@@ -13,16 +13,15 @@ import time
 
 import pytest
 import torch
-from conftest import consensus_distance, run_in_threads, stacked
+from conftest import consensus_distance, in_memory_trainers, run_in_threads, stacked
 from torch import nn
 
 from gossipcomp.checkpoint import CheckpointStore
 from gossipcomp.compress import parse_spec
-from gossipcomp.data import load_digits_split
-from gossipcomp.experiment import PeerTrainer, TrainConfig, build_algorithm
+from gossipcomp.experiment import PeerTrainer, TrainConfig
 from gossipcomp.gossip import DEFATC, DPSGD, Choco, LinkStats, PowerGossip
 from gossipcomp.links import Backoff, LinkState
-from gossipcomp.models import build_mlp, model_signature
+from gossipcomp.models import model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.topology import Topology, load_topology
 from gossipcomp.transport.base import Identity
@@ -271,22 +270,6 @@ def test_an_asymmetric_failure_is_healed_by_resynchronising_the_edge(name):
             assert torch.allclose(x.sum(0), b, atol=1e-4)
 
 
-def _trainers(
-    topology: Topology, config: TrainConfig, hub: InMemoryHub, directory, every: int
-) -> list[PeerTrainer]:
-    data = load_digits_split(seed=config.seed)
-    trainers = []
-    for rank in range(topology.n):
-        model = build_mlp(config.seed)
-        transport = InMemoryTransport(
-            Identity(rank, topology.hash, model_signature(model)), topology.neighbors(rank), hub
-        )
-        peer = Peer(model, topology, rank, build_algorithm(config, topology, rank), transport)
-        store = CheckpointStore(directory, rank) if directory is not None else None
-        trainers.append(PeerTrainer(peer, data, config, store, every))
-    return trainers
-
-
 def _train(trainers: list[PeerTrainer]) -> None:
     for t in trainers:
         t.peer.start(5, {})
@@ -317,7 +300,7 @@ def test_a_network_restored_from_checkpoints_continues_bit_for_bit(tmp_path, alg
     files (new models, optimizers, algorithms, transports) and train 20 more: the models and
     every piece of algorithm state agree bit for bit, so nothing was lost or applied twice."""
     topology = load_topology("topologies/ring4.yaml")
-    straight = _trainers(
+    straight = in_memory_trainers(
         topology,
         TrainConfig(algorithm=algorithm, rounds=40, eval_every=0, **extra),
         InMemoryHub(),
@@ -325,7 +308,7 @@ def test_a_network_restored_from_checkpoints_continues_bit_for_bit(tmp_path, alg
         0,
     )
     _train(straight)
-    first = _trainers(
+    first = in_memory_trainers(
         topology,
         TrainConfig(algorithm=algorithm, rounds=20, eval_every=0, **extra),
         InMemoryHub(),
@@ -336,7 +319,7 @@ def test_a_network_restored_from_checkpoints_continues_bit_for_bit(tmp_path, alg
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"rank{r}-round{n:09d}.ckpt" for r in range(4) for n in (10, 20)
     ]
-    resumed = _trainers(
+    resumed = in_memory_trainers(
         topology,
         TrainConfig(algorithm=algorithm, rounds=40, eval_every=0, **extra),
         InMemoryHub(),
@@ -356,7 +339,7 @@ def test_a_network_restored_from_checkpoints_continues_bit_for_bit(tmp_path, alg
 def test_a_checkpoint_from_another_configuration_is_refused_naming_the_difference(tmp_path):
     topology = load_topology("topologies/ring4.yaml")
     _train(
-        _trainers(
+        in_memory_trainers(
             topology,
             TrainConfig(algorithm="dpsgd", rounds=10, eval_every=0),
             InMemoryHub(),
@@ -364,7 +347,7 @@ def test_a_checkpoint_from_another_configuration_is_refused_naming_the_differenc
             10,
         )
     )
-    other = _trainers(
+    other = in_memory_trainers(
         topology,
         TrainConfig(algorithm="dpsgd", rounds=10, lr=0.05, eval_every=0),
         InMemoryHub(),
@@ -373,7 +356,7 @@ def test_a_checkpoint_from_another_configuration_is_refused_naming_the_differenc
     )
     with pytest.raises(ValueError, match=r"lr \(saved 0.1, now 0.05\)"):
         other[0].restore()
-    wrong_model = _trainers(
+    wrong_model = in_memory_trainers(
         topology,
         TrainConfig(algorithm="choco", compressor="sign", rounds=10, eval_every=0),
         InMemoryHub(),
@@ -460,7 +443,7 @@ def test_a_restore_that_does_not_fit_changes_nothing(tmp_path):
     are exactly what they were."""
     topology = load_topology("topologies/ring4.yaml")
     config = TrainConfig(algorithm="choco", compressor="sign", rounds=10, eval_every=0)
-    _train(_trainers(topology, config, InMemoryHub(), tmp_path, 10))
+    _train(in_memory_trainers(topology, config, InMemoryHub(), tmp_path, 10))
     store = CheckpointStore(tmp_path, 0)
     good = store.load_latest().state
     for broken, message in (
@@ -468,7 +451,7 @@ def test_a_restore_that_does_not_fit_changes_nothing(tmp_path):
         ({**good, "stream": {**good["stream"], "cursor": 10_000}}, "cursor 10000"),
     ):
         store.save(10, broken)
-        fresh = _trainers(topology, config, InMemoryHub(), tmp_path, 10)[0]
+        fresh = in_memory_trainers(topology, config, InMemoryHub(), tmp_path, 10)[0]
         before = _state_of(fresh)
         optimizer_state = copy.deepcopy(fresh.optimizer.state_dict())
         stream_state = fresh.stream.state_dict()
