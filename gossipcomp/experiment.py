@@ -29,7 +29,7 @@ from gossipcomp.gossip import (
     parse_clip,
 )
 from gossipcomp.gossip.byzantine import DEFAULT_SCALE
-from gossipcomp.gossip.clipping import AdaptiveRadius
+from gossipcomp.gossip.clipping import AdaptiveRadius, ClipRadius
 from gossipcomp.peer import Peer, PeerStats
 from gossipcomp.topology import Topology
 from gossipcomp.training import (
@@ -119,15 +119,16 @@ def build_algorithm(config: TrainConfig, topology: Topology, rank: int) -> Gossi
             config.clip,
             clipping.b,
         )
-    algorithm = _honest_algorithm(config, topology)
+    algorithm = _honest_algorithm(config, topology, clipping)
     if rank in config.byzantine:
         return Byzantine(algorithm, make_attack(config.attack, config.attack_scale))
     return algorithm
 
 
-def _honest_algorithm(config: TrainConfig, topology: Topology) -> GossipAlgorithm:
+def _honest_algorithm(
+    config: TrainConfig, topology: Topology, clipping: ClipRadius | None
+) -> GossipAlgorithm:
     step = config.consensus_step
-    clipping = None if config.clip is None else parse_clip(config.clip)
     if config.algorithm == "dpsgd":
         return DPSGD(consensus_step=_spectral_step(step, topology), clipping=clipping)
     if config.algorithm == "powergossip":

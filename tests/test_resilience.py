@@ -82,6 +82,15 @@ def _all_up(peers: list[Peer]) -> bool:
     )
 
 
+def _rounds_until_all_up(peers: list[Peer], limit: int, pause: float) -> bool:
+    """Gossip round by round (at most `limit`) until every edge is up; whether they all are."""
+    for _ in range(limit):
+        _rounds(peers, 1, pause=pause)
+        if _all_up(peers):
+            return True
+    return False
+
+
 class _FreeRunning:
     """Every peer gossiping in its own thread, pausing `pause(peer)` seconds before each round (a
     stand-in for the local step: a peer alone does not spin), until `stop` names a round at which
@@ -177,11 +186,7 @@ def test_partition_then_heal_each_side_keeps_its_sum_and_consensus_returns(name)
     assert gap > 0.1 * d_cut
 
     hub.heal()
-    for _ in range(100):
-        _rounds(peers, 1, pause=0.005)
-        if _all_up(peers):
-            break
-    assert _all_up(peers), "edges did not resume after healing"
+    assert _rounds_until_all_up(peers, 100, pause=0.005), "edges did not resume after healing"
     _rounds(peers, 120 if name != "def-sign" else 200)
     assert consensus_distance(peers) < 1e-3 * d_cut
     if name in PRESERVES_SUM:
@@ -256,11 +261,7 @@ def test_an_asymmetric_failure_is_healed_by_resynchronising_the_edge(name):
     assert any(
         not torch.equal(a, b) for a, b in zip(tracked(peers[0], 1), own(peers[1]), strict=True)
     )
-    for _ in range(60):
-        _rounds(peers, 1, pause=0.005)
-        if _all_up(peers):
-            break
-    assert _all_up(peers)
+    assert _rounds_until_all_up(peers, 60, pause=0.005)
     for p in peers:
         for j in p.topology.neighbors(p.rank):
             for a, b in zip(tracked(p, j), own(peers[j]), strict=True):
@@ -402,11 +403,7 @@ def test_a_network_restarted_with_an_edge_down_resynchronises_it():
     assert {p.round for p in restored} == {3}
     assert restored[1].links.state(0) is LinkState.RESUMING
     assert restored[0].links.state(1) is LinkState.RESUMING
-    for _ in range(30):
-        _rounds(restored, 1, pause=0.002)
-        if _all_up(restored):
-            break
-    assert _all_up(restored)
+    assert _rounds_until_all_up(restored, 30, pause=0.002)
     for p in restored:
         for j, tracked in p.algorithm.neighbour_public.items():
             for a, b in zip(tracked, restored[j].algorithm.public, strict=True):

@@ -52,18 +52,16 @@ class DPSGD:
         live = {j: hood.weights[j] for j in result.received}
         if not live:
             return
+        theirs = {j: [decode_raw(t) for t in result.received[j].tensors] for j in live}
         with torch.no_grad():
             if self.clipping is not None:
                 mine = [p for _, p in params]
-                distances = {
-                    j: difference_norm(map(decode_raw, result.received[j].tensors), mine)
-                    for j in live
-                }
+                distances = {j: difference_norm(theirs[j], mine) for j in live}
                 live = clipped_weights(live, distances, self.clipping)
             for index, (_, p) in enumerate(params):
                 pull = torch.zeros_like(p)
                 for j, w in live.items():
-                    pull.add_(decode_raw(result.received[j].tensors[index]), alpha=w)
+                    pull.add_(theirs[j][index], alpha=w)
                 # sum_j w_ij (x_j - x_i) = pull - (sum_j w_ij) x_i
                 pull.add_(p, alpha=-sum(live.values()))
                 p.add_(pull, alpha=self.consensus_step)

@@ -181,7 +181,7 @@ class Authenticator:
         present = header.HasField("proof")
         if present:
             self._check_sizes(header.proof, DIGEST_BYTES)
-            _check_header_size(header, self._refused)
+            self._check_header_size(header)
         self._verify(header.proof, present, header.sender, lambda: _envelope_string(header))
 
     def check_content(self, header: pb.EnvelopeHeader, digest: bytes) -> None:
@@ -224,6 +224,21 @@ class Authenticator:
             if got != size and (field != "signature" or got):  # no signature: refused below
                 raise self._refused(
                     RejectCode.UNAUTHENTICATED, f"proof {field}: {got} bytes, expected {size}"
+                )
+
+    def _check_header_size(self, header: pb.EnvelopeHeader) -> None:
+        """Bound the signing string by the header's size: no more tensors or dimensions than any
+        model has (the receiver's own spec checks the exact layout after the signature)."""
+        if len(header.tensors) > MAX_TENSORS:
+            raise self._refused(
+                RejectCode.INVALID_ARGUMENT,
+                f"header: {len(header.tensors)} tensors, at most {MAX_TENSORS} accepted",
+            )
+        for tensor in header.tensors:
+            if len(tensor.shape) > MAX_NDIM:
+                raise self._refused(
+                    RejectCode.INVALID_ARGUMENT,
+                    f"header: a tensor with {len(tensor.shape)} dimensions, at most {MAX_NDIM}",
                 )
 
     def _verify(
@@ -285,21 +300,3 @@ class Authenticator:
 
     def _refused(self, code: RejectCode, message: str) -> EnvelopeRejected:
         return EnvelopeRejected(code, f"peer {self.rank} refused: {message}")
-
-
-def _check_header_size(
-    header: pb.EnvelopeHeader, refused: Callable[[RejectCode, str], EnvelopeRejected]
-) -> None:
-    """Bound the signing string by the header's size: no more tensors or dimensions than any
-    model has (the receiver's own spec checks the exact layout after the signature)."""
-    if len(header.tensors) > MAX_TENSORS:
-        raise refused(
-            RejectCode.INVALID_ARGUMENT,
-            f"header: {len(header.tensors)} tensors, at most {MAX_TENSORS} accepted",
-        )
-    for tensor in header.tensors:
-        if len(tensor.shape) > MAX_NDIM:
-            raise refused(
-                RejectCode.INVALID_ARGUMENT,
-                f"header: a tensor with {len(tensor.shape)} dimensions, at most {MAX_NDIM}",
-            )
