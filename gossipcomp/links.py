@@ -16,24 +16,37 @@ that is behind moves forward to the round the other end had when they agreed
 way, so the catch-up spreads, level and never overshooting, until rounds line up again. A peer
 that is *alone* (no edge up or agreed) says so in its handshakes; its round is not followed,
 and if it ran past the resume round it moves back instead.
+
+A neighbour's word about rounds is bounded (`RoundPace`, `plausible_round`): a claimed round is
+believed only up to where that neighbour could really be, i.e. the round at which this peer and it
+were last in step plus what `SPEED_ALLOWANCE` times this peer's fastest measured round allows in
+the time since, plus the margin; a jump needs the agreement of two neighbours when two or more
+claim to be ahead (the lower of the two highest claims is followed), and never goes back except
+for a peer that is alone; a proposed resume round is at most `MAX_RESUME_MARGIN` past the
+proposer's (bounded) round. So one lying neighbour can neither throw a peer far ahead nor cut
+an edge for good.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Collection
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gossipcomp.transport.base import HelloAnswer
+from gossipcomp.transport.base import MAX_WIRE_ROUND, HelloAnswer
 
 log = logging.getLogger(__name__)
 
 RESUME_MARGIN = 5  # rounds between agreeing on a resume round and using it
 MAX_RESUME_MARGIN = 640  # the margin doubles each time an answer came too late to be used
+SPEED_ALLOWANCE = 2.0  # a neighbour may run rounds this many times faster than this peer's best
+DEFAULT_ROUND_SECONDS = 0.005  # the fastest round assumed before any was measured
 
 
 class LinkState(enum.Enum):
@@ -51,6 +64,43 @@ class _Link:
     margin: int = RESUME_MARGIN  # rounds ahead this end proposes to resume
     their_round: int | None = None  # the other end's round at agreement, if it is to be followed
     probe: Future[HelloAnswer] | None = None
+    in_step_round: int = 0  # the last round both ends completed together ...
+    in_step_at: float = 0.0  # ... and when (monotonic seconds)
+
+
+@dataclass
+class RoundPace:
+    """How fast this peer goes through rounds in step with its neighbours: the fastest of its
+    recent rounds that had at least one live edge. It bounds how far a neighbour can have run
+    in a given time, so a claimed round beyond that is not believed.
+
+    `floor` is used until a round is measured (or a checkpoint says how fast the peer went)."""
+
+    floor: float = DEFAULT_ROUND_SECONDS
+    window: int = 64
+    _recent: deque[float] = field(default_factory=deque)
+    _prior: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.floor) and self.floor > 0):
+            raise ValueError(f"round pace floor must be a number of seconds > 0, got {self.floor}")
+
+    def record(self, seconds: float) -> None:
+        """One round completed in step with a neighbour took `seconds`."""
+        if math.isfinite(seconds) and seconds > 0:
+            self._recent.append(seconds)
+            if len(self._recent) > self.window:
+                self._recent.popleft()
+
+    def assume(self, seconds: float) -> None:
+        """What a checkpoint recorded, used until this run measures its own rounds."""
+        if math.isfinite(seconds) and seconds > 0:
+            self._prior = seconds
+
+    def seconds_per_round(self) -> float:
+        if self._recent:
+            return min(self._recent)
+        return self._prior if self._prior is not None else self.floor
 
 
 @dataclass(frozen=True)
@@ -82,15 +132,19 @@ class LinkMonitor:
         backoff: Backoff | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_resume: Callable[[int, int], None] = lambda neighbour, round: None,
+        pace: RoundPace | None = None,
     ) -> None:
         """`on_resume(neighbour, round)` is called (under the lock, with the final round)
         whenever an edge is agreed to resume at a round: the peer lets that neighbour's
-        envelopes for it in, however far ahead."""
+        envelopes for it in, however far ahead. `pace`: how fast this peer goes through rounds
+        (see `plausible_round`)."""
         self.rank = rank
         self._on_resume = on_resume
         self.backoff = backoff or Backoff()
+        self.pace = pace or RoundPace()
         self._clock = clock
-        self._links = {j: _Link() for j in sorted(neighbours)}
+        now = clock()
+        self._links = {j: _Link(in_step_at=now) for j in sorted(neighbours)}
         self._lock = threading.Lock()
 
     def state(self, neighbour: int) -> LinkState:
@@ -129,24 +183,77 @@ class LinkMonitor:
     def _anchored(self) -> bool:
         return any(link.state is not LinkState.DOWN for link in self._links.values())
 
+    def in_step(self, neighbours: Collection[int], round: int) -> None:
+        """`neighbours` completed `round` together with this peer (their exchange succeeded):
+        the reference from which `plausible_round` counts."""
+        now = self._clock()
+        with self._lock:
+            for j in neighbours:
+                link = self._links[j]
+                link.in_step_round, link.in_step_at = round, now
+
+    def restored(self, round: int, age: float) -> None:
+        """This peer was restored from a checkpoint of `round` written `age` seconds ago: that
+        is the last time it can have been in step with any neighbour."""
+        at = self._clock() - max(0.0, age)
+        with self._lock:
+            for link in self._links.values():
+                link.in_step_round, link.in_step_at = round, at
+
+    def plausible_round(self, neighbour: int) -> int:
+        """The furthest round `neighbour` can really have reached: the round at which both
+        were last in step, plus what `SPEED_ALLOWANCE` times this peer's fastest round allows in
+        the time since, plus the resume margin. Claims beyond it are not believed."""
+        with self._lock:
+            return self._plausible(self._links[neighbour])
+
+    def _plausible(self, link: _Link) -> int:
+        elapsed = max(0.0, self._clock() - link.in_step_at)
+        rounds = SPEED_ALLOWANCE * elapsed / self.pace.seconds_per_round()
+        return link.in_step_round + RESUME_MARGIN + math.ceil(min(rounds, float(MAX_WIRE_ROUND)))
+
+    def _believed(
+        self, link: _Link, their_round: int, proposed: int, alone: bool
+    ) -> tuple[int, int]:
+        """A neighbour's claimed round (and proposed resume round, 0 for none) as far as they
+        can be believed: at most `plausible_round`; and, unless it says it is alone (restored
+        from a checkpoint), not behind the round both were last in step at, which it has
+        passed. A proposal keeps its margin over the round, capped at `MAX_RESUME_MARGIN`.
+        The caller holds the lock."""
+        believed = min(their_round, self._plausible(link))
+        if not alone:
+            believed = max(believed, link.in_step_round)
+        if proposed:
+            margin = min(MAX_RESUME_MARGIN, max(RESUME_MARGIN, proposed - their_round))
+            proposed = believed + margin
+        return believed, proposed
+
     def catch_up_round(self, round: int) -> int | None:
-        """The round to move to when rounds disagree with a neighbour this peer resumes with:
-        that neighbour's round when they agreed (when it has live edges of its own; otherwise it
-        follows this peer). Forward when this peer is behind it (restarted, or on the slower
-        side of a healed partition), never to or past a resume round; back only for a peer with
-        no live edge that has run past a resume round (isolated, it ran ahead alone). None when
-        no move is needed."""
+        """The round to move to when rounds disagree with neighbours this peer resumes with.
+
+        Forward only, to the round a resuming neighbour had when they agreed (a neighbour that
+        is alone follows this peer instead), already bounded by `plausible_round`; when two or
+        more neighbours claim to be ahead, the lower of the two highest claims, so one liar
+        cannot move the peer alone; never to or past the first agreed resume round. Back only
+        for a peer with no live edge that has run past a resume round (isolated, it ran ahead
+        alone): to that round minus the margin. None when no move is needed."""
         with self._lock:
             resuming = [link for link in self._links.values() if link.state is LinkState.RESUMING]
             free = all(link.state is not LinkState.UP for link in self._links.values())
         if not resuming:
             return None
         first_resume = min(link.resume_round for link in resuming)
-        followed = [link.their_round for link in resuming if link.their_round is not None]
-        if followed and max(followed) > round:
-            return min(max(followed), first_resume - 1)
+        ahead = sorted(
+            (link.their_round for link in resuming if link.their_round is not None),
+            reverse=True,
+        )
+        ahead = [r for r in ahead if r > round]
+        if ahead:
+            agreed = ahead[1] if len(ahead) >= 2 else ahead[0]
+            target = min(agreed, first_resume - 1)
+            return target if target > round else None
         if free and round > first_resume:
-            return first_resume - RESUME_MARGIN
+            return max(0, first_resume - RESUME_MARGIN)
         return None
 
     def up(self, neighbour: int, resume_round: int) -> bool:
@@ -206,11 +313,29 @@ class LinkMonitor:
     def resume(self, neighbour: int, answer: HelloAnswer, round: int, alone: bool) -> bool:
         """Adopt the resume round a neighbour answered (`alone`: this peer asked as one with no
         live edge, so it may move back to meet it). False if it came too late (this peer is
-        already at or past it and cannot go back): the caller asks again with a larger margin."""
+        already at or past it and cannot go back): the caller asks again with a larger margin.
+        An answer whose resume round lies beyond what that neighbour can plausibly reach plus
+        the largest margin is not adopted (False, and the edge stays down); its claimed round
+        is believed only up to `plausible_round`."""
         with self._lock:
+            link = self._links[neighbour]
+            plausible = self._plausible(link)
+            lowest, highest = link.in_step_round + 1, plausible + MAX_RESUME_MARGIN
+            if not lowest <= answer.resume_round <= highest:
+                log.warning(
+                    "peer %d: neighbour %d answered resume round %d, outside the [%d, %d] it "
+                    "can plausibly reach; not adopted",
+                    self.rank,
+                    neighbour,
+                    answer.resume_round,
+                    lowest,
+                    highest,
+                )
+                return False
             if answer.resume_round <= round and not alone:
                 return False
-            their_round = None if answer.alone else answer.round
+            their_round, _ = self._believed(link, answer.round, 0, answer.alone)
+            their_round = None if answer.alone else their_round
             self._adopt(neighbour, answer.resume_round, their_round)
             return True
 
@@ -229,9 +354,12 @@ class LinkMonitor:
             link = self._links[sender]
             if proposed == 0 and sender_round == round and link.state is LinkState.UP:
                 return HelloAnswer(round, 0)
+            sender_round, proposed = self._believed(link, sender_round, proposed, sender_alone)
             anchored = self._anchored()
             # the sender's margin (grown after failed attempts) when it proposes one
-            margin = max(RESUME_MARGIN, proposed - sender_round) if proposed else RESUME_MARGIN
+            margin = RESUME_MARGIN
+            if proposed:
+                margin = min(MAX_RESUME_MARGIN, max(RESUME_MARGIN, proposed - sender_round))
             bases = [round + margin] if anchored else []
             if not sender_alone:
                 bases.append(sender_round + margin)

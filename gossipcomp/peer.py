@@ -34,13 +34,21 @@ from gossipcomp.gossip.base import (
 )
 from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.state import checked_tensors
-from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor
+from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
 from gossipcomp.models import model_signature
+from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
-from gossipcomp.transport.base import HelloAnswer, Identity, PeerNotReady, Transport
+from gossipcomp.transport.base import (
+    MAX_WIRE_ROUND,
+    HelloAnswer,
+    Identity,
+    PeerNotReady,
+    Transport,
+)
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
 
 AVERAGE_PHASE = "average"
+MAX_ROUND_TIMEOUT = 86400.0  # seconds: a round deadline beyond a day is a typing mistake
 log = logging.getLogger(__name__)
 
 
@@ -75,17 +83,22 @@ class Peer:
         round_timeout: float = 30.0,
         backoff: Backoff | None = None,
         ready: bool = True,
+        pace: RoundPace | None = None,
     ) -> None:
         """`ready=False` (a peer about to restore a checkpoint): neighbours' handshakes are
-        answered "not ready" until `ready()`, so none is answered from a round about to change."""
+        answered "not ready" until `ready()`, so none is answered from a round about to change.
+        `pace`: how fast this peer goes through rounds, which bounds the rounds it believes a
+        neighbour can have reached (links.py); measured as it trains."""
         if not 0 <= rank < topology.n:
             raise ValueError(
                 f"rank {rank} out of range for topology {topology.name} (n={topology.n})"
             )
         if transport.rank != rank:
             raise ValueError(f"transport is for rank {transport.rank}, peer is rank {rank}")
-        if round_timeout <= 0:
-            raise ValueError(f"round_timeout must be > 0 seconds, got {round_timeout}")
+        if not (math.isfinite(round_timeout) and 0 < round_timeout <= MAX_ROUND_TIMEOUT):
+            raise ValueError(
+                f"round_timeout: expected seconds in (0, {MAX_ROUND_TIMEOUT:g}], got {round_timeout}"
+            )
         self.model = model
         self.topology = topology
         self.rank = rank
@@ -99,9 +112,12 @@ class Peer:
         self._compute_seconds = 0.0
         self._comm_seconds = 0.0
         self._last_mark: float | None = None
+        self._in_step_since: float | None = None  # start of the last round heard by a neighbour
         self.alone = False  # the last round reached no neighbour
         neighbours = topology.neighbors(rank)
-        self.links = LinkMonitor(rank, neighbours, backoff, on_resume=transport.allow_round)
+        self.links = LinkMonitor(
+            rank, neighbours, backoff, on_resume=transport.allow_round, pace=pace
+        )
         specs = algorithm.setup(self._params, rank, neighbours)
         specs.setdefault(RESUME_PHASE, ())  # an empty resume exchange confirms both ends are there
         for phase, spec in specs.items():
@@ -276,22 +292,53 @@ class Peer:
 
         Lost neighbours are left out (and probed in the background); neighbours whose edge
         resumes this round are resynchronised first. A peer behind an edge's agreed resume
-        round jumps to it (`round` then grows by more than one).
+        round jumps to it (`round` then grows by more than one). A round whose result would
+        make the model NaN/Inf is refused: the model is put back as it was and the edges heard
+        this round are taken down (they resume later with their state resynchronised), so
+        nothing a neighbour sends can stop the peer.
         """
         now = time.perf_counter()
         if self._last_mark is not None:
             self._compute_seconds += now - self._last_mark
+        if self._in_step_since is not None:
+            self.links.pace.record(now - self._in_step_since)
         self.links.poll_probes(self.round, self.transport.probe)
         self._catch_up()
         self._resume_edges()
         hood = self._neighbourhood(self._links, self.links.live())
+        before = [p.detach().clone() for _, p in self._params]
         self.algorithm.step(self._params, hood)
         for j, reason in hood.failed.items():
             self.links.failed(j, self.round, reason)
-        self._report_isolation(hood, set(hood.failed))
+        heard = [j for j in hood.weights if j not in hood.failed]
+        if heard and not self._model_finite():
+            self._refuse_round(before, heard)
+            heard = []
+        self.links.in_step(heard, self.round)
+        self._in_step_since = now if heard else None
+        self._report_isolation(hood, set(hood.failed) | set(hood.weights).difference(heard))
         self.round += 1
         self._comm_seconds += hood.comm_seconds
         self._last_mark = time.perf_counter()
+
+    def _model_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for _, p in self._params)
+
+    def _refuse_round(self, before: list[torch.Tensor], heard: list[int]) -> None:
+        """Undo a gossip round that made the model non-finite and take its edges down."""
+        with torch.no_grad():
+            for (_, p), saved in zip(self._params, before, strict=True):
+                p.copy_(saved)
+        reason = "what it sent made this peer's model NaN/Inf; round refused"
+        log.warning(
+            "peer %d: round %d would make the model NaN/Inf; refused, model kept, neighbours "
+            "%s taken down to resynchronise",
+            self.rank,
+            self.round,
+            ", ".join(str(j) for j in heard),
+        )
+        for j in heard:
+            self.links.failed(j, self.round, reason)
 
     def averaging_rounds(self, tolerance: float = 1e-6) -> int:
         """Exact-gossip rounds that shrink disagreement by `tolerance` on this topology."""
@@ -323,6 +370,8 @@ class Peer:
             "bytes_received": dict(self._links.bytes_received),
             "failures": dict(self._links.failures),
             "down": self.links.not_up(),
+            "saved_at": time.time(),  # with the pace: how far neighbours can be when restored
+            "seconds_per_round": self.links.pace.seconds_per_round(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -337,13 +386,20 @@ class Peer:
             "failures",
             "down",
         }
-        if set(state) != expected:
+        optional = {"saved_at", "seconds_per_round"}  # absent from older checkpoints
+        if not isinstance(state, dict) or not expected <= set(state) <= expected | optional:
+            keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
-                f"peer checkpoint: expected keys {sorted(expected)}, got {sorted(state)}"
+                f"peer checkpoint: expected keys {sorted(expected)} (and optionally "
+                f"{sorted(optional)}), got {quoted(keys)}"
             )
         round = state["round"]
-        if not isinstance(round, int) or round < 0:
-            raise ValueError(f"peer checkpoint: round must be an integer >= 0, got {round!r}")
+        if isinstance(round, bool) or not isinstance(round, int) or not 0 <= round < MAX_WIRE_ROUND:
+            raise ValueError(
+                f"peer checkpoint: round must be an integer in [0, 2^53), got {quoted(round)}"
+            )
+        saved_at = _positive_seconds(state.get("saved_at"), "saved_at")
+        seconds_per_round = _positive_seconds(state.get("seconds_per_round"), "seconds_per_round")
         current = self.model.state_dict()
         saved = state["model"]
         if set(saved) != set(current):
@@ -361,7 +417,7 @@ class Peer:
         down = state["down"]
         if not isinstance(down, list) or not set(down) <= neighbours:
             raise ValueError(
-                f"peer checkpoint: down must list neighbours of {sorted(neighbours)}, got {down!r}"
+                f"peer checkpoint: down must list neighbours of {sorted(neighbours)}, got {quoted(down)}"
             )
         self.algorithm.load_state_dict(state["algorithm"])  # checks everything, then assigns
         # everything below was checked above: nothing can fail half-way
@@ -372,6 +428,10 @@ class Peer:
         self._links.failures = counters["failures"]
         for j in down:  # probed and resynchronised after the restart, like any lost edge
             self.links.mark_down(j, round, "down when the checkpoint was written")
+        # the checkpoint's round is the last one this peer can have been in step at
+        self.links.restored(round, 0.0 if saved_at is None else time.time() - saved_at)
+        if seconds_per_round is not None:
+            self.links.pace.assume(seconds_per_round)
 
     @property
     def stats(self) -> PeerStats:
@@ -398,10 +458,24 @@ class Peer:
 def _neighbour_counts(value: Any, neighbours: set[int], what: str) -> dict[int, int]:
     """A checkpointed per-neighbour counter, checked: neighbour ranks to integers >= 0."""
     if not isinstance(value, dict) or not all(
-        j in neighbours and isinstance(n, int) and n >= 0 for j, n in value.items()
+        j in neighbours and isinstance(n, int) and not isinstance(n, bool) and n >= 0
+        for j, n in value.items()
     ):
         raise ValueError(
             f"peer checkpoint: {what} must map neighbours of {sorted(neighbours)} to counts "
-            f">= 0, got {value!r}"
+            f">= 0, got {quoted(value)}"
         )
     return dict(value)
+
+
+def _positive_seconds(value: Any, what: str) -> float | None:
+    """An optional checkpointed time in seconds, checked: a finite number > 0, or None."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"peer checkpoint: {what} must be a number > 0, got {quoted(value)}")
+    return float(value)

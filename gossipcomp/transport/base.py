@@ -15,6 +15,8 @@ from typing import Protocol
 
 PROTOCOL_VERSION = 1
 RAW_CODEC = "raw"
+MAX_WIRE_ROUND = 2**53  # rounds on the wire lie in [0, MAX_WIRE_ROUND): exact in a float too
+MAX_SCHEDULE_EPOCH = 2**31 - 1  # schedule versions on the wire lie in [0, MAX_SCHEDULE_EPOCH]
 
 
 @dataclass(frozen=True)
@@ -88,11 +90,16 @@ class RejectCode(enum.Enum):
 
 
 class EnvelopeRejected(Exception):
-    """An incoming envelope failed validation; the message names field, expected and actual."""
+    """An incoming envelope failed validation; the message names field, expected and actual.
 
-    def __init__(self, code: RejectCode, message: str) -> None:
+    `public` is what may be told to a caller that is not authenticated: the same, less
+    anything about this peer's state (its round), which a stranger could use to forge
+    envelopes for the rounds to come. Defaults to the message itself."""
+
+    def __init__(self, code: RejectCode, message: str, public: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.public = message if public is None else public
 
 
 class HandshakeError(RuntimeError):

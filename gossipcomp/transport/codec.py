@@ -13,7 +13,10 @@ from collections.abc import Collection, Iterable, Mapping
 import numpy
 import torch
 
+from gossipcomp.text import quoted
 from gossipcomp.transport.base import (
+    MAX_SCHEDULE_EPOCH,
+    MAX_WIRE_ROUND,
     PROTOCOL_VERSION,
     RAW_CODEC,
     EnvelopeRejected,
@@ -93,12 +96,24 @@ def validate_header(
     neighbours: Collection[int],
     specs: Mapping[str, Mapping[int, PayloadSpec]],
     max_envelope_bytes: int,
+    round: int = 0,
+    schedule_epoch: int = 0,
 ) -> PayloadSpec:
     """Check an envelope header against the receiver's expectations; return the matching spec.
 
     `tensors` carries the declared name, dtype, shape, codec and nbytes of each tensor. Raises
-    EnvelopeRejected naming the field, the expected and the actual value.
+    EnvelopeRejected naming the field, the expected and the actual value (values from the wire
+    quoted no longer than `gossipcomp.text.QUOTE_LIMIT`).
     """
+    if not 0 <= round < MAX_WIRE_ROUND:
+        raise EnvelopeRejected(
+            RejectCode.INVALID_ARGUMENT, f"round: expected 0 <= round < 2^53, got {round}"
+        )
+    if not 0 <= schedule_epoch <= MAX_SCHEDULE_EPOCH:
+        raise EnvelopeRejected(
+            RejectCode.INVALID_ARGUMENT,
+            f"schedule_epoch: expected 0..{MAX_SCHEDULE_EPOCH}, got {schedule_epoch}",
+        )
     if protocol_version != PROTOCOL_VERSION:
         raise EnvelopeRejected(
             RejectCode.FAILED_PRECONDITION,
@@ -113,7 +128,7 @@ def validate_header(
     if by_sender is None:
         raise EnvelopeRejected(
             RejectCode.INVALID_ARGUMENT,
-            f"phase: expected one of {sorted(specs)}, got {phase!r}",
+            f"phase: expected one of {sorted(specs)}, got {quoted(phase)}",
         )
     expected = by_sender[sender]
     declared_total = sum(t.nbytes for t in tensors)
@@ -136,7 +151,8 @@ def validate_header(
             if actual != wanted:
                 raise EnvelopeRejected(
                     RejectCode.INVALID_ARGUMENT,
-                    f"tensor {want.name!r} {field}: expected {wanted!r}, got {actual!r}",
+                    f"tensor {want.name!r} {field}: expected {quoted(wanted)}, "
+                    f"got {quoted(actual)}",
                 )
     return expected
 

@@ -15,10 +15,23 @@ authentication without TLS is refused at start.
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+import math
+import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Collection,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+)
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,7 +41,9 @@ from gossipcomp.proto.v1 import gossip_pb2_grpc as pb_grpc
 from gossipcomp.security.authentication import DEFAULT_CLOCK_TOLERANCE, Authenticator
 from gossipcomp.security.signing_keys import PeerKeys
 from gossipcomp.security.tls import TlsFiles, channel_credentials, server_credentials
+from gossipcomp.text import quoted
 from gossipcomp.transport.base import (
+    MAX_WIRE_ROUND,
     Envelope,
     EnvelopeRejected,
     ExchangeResult,
@@ -40,16 +55,18 @@ from gossipcomp.transport.base import (
     PayloadSpec,
     PeerNotReady,
     PeerUnreachableError,
+    RejectCode,
     no_rejoin,
 )
 from gossipcomp.transport.inbox import Inbox
 from gossipcomp.transport.mailbox import Mailbox
 from gossipcomp.transport.wire import (
     DEFAULT_CHUNK_BYTES,
+    ContentCheck,
+    EnvelopeReader,
     content_sha256,
     envelope_chunks,
     header_of,
-    read_envelope,
     with_header,
 )
 
@@ -58,6 +75,11 @@ WHY_AUTHENTICATION_NEEDS_TLS = (
     "signatures prove who sent a message but hide nothing, and without TLS anyone on the path "
     "can read the models and capture messages to replay"
 )
+WHY_PLAINTEXT_STAYS_ON_LOOPBACK = (
+    "plaintext trusts everyone who can reach the port: any process that connects can claim to "
+    "be a neighbour, forge envelopes and poison the model"
+)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -72,6 +94,27 @@ class GrpcOptions:
     tls: TlsFiles | None = None  # mutual TLS with these files; None: plaintext
     keys: PeerKeys | None = None  # sign and check every message with these keys (needs tls)
     clock_tolerance: float = DEFAULT_CLOCK_TOLERANCE  # seconds a signed timestamp may be off
+    insecure: bool = False  # allow plaintext on an address other than loopback
+    first_chunk_timeout: float = 2.0  # seconds a stream has to send its header
+    stream_timeout: float = 30.0  # seconds a stream has to deliver its whole envelope
+    max_streams_per_caller: int = 8  # envelopes in flight per (sender, connection)
+    max_streams_per_connection: int = 64  # HTTP/2 streams one connection may have open
+
+    def __post_init__(self) -> None:
+        for name in ("hello_timeout", "first_chunk_timeout", "stream_timeout", "clock_tolerance"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"GrpcOptions.{name}: expected seconds > 0, got {value}")
+        for name in (
+            "chunk_bytes",
+            "max_message_bytes",
+            "max_envelope_bytes",
+            "mailbox_window",
+            "max_streams_per_caller",
+            "max_streams_per_connection",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GrpcOptions.{name}: expected >= 1, got {getattr(self, name)}")
 
     def channel_options(self) -> list[tuple[str, int]]:
         return [
@@ -81,63 +124,69 @@ class GrpcOptions:
 
 
 _STATUS = {code.name: code for code in grpc.StatusCode}
+_LOOPBACK_HOSTS = ("localhost", "[::1]", "::1")
 
 
-class _GossipService(pb_grpc.GossipServicer):
-    """Server side: handshake checks, rejoin requests and validated delivery into the inbox."""
+def is_loopback(bind: str) -> bool:
+    """Whether a `host:port` address only accepts connections from this machine."""
+    host = bind.rsplit(":", 1)[0].strip("[]").lower() if ":" in bind else bind
+    if host in _LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost, or 0.0.0.0 / [::] (every interface)
+
+
+class _GossipService:
+    """Server side: handshake checks, rejoin requests and validated delivery into the inbox.
+
+    Runs on the transport's asyncio event loop, so a stream that waits holds no thread: no
+    number of idle or trickling streams can starve the neighbours or the health service. Each
+    stream must deliver its header within `first_chunk_timeout` and its whole envelope within
+    `stream_timeout`, and one caller (claimed sender on one connection) may have at most
+    `max_streams_per_caller` envelopes in flight. Callers that are not authenticated (no TLS)
+    are told nothing of this peer's state in refusals (EnvelopeRejected.public).
+    """
 
     def __init__(
-        self, identity: Identity, inbox: Inbox, authenticator: Authenticator | None
+        self,
+        identity: Identity,
+        inbox: Inbox,
+        authenticator: Authenticator | None,
+        options: GrpcOptions,
+        callers_verified: bool,
     ) -> None:
         self._identity = identity
         self._inbox = inbox
         self._auth = authenticator
+        self._options = options
+        self._callers_verified = callers_verified
+        self._in_flight: dict[tuple[int, str], int] = {}
         self.on_hello: HelloHandler = no_rejoin
 
-    def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
-        mine = self._identity
-        if self._auth is not None:  # before anything else: strangers learn nothing
-            try:
-                self._auth.check_hello(request)
-            except EnvelopeRejected as refused:
-                context.abort(_STATUS[refused.code.value], str(refused))
-        checks = [
-            ("protocol_version", mine.protocol_version, request.protocol_version),
-            ("topology_hash", mine.topology_hash, request.topology_hash),
-            ("model_signature", mine.model_signature, request.model_signature),
-        ]
-        for field, ours, theirs in checks:
-            if ours != theirs:
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{field} mismatch: peer {mine.rank} has {ours!r}, "
-                    f"peer {request.sender} sent {theirs!r}",
-                )
-        if request.sender not in self._inbox.neighbours:
-            context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"sender: peer {request.sender} is not a neighbour of peer {mine.rank} "
-                f"(expected one of {sorted(self._inbox.neighbours)})",
-            )
-        for field, value in (
-            ("round", request.round),
-            ("proposed_resume_round", request.proposed_resume_round),
-        ):
-            if value < 0:
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"{field}: expected >= 0, got {value}"
-                )
+    async def _refuse(self, context: grpc.aio.ServicerContext, refused: EnvelopeRejected) -> None:
+        code, details = refused.code.value, str(refused)
+        if not self._callers_verified:  # strangers learn nothing of our state
+            details = refused.public
+            if code == "ALREADY_EXISTS":  # would say which rounds arrived, hence ours
+                code = "FAILED_PRECONDITION"
+        await context.abort(_STATUS[code], details)
+
+    async def Hello(
+        self, request: pb.HelloRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HelloReply:
         try:
-            answer = self.on_hello(
-                request.sender, request.round, request.proposed_resume_round, request.alone
-            )
+            answer = self._answer_hello(request)
+        except EnvelopeRejected as refused:
+            await self._refuse(context, refused)
         except PeerNotReady as error:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         reply = pb.HelloReply(
-            protocol_version=mine.protocol_version,
-            receiver=mine.rank,
-            topology_hash=mine.topology_hash,
-            model_signature=mine.model_signature,
+            protocol_version=self._identity.protocol_version,
+            receiver=self._identity.rank,
+            topology_hash=self._identity.topology_hash,
+            model_signature=self._identity.model_signature,
             round=answer.round,
             resume_round=answer.resume_round,
             alone=answer.alone,
@@ -146,27 +195,123 @@ class _GossipService(pb_grpc.GossipServicer):
             self._auth.prove_reply(reply, request)
         return reply
 
-    def Push(
-        self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
-    ) -> pb.PushReply:
-        return self._deliver(request_iterator, context)
+    def _answer_hello(self, request: pb.HelloRequest) -> HelloAnswer:
+        """Check a handshake (proof, identity, sender, ranges) and answer it; raises
+        EnvelopeRejected naming the field."""
+        mine = self._identity
+        if self._auth is not None:  # before anything else: strangers learn nothing
+            self._auth.check_hello(request)
+        for field, ours, theirs in (
+            ("protocol_version", mine.protocol_version, request.protocol_version),
+            ("topology_hash", mine.topology_hash, request.topology_hash),
+            ("model_signature", mine.model_signature, request.model_signature),
+        ):
+            if ours != theirs:
+                raise EnvelopeRejected(
+                    RejectCode.FAILED_PRECONDITION,
+                    f"{field} mismatch: peer {mine.rank} has {ours!r}, "
+                    f"peer {request.sender} sent {quoted(theirs)}",
+                    public=f"{field} mismatch: peer {request.sender} sent {quoted(theirs)}, "
+                    f"which is not peer {mine.rank}'s",
+                )
+        if request.sender not in self._inbox.neighbours:
+            raise EnvelopeRejected(
+                RejectCode.PERMISSION_DENIED,
+                f"sender: peer {request.sender} is not a neighbour of peer {mine.rank} "
+                f"(expected one of {sorted(self._inbox.neighbours)})",
+            )
+        for field, value in (
+            ("round", request.round),
+            ("proposed_resume_round", request.proposed_resume_round),
+        ):
+            if not 0 <= value < MAX_WIRE_ROUND:
+                raise EnvelopeRejected(
+                    RejectCode.INVALID_ARGUMENT,
+                    f"{field}: expected 0 <= {field} < 2^53, got {value}",
+                )
+        if request.proposed_resume_round and request.proposed_resume_round <= request.round:
+            raise EnvelopeRejected(
+                RejectCode.INVALID_ARGUMENT,
+                f"proposed_resume_round: expected 0 (none) or more than round {request.round}, "
+                f"got {request.proposed_resume_round}",
+            )
+        return self.on_hello(
+            request.sender, request.round, request.proposed_resume_round, request.alone
+        )
 
-    def PushOne(self, request: bytes, context: grpc.ServicerContext) -> pb.PushReply:
-        return self._deliver((request,), context)
+    async def Push(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> pb.PushReply:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._options.stream_timeout
+        first = await self._next_chunk(
+            request_iterator,
+            context,
+            min(deadline, loop.time() + self._options.first_chunk_timeout),
+        )
+        try:
+            reader = EnvelopeReader(first, self._check_header, self._check_content())
+        except EnvelopeRejected as refused:
+            await self._refuse(context, refused)
+        caller = (reader.sender, context.peer())
+        if self._in_flight.get(caller, 0) >= self._options.max_streams_per_caller:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"streams: at most {self._options.max_streams_per_caller} envelopes in flight "
+                "per caller",
+            )
+        self._in_flight[caller] = self._in_flight.get(caller, 0) + 1
+        try:
+            while (raw := await self._next_chunk(request_iterator, context, deadline)) is not None:
+                reader.add(raw)
+            envelope, spec, wire_bytes = reader.finish()
+            self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
+        except EnvelopeRejected as refused:
+            await self._refuse(context, refused)
+        finally:
+            left = self._in_flight.pop(caller) - 1
+            if left:
+                self._in_flight[caller] = left
+        return pb.PushReply(received_bytes=wire_bytes)
+
+    async def _next_chunk(
+        self,
+        chunks: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext,
+        deadline: float,
+    ) -> bytes | None:
+        """The stream's next chunk, None at its end; aborts the call with DEADLINE_EXCEEDED
+        if it does not come by `deadline` (the event loop's clock)."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(anext(chunks), max(0.0, remaining))
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "stream: header or data not received in time (a stream must send its header "
+                f"within {self._options.first_chunk_timeout:g} s and finish within "
+                f"{self._options.stream_timeout:g} s)",
+            )
+            raise  # abort raises; this keeps type checkers aware
+
+    async def PushOne(self, request: bytes, context: grpc.aio.ServicerContext) -> pb.PushReply:
+        try:
+            reader = EnvelopeReader(request, self._check_header, self._check_content())
+            envelope, spec, wire_bytes = reader.finish()
+            self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
+        except EnvelopeRejected as refused:
+            await self._refuse(context, refused)
+        return pb.PushReply(received_bytes=wire_bytes)
+
+    def _check_content(self) -> ContentCheck | None:
+        return self._auth.check_content if self._auth is not None else None
 
     def _check_header(self, header: pb.EnvelopeHeader) -> PayloadSpec:
         if self._auth is not None:  # who sent it first; what it holds only then
             self._auth.check_envelope(header)
         return self._inbox.check_header(header)
-
-    def _deliver(self, chunks: Iterable[bytes], context: grpc.ServicerContext) -> pb.PushReply:
-        check_content = self._auth.check_content if self._auth is not None else None
-        try:
-            envelope, spec, wire_bytes = read_envelope(chunks, self._check_header, check_content)
-            self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
-        except EnvelopeRejected as rejected:
-            context.abort(_STATUS[rejected.code.value], str(rejected))
-        return pb.PushReply(received_bytes=wire_bytes)
 
 
 def _abandon_on_failure(
@@ -211,6 +356,26 @@ def _handlers(service: _GossipService) -> grpc.GenericRpcHandler:
     )
 
 
+class _ServerLoop:
+    """A grpc.aio server on an event loop of its own thread, driven from synchronous code."""
+
+    def __init__(self, rank: int) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"gossip-server-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        """Run `coroutine` on the loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
 class GrpcTransport:
     """A peer's gRPC endpoint: serves its neighbours and pushes envelopes to them."""
 
@@ -231,34 +396,32 @@ class GrpcTransport:
                 f"peer {self.rank}: signing keys (GrpcOptions.keys) need mutual TLS "
                 f"(GrpcOptions.tls): {WHY_AUTHENTICATION_NEEDS_TLS}"
             )
+        if tls is None and not self._options.insecure and not is_loopback(bind):
+            raise ValueError(
+                f"peer {self.rank}: refusing to serve plaintext on {quoted(bind)}, which is not "
+                f"a loopback address: {WHY_PLAINTEXT_STAYS_ON_LOOPBACK}. Use mutual TLS "
+                "(--tls-cert/--tls-key/--tls-ca; GrpcOptions.tls), or accept the risk with "
+                "--insecure (GrpcOptions.insecure)"
+            )
         credentials = server_credentials(tls) if tls else None  # files checked before starting
         self._channel_credentials = channel_credentials(tls) if tls else None
         self._auth = Authenticator(self.rank, keys, self._options.clock_tolerance) if keys else None
         self._inbox = Inbox(
             self.rank, neighbours, self._options.max_envelope_bytes, self._options.mailbox_window
         )
-        self._service = _GossipService(identity, self._inbox, self._auth)
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=2 * len(self._neighbours) + 4,
-                thread_name_prefix=f"gossip-server-{self.rank}",
-            ),
-            options=self._options.channel_options(),
+        self._service = _GossipService(
+            identity, self._inbox, self._auth, self._options, callers_verified=tls is not None
         )
-        self._server.add_generic_rpc_handlers((_handlers(self._service),))
-        self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        host = bind.rsplit(":", 1)[0]
-        if credentials is None:
-            port = self._server.add_insecure_port(bind)
-        else:
-            port = self._server.add_secure_port(bind, credentials)
+        self._loop = _ServerLoop(self.rank)
+        try:
+            port = self._loop.run(self._start_server(bind, credentials))
+        except BaseException:
+            self._loop.close()
+            raise
         if port == 0:
+            self._loop.close()
             raise OSError(f"peer {self.rank}: cannot bind gRPC server to {bind}")
-        self.address = f"{host}:{port}"
-        self._server.start()
-        for service in ("", SERVICE_NAME):
-            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
         self._pool = futures.ThreadPoolExecutor(
             max_workers=max(2, len(self._neighbours)), thread_name_prefix=f"gossip-push-{self.rank}"
         )
@@ -267,6 +430,30 @@ class GrpcTransport:
         self._pushers: dict[int, grpc.StreamUnaryMultiCallable] = {}
         self._push_ones: dict[int, grpc.UnaryUnaryMultiCallable] = {}
         self._closed = False
+
+    async def _start_server(self, bind: str, credentials: grpc.ServerCredentials | None) -> int:
+        """Create, bind and start the server on the loop (grpc.aio objects belong to it)."""
+        options = [
+            *self._options.channel_options(),
+            ("grpc.max_concurrent_streams", self._options.max_streams_per_connection),
+        ]
+        self._server = grpc.aio.server(options=options)
+        self._server.add_generic_rpc_handlers((_handlers(self._service),))
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        if credentials is None:
+            port = self._server.add_insecure_port(bind)
+        else:
+            port = self._server.add_secure_port(bind, credentials)
+        if port:
+            await self._server.start()
+            for service in ("", SERVICE_NAME):
+                await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return port
+
+    async def _stop_server(self) -> None:
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace=0.5)
 
     def expect(self, phase: str, specs: Mapping[int, PayloadSpec] | PayloadSpec) -> None:
         self._inbox.expect(phase, specs)
@@ -499,8 +686,8 @@ class GrpcTransport:
         if self._closed:
             return
         self._closed = True
-        self._health.enter_graceful_shutdown()
-        self._server.stop(grace=0.5).wait()
+        self._loop.run(self._stop_server())
+        self._loop.close()
         for channel in self._channels.values():
             channel.close()
         self._pool.shutdown(wait=False, cancel_futures=True)

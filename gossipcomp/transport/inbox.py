@@ -49,6 +49,8 @@ class Inbox:
         """Validate a header before any data is read; return the spec it matched."""
         return validate_header(
             protocol_version=header.protocol_version,
+            round=header.round,
+            schedule_epoch=header.schedule_epoch,
             sender=header.sender,
             phase=header.phase,
             tensors=list(header.tensors),

@@ -71,6 +71,7 @@ class Mailbox:
                     RejectCode.FAILED_PRECONDITION,
                     f"round: expected >= {self._floor} (earlier rounds are finished), "
                     f"got {envelope.round}",
+                    public=f"round {envelope.round}: not accepted now",
                 )
             beyond = envelope.round > self._floor + self._window
             if beyond and self._allowed.get(envelope.sender) != envelope.round:
@@ -78,18 +79,21 @@ class Mailbox:
                     RejectCode.FAILED_PRECONDITION,
                     f"round: expected <= {self._floor + self._window} "
                     f"(at most {self._window} ahead of {self._floor}), got {envelope.round}",
+                    public=f"round {envelope.round}: not accepted now",
                 )
             if key in self._items or key in self._consumed:
                 raise EnvelopeRejected(
                     RejectCode.ALREADY_EXISTS,
                     f"duplicate envelope for round {envelope.round}, phase {envelope.phase!r} "
                     f"from peer {envelope.sender}",
+                    public=f"round {envelope.round}: not accepted now",
                 )
             if key in self._closed:
                 raise EnvelopeRejected(
                     RejectCode.FAILED_PRECONDITION,
                     f"round {envelope.round}, phase {envelope.phase!r}: arrived after peer's "
                     "deadline for it (the round went on without this envelope)",
+                    public=f"round {envelope.round}: not accepted now",
                 )
             self._items[key] = (envelope, wire_bytes)
             self._cond.notify_all()

@@ -162,69 +162,102 @@ HeaderCheck = Callable[[pb.EnvelopeHeader], PayloadSpec]
 ContentCheck = Callable[[pb.EnvelopeHeader, bytes], None]
 
 
-def read_envelope(
-    chunks: Iterable[bytes], check_header: HeaderCheck, check_content: ContentCheck | None = None
-) -> tuple[Envelope, PayloadSpec, int]:
-    """Assemble an envelope from serialised chunks, validating the header before any data.
+class EnvelopeReader:
+    """Assembles one envelope chunk by chunk, validating the header before any data.
 
-    Raw float tensors are checked for NaN/Inf as their bytes arrive. With `check_content`, the
-    data's SHA-256 is computed as it arrives and handed to it with the header at the end (it
-    raises EnvelopeRejected when the digest is not the signed one). Returns the envelope, the
-    spec it was checked against, and the serialised bytes read. Raises EnvelopeRejected for a
-    missing or repeated header, a byte count other than the header declared, or NaN/Inf.
+    Built from the first chunk (which must carry the header: `check_header` validates it and
+    returns the spec, so nothing is allocated for an envelope that is refused), then fed the
+    remaining chunks with `add`, and closed with `finish`. Raw float tensors are checked for
+    NaN/Inf as their bytes arrive. With `check_content`, the data's SHA-256 is computed as it
+    arrives and handed to it with the header at the end (it raises EnvelopeRejected when the
+    digest is not the signed one). Raises EnvelopeRejected for a missing or repeated header, a
+    byte count other than the header declared, or NaN/Inf. Used by both the streaming server
+    (one chunk at a time, with time limits between them) and `read_envelope`.
     """
-    iterator = iter(chunks)
-    first = next(iterator, None)
-    header, data = parse_chunk(first) if first is not None else (None, memoryview(b""))
-    if header is None:
-        raise EnvelopeRejected(RejectCode.INVALID_ARGUMENT, "header: expected in the first chunk")
-    spec = check_header(header)
-    scanner = FiniteScanner(header.tensors, spec)
-    total = sum(t.nbytes for t in header.tensors)
-    buffer = memoryview(numpy.empty(total, dtype=numpy.uint8))  # no memset: every byte is written
-    wire_bytes = len(first)
-    filled = 0
-    digest = hashlib.sha256() if check_content is not None else None
-    while True:
-        if filled + len(data) > total:
+
+    def __init__(
+        self,
+        first: bytes | None,
+        check_header: HeaderCheck,
+        check_content: ContentCheck | None = None,
+    ) -> None:
+        header, data = parse_chunk(first) if first is not None else (None, memoryview(b""))
+        if header is None:
+            raise EnvelopeRejected(
+                RejectCode.INVALID_ARGUMENT, "header: expected in the first chunk"
+            )
+        self.spec = check_header(header)
+        self.header = header
+        self._check_content = check_content
+        self._scanner = FiniteScanner(header.tensors, self.spec)
+        self._total = sum(t.nbytes for t in header.tensors)
+        # no memset: every byte is written before use
+        self._buffer = memoryview(numpy.empty(self._total, dtype=numpy.uint8))
+        self._filled = 0
+        self._digest = hashlib.sha256() if check_content is not None else None
+        self.wire_bytes = len(first) if first is not None else 0
+        self._take(data)
+
+    @property
+    def sender(self) -> int:
+        return self.header.sender
+
+    def _take(self, data: memoryview) -> None:
+        if self._filled + len(data) > self._total:
             raise EnvelopeRejected(
                 RejectCode.INVALID_ARGUMENT,
-                f"data bytes: header declared {total}, received more than that",
+                f"data bytes: header declared {self._total}, received more than that",
             )
-        buffer[filled : filled + len(data)] = data
-        if digest is not None:
-            digest.update(data)
-        filled += len(data)
-        scanner.scan(buffer, filled)
-        raw = next(iterator, None)
-        if raw is None:
-            break
-        wire_bytes += len(raw)
+        self._buffer[self._filled : self._filled + len(data)] = data
+        if self._digest is not None:
+            self._digest.update(data)
+        self._filled += len(data)
+        self._scanner.scan(self._buffer, self._filled)
+
+    def add(self, raw: bytes) -> None:
+        """One more serialised chunk (data only: a second header is refused)."""
+        self.wire_bytes += len(raw)
         extra_header, data = parse_chunk(raw)
         if extra_header is not None:
             raise EnvelopeRejected(
                 RejectCode.INVALID_ARGUMENT, "header: expected only in the first chunk"
             )
-    if filled != total:
-        raise EnvelopeRejected(
-            RejectCode.INVALID_ARGUMENT, f"data bytes: header declared {total}, received {filled}"
+        self._take(data)
+
+    def finish(self) -> tuple[Envelope, PayloadSpec, int]:
+        """The envelope, the spec it was checked against, and the serialised bytes read."""
+        if self._filled != self._total:
+            raise EnvelopeRejected(
+                RejectCode.INVALID_ARGUMENT,
+                f"data bytes: header declared {self._total}, received {self._filled}",
+            )
+        if self._check_content is not None and self._digest is not None:
+            self._check_content(self.header, self._digest.digest())
+        tensors: list[WireTensor] = []
+        offset = 0
+        for t in self.header.tensors:
+            view = self._buffer[offset : offset + t.nbytes]
+            tensors.append(WireTensor(t.name, t.dtype, tuple(t.shape), t.codec, view))
+            offset += t.nbytes
+        header = self.header
+        envelope = Envelope(
+            sender=header.sender,
+            round=header.round,
+            phase=header.phase,
+            tensors=tuple(tensors),
+            schedule_epoch=header.schedule_epoch,
+            protocol_version=header.protocol_version,
         )
-    if check_content is not None and digest is not None:
-        check_content(header, digest.digest())
-    view = buffer
-    tensors: list[WireTensor] = []
-    offset = 0
-    for t in header.tensors:
-        tensors.append(
-            WireTensor(t.name, t.dtype, tuple(t.shape), t.codec, view[offset : offset + t.nbytes])
-        )
-        offset += t.nbytes
-    envelope = Envelope(
-        sender=header.sender,
-        round=header.round,
-        phase=header.phase,
-        tensors=tuple(tensors),
-        schedule_epoch=header.schedule_epoch,
-        protocol_version=header.protocol_version,
-    )
-    return envelope, spec, wire_bytes
+        return envelope, self.spec, self.wire_bytes
+
+
+def read_envelope(
+    chunks: Iterable[bytes], check_header: HeaderCheck, check_content: ContentCheck | None = None
+) -> tuple[Envelope, PayloadSpec, int]:
+    """Assemble an envelope from serialised chunks (see EnvelopeReader): returns the envelope,
+    the spec it was checked against, and the serialised bytes read."""
+    iterator = iter(chunks)
+    reader = EnvelopeReader(next(iterator, None), check_header, check_content)
+    for raw in iterator:
+        reader.add(raw)
+    return reader.finish()

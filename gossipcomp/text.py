@@ -1,0 +1,24 @@
+"""Quoting values that came from outside (the network, a file) inside error messages.
+
+An error names what was wrong, but never echoes unbounded input: a 16 MiB phase string or a
+million-entry shape would make the error itself the attack.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+QUOTE_LIMIT = 80  # characters of a quoted value kept in an error message
+
+
+def quoted(value: Any, limit: int = QUOTE_LIMIT) -> str:
+    """repr(value), cut to `limit` characters (with '...' and the full length when cut)."""
+    if isinstance(value, str | bytes) and len(value) > 4 * limit:
+        text = repr(value[: 4 * limit])  # never build the repr of a huge string
+        total = len(value)
+    else:
+        text = repr(value)
+        total = len(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 3]}... ({total} characters)"
