@@ -1,26 +1,49 @@
 """Command line: `gossipcomp simulate`, `gossipcomp peer`, `gossipcomp topology show`,
 `gossipcomp keys new`.
 
-Argument parsing, progress display and reports only; the work happens in simulation.py.
+Argument parsing, checks that fail fast, progress display and reports only; the work happens in
+simulation.py.
+
+Every flag is checked as it is parsed (a finite number in its range, an integer in its range),
+and everything else a run needs (the topology, this peer's rank, PowerGossip's rank against the
+model, TLS files, where the report and checkpoints go) before training starts, so a mistake costs
+seconds, not a run. Exit status: 0 done; 2 the command cannot run as given (a bad flag, file,
+address or topology, a neighbour unreachable or refusing at start); 1 training failed (diverged,
+or a peer of the simulation did); 1 with a traceback for an internal error (a bug); 130
+interrupted. Every error but an internal one is one line on stderr without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
-from collections.abc import Sequence
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from gossipcomp.experiment import TrainConfig
+from gossipcomp.experiment import (
+    MAX_GOSSIP_STEPS,
+    MAX_LR,
+    MAX_SEED,
+    TrainConfig,
+    TrainingAborted,
+    TrainingDiverged,
+)
 from gossipcomp.gossip import ALGORITHMS, ATTACKS, parse_clip
+from gossipcomp.gossip.powergossip import largest_useful_rank
+from gossipcomp.models import build_mlp
+from gossipcomp.peer import MAX_ROUND_TIMEOUT
 from gossipcomp.report import Report
 from gossipcomp.security import CA_CERT_NAME, CA_KEY_NAME, TlsFiles, new_ca, new_peer_certificate
 from gossipcomp.security.signing_keys import (
@@ -29,10 +52,12 @@ from gossipcomp.security.signing_keys import (
     write_signing_key,
 )
 from gossipcomp.simulation import CheckpointPolicy, run_peer, run_simulation
+from gossipcomp.text import quoted
 from gossipcomp.topology import Topology, TopologyError, format_topology, load_topology
 from gossipcomp.transport.base import HandshakeError, PeerUnreachableError
 
 DEFAULT_TOPOLOGY = "ring8"
+MAX_STARTUP_TIMEOUT = 86400.0  # seconds: waiting a day for neighbours is a typing mistake
 
 
 def resolve_topology(spec: str) -> Topology:
@@ -52,13 +77,62 @@ def resolve_topology(spec: str) -> Topology:
     raise TopologyError(f"{spec}: no such file, and not a shipped topology (shipped: {names})")
 
 
+def _integer(what: str, low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (no upper limit when high is None)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{what} must be an integer, got {quoted(text)}"
+            ) from None
+        if value < low or (high is not None and value > high):
+            expected = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{what} must be {expected}, got {value}")
+        return value
+
+    return parse
+
+
+def _number(
+    what: str,
+    low: float,
+    high: float = math.inf,
+    *,
+    low_closed: bool = False,
+    high_closed: bool = True,
+) -> Callable[[str], float]:
+    """An argparse type: a finite number between `low` and `high`, each end excluded or
+    included as told. NaN and infinities are refused: float() accepts them, and a NaN round
+    deadline failed every exchange while an infinite one crashed."""
+    if math.isfinite(high):
+        expected = f"in {'[' if low_closed else '('}{low:g}, {high:g}{']' if high_closed else ')'}"
+    else:
+        expected = f"{'>=' if low_closed else '>'} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan  # refused below, with the same message
+        above = value >= low if low_closed else value > low
+        below = value <= high if high_closed else value < high
+        if not (math.isfinite(value) and above and below):
+            raise argparse.ArgumentTypeError(
+                f"{what} must be a finite number {expected}, got {quoted(text)}"
+            )
+        return value
+
+    return parse
+
+
+_consensus_number = _number("consensus step", 0.0, 2.0, high_closed=False)
+
+
 def _consensus_step(text: str) -> float | str:
-    if text == "auto":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+    """'auto', or a step in (0, 2); each algorithm then checks its own limit (choco: 1)."""
+    return text if text == "auto" else _consensus_number(text)
 
 
 def _clip_spec(text: str) -> str:
@@ -78,32 +152,52 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         "--algorithm", default=d.algorithm, choices=sorted(ALGORITHMS), help="gossip algorithm"
     )
     g.add_argument(
-        "--rounds", type=int, default=d.rounds, help="local steps, each then a gossip round"
+        "--rounds",
+        type=_integer("rounds", 1),
+        default=d.rounds,
+        help="local steps, each then a gossip round",
     )
-    g.add_argument("--lr", type=float, default=d.lr, help="SGD learning rate")
-    g.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum (per peer)")
-    g.add_argument("--batch-size", type=int, default=d.batch_size, help="examples per local step")
+    g.add_argument(
+        "--lr", type=_number("learning rate", 0.0, MAX_LR), default=d.lr, help="SGD learning rate"
+    )
+    g.add_argument(
+        "--momentum",
+        type=_number("momentum", 0.0, 1.0, low_closed=True, high_closed=False),
+        default=d.momentum,
+        help="SGD momentum (per peer), in [0, 1)",
+    )
+    g.add_argument(
+        "--batch-size",
+        type=_integer("batch size", 1),
+        default=d.batch_size,
+        help="examples per local step",
+    )
     g.add_argument(
         "--partition",
         default=d.partition,
         help="how the training data is split: iid | by-label | dirichlet:ALPHA",
     )
-    g.add_argument("--seed", type=int, default=d.seed, help="seed of data split, model and batches")
+    g.add_argument(
+        "--seed",
+        type=_integer("seed", 0, MAX_SEED),
+        default=d.seed,
+        help="seed of data split, model and batches",
+    )
     g.add_argument(
         "--consensus-step",
         type=_consensus_step,
         default=d.consensus_step,
-        help="dpsgd, powergossip, choco: gossip step gamma in x += gamma (W x - x); 'auto' (the "
-        "default for dpsgd and powergossip) = 2/(2 - lambda_2 - lambda_min) of W; choco's "
-        "default depends on the compressor",
+        help="dpsgd, powergossip, choco: gossip step gamma in x += gamma (W x - x), in (0, 2) "
+        "(choco: (0, 1]); 'auto' (the default for dpsgd and powergossip) = 2/(2 - lambda_2 - "
+        "lambda_min) of W; choco's default depends on the compressor",
     )
     g.add_argument(
         "--low-rank",
         *(["--rank"] if rank_is_low_rank else []),
         dest="low_rank",
-        type=int,
+        type=_integer("powergossip rank", 1),
         default=d.rank,
-        help="powergossip: rank of the power iteration"
+        help="powergossip: rank of the power iteration (each matrix uses at most its short side)"
         + (" (--rank is the same flag here)" if rank_is_low_rank else ""),
     )
     g.add_argument(
@@ -113,13 +207,13 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
     )
     g.add_argument(
         "--zeta",
-        type=float,
+        type=_number("zeta", 0.0, 1.0),
         default=d.zeta,
         help="def: damping of the differential update (default: per compressor)",
     )
     g.add_argument(
         "--gamma",
-        type=float,
+        type=_number("gamma", 0.0, 1.0),
         default=d.gamma,
         help="def: mixing weight of the combine step (default: per compressor)",
     )
@@ -127,16 +221,19 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         "--gossip-steps",
         "--power-steps",
         dest="gossip_steps",
-        type=int,
+        type=_integer("gossip steps", 1, MAX_GOSSIP_STEPS),
         default=d.gossip_steps,
         help="powergossip, choco: exchanges per round (PowerGossip's power steps)",
     )
     g.add_argument(
-        "--eval-every", type=int, default=d.eval_every, help="rounds between accuracy checkpoints"
+        "--eval-every",
+        type=_integer("eval every", 0),
+        default=d.eval_every,
+        help="rounds between accuracy checkpoints (0: only at the end)",
     )
     g.add_argument(
         "--round-timeout",
-        type=float,
+        type=_number("round timeout (seconds)", 0.0, MAX_ROUND_TIMEOUT),
         default=d.round_timeout,
         help="seconds a round waits for neighbours before leaving them out",
     )
@@ -151,7 +248,7 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
     )
     r.add_argument(
         "--byzantine",
-        type=int,
+        type=_integer("byzantine rank", 0),
         nargs="+",
         default=list(d.byzantine),
         metavar="RANK",
@@ -162,7 +259,7 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
     )
     r.add_argument(
         "--attack-scale",
-        type=float,
+        type=_number("attack scale", 0.0),
         default=d.attack_scale,
         help="sign_flip sends -X times the model, scale sends X times it",
     )
@@ -174,14 +271,21 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
     )
     c.add_argument(
         "--checkpoint-every",
-        type=int,
+        type=_integer("checkpoint every", 1),
         default=None,
         help="rounds between checkpoints (default 50 when --checkpoint-dir is given)",
     )
     c.add_argument(
-        "--checkpoint-keep", type=int, default=3, help="newest checkpoints kept per peer"
+        "--checkpoint-keep",
+        type=_integer("checkpoint keep", 1),
+        default=3,
+        help="newest checkpoints kept per peer",
     )
-    parser.add_argument("--report", type=Path, help="write the JSON report here")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        help="write the JSON report here (its folder is made and tried before training)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar or table")
 
 
@@ -215,8 +319,6 @@ def _keys_new(args: argparse.Namespace, console: Console) -> None:
     """Write a CA (with --ca), a peer certificate signed by the CA in --out and the peer's
     signing key pair (with --rank, its public half recorded in --out's allowlist)."""
     out: Path = args.out
-    if args.rank is not None and args.rank < 0:
-        raise ValueError(f"--rank must be >= 0, got {args.rank}")
     name = args.name or (f"peer{args.rank}" if args.rank is not None else "peer")
     ca_cert, ca_key = out / CA_CERT_NAME, out / CA_KEY_NAME
     if args.ca:
@@ -280,8 +382,15 @@ class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (the flag, what is wrong, what was expected) and status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gossipcomp",
         description="Communication-efficient decentralized training over gRPC.",
     )
@@ -317,14 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--topology", required=True, help="topology YAML file (or shipped name)")
     peer.add_argument(
         "--rank",
-        type=int,
+        type=_integer("rank", 0),
         default=None,
         help="this peer's rank (default: the RANK environment variable, as set by torchrun)",
     )
     peer.add_argument("--bind", help="address to listen on (default: the topology's address)")
     peer.add_argument(
         "--startup-timeout",
-        type=float,
+        type=_number("startup timeout (seconds)", 0.0, MAX_STARTUP_TIMEOUT),
         default=120.0,
         help="seconds to wait for neighbours to come up before giving up",
     )
@@ -334,6 +443,13 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--tls-cert", type=Path, metavar="FILE", help="this peer's certificate (PEM)")
     tls.add_argument("--tls-key", type=Path, metavar="FILE", help="this peer's private key (PEM)")
     tls.add_argument("--tls-ca", type=Path, metavar="FILE", help="the network's CA certificate")
+    peer.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve plaintext on an address other than loopback. Without TLS a peer trusts "
+        "whoever reaches its port: any process that can connect can pose as a neighbour and "
+        "poison the model. Only for a network no one else can reach; otherwise use --tls-*",
+    )
     peer.add_argument(
         "--key",
         type=Path,
@@ -367,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     new.add_argument(
         "--rank",
-        type=int,
+        type=_integer("rank", 0),
         help="the peer's rank: record its public key in DIR/allowlist.yaml, which a topology "
         "names with 'allowlist:'",
     )
@@ -422,64 +538,145 @@ def _finish(report: Report, args: argparse.Namespace, console: Console) -> None:
             console.print(f"report written to {args.report}")
 
 
+def _writable_directory(directory: Path, what: str) -> None:
+    """Make `directory` (and its parents) if needed, then create and remove a file in it: the
+    only sure test that files can be written there (permissions, read-only mounts, a file or
+    /dev/null where a directory should be)."""
+    expected = "expected a writable directory, or a path where one can be made"
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{what}: {directory} is not a directory; {expected}")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(
+            f"{what}: cannot make directory {directory} ({error.strerror or error}); {expected}"
+        ) from None
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".gossipcomp-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise ValueError(
+            f"{what}: cannot write a file in {directory} ({error.strerror or error}); {expected}"
+        ) from None
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Before training: the report and the checkpoints can be written where asked, so a run
+    never ends by losing its results to a bad path."""
+    if args.report is not None:
+        if args.report.is_dir():
+            raise ValueError(f"--report {args.report}: is a directory; expected a file path")
+        _writable_directory(args.report.parent, f"--report {args.report}")
+    if args.checkpoint_dir is not None:
+        _writable_directory(args.checkpoint_dir, f"--checkpoint-dir {args.checkpoint_dir}")
+
+
+def _check_low_rank(config: TrainConfig, flag: str) -> None:
+    """Refuse a PowerGossip rank above what any matrix of the model can use. Each matrix caps
+    the rank at its short side, where one power step already averages it exactly, so a larger
+    rank changes nothing and is a typing mistake (--rank 100000 ran as 256)."""
+    if config.algorithm != "powergossip":
+        return
+    limit = largest_useful_rank(build_mlp(config.seed).parameters())
+    if config.rank > limit:
+        raise ValueError(
+            f"{flag} {config.rank}: no weight matrix of the model can use a rank above {limit} "
+            f"(its longest short side; at that rank a power step averages the matrix exactly); "
+            f"expected 1 to {limit}"
+        )
+
+
+def _peer_rank(args: argparse.Namespace, topology: Topology) -> int:
+    """This peer's rank (--rank, or RANK from the environment), one of the topology's."""
+    rank = args.rank if args.rank is not None else _rank_from_env()
+    if not 0 <= rank < topology.n:
+        given = f"--rank {rank}" if args.rank is not None else f"RANK={rank} (environment)"
+        raise ValueError(f"{given}: topology {topology.name} has ranks 0 to {topology.n - 1}")
+    return rank
+
+
+def _error(prog: str, message: object) -> None:
+    """One line on stderr, as argparse writes its own errors."""
+    text = " ".join(str(message).split())  # a message with line breaks still takes one line
+    sys.stderr.write(f"{prog}: error: {text}\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; the exit status is returned (module docstring), never raised."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help (0), or a usage error already written (2)
+        return done.code if isinstance(done.code, int) else 2
+    prog = f"gossipcomp {args.command}"
     console = Console(stderr=True)
     handler = RichHandler(console=console, show_path=False)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[handler])
     try:
-        if args.command == "topology":
-            Console().print(format_topology(resolve_topology(args.file)))
-            return 0
-        if args.command == "keys":
-            _keys_new(args, Console(highlight=False))
-            return 0
-        tls = _tls_files(args) if args.command == "peer" else None
-        config = _config(args)
-        checkpoints = _checkpoints(args)
-        topology = resolve_topology(args.topology)
-        torch.set_num_threads(1)  # many small peers share the cores; intra-op threads only contend
-        if args.command == "simulate":
-            label = f"{config.algorithm} on {topology.name}"
-            with _ProgressDisplay(console, config.rounds * topology.n, label, args.quiet) as bar:
-                report = run_simulation(
-                    config,
-                    topology,
-                    progress=bar.advance,
-                    checkpoints=checkpoints,
-                    tls=args.tls,
-                    authenticate=args.authenticate,
-                )
-        else:
-            rank = args.rank if args.rank is not None else _rank_from_env()
-            label = f"peer {rank}: {config.algorithm} on {topology.name}"
-            with _ProgressDisplay(console, config.rounds, label, args.quiet) as bar:
-                report = run_peer(
-                    config,
-                    topology,
-                    rank,
-                    bind=args.bind,
-                    progress=bar.advance,
-                    startup_timeout=args.startup_timeout,
-                    checkpoints=checkpoints,
-                    tls=tls,
-                    signing_key=args.key,
-                )
-        _finish(report, args, console)
-        return 0
-    except (
-        TopologyError,
-        ValueError,
-        FileNotFoundError,
-        FileExistsError,
-        HandshakeError,
-        PeerUnreachableError,
-    ) as error:
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        return _run(args, console)
+    except (ValueError, OSError, HandshakeError, PeerUnreachableError) as error:
+        _error(prog, error)  # ValueError covers TopologyError and CheckpointError
         return 2
-    except RuntimeError as error:  # training failed (diverged, a peer crashed): no traceback
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+    except (TrainingDiverged, TrainingAborted) as error:
+        _error(prog, error)
         return 1
+    except KeyboardInterrupt:
+        _error(prog, "interrupted")
+        return 130
+    except Exception as error:  # a bug: say so, with the traceback needed to fix it
+        traceback.print_exc()
+        _error(
+            prog,
+            f"internal error ({type(error).__name__}: {error}); this is a bug in gossipcomp, "
+            "please report it with the traceback above",
+        )
+        return 1
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    """The command, after parsing: every check first, then training, then the report."""
+    if args.command == "topology":
+        Console().print(format_topology(resolve_topology(args.file)))
+        return 0
+    if args.command == "keys":
+        _keys_new(args, Console(highlight=False))
+        return 0
+    tls = _tls_files(args) if args.command == "peer" else None
+    config = _config(args)
+    checkpoints = _checkpoints(args)
+    topology = resolve_topology(args.topology)
+    rank = _peer_rank(args, topology) if args.command == "peer" else None
+    _check_low_rank(config, "--rank" if args.command == "simulate" else "--low-rank")
+    _check_outputs(args)  # last: it makes directories, which no other mistake should leave
+    torch.set_num_threads(1)  # many small peers share the cores; intra-op threads only contend
+    if rank is None:
+        label = f"{config.algorithm} on {topology.name}"
+        with _ProgressDisplay(console, config.rounds * topology.n, label, args.quiet) as bar:
+            report = run_simulation(
+                config,
+                topology,
+                progress=bar.advance,
+                checkpoints=checkpoints,
+                tls=args.tls,
+                authenticate=args.authenticate,
+            )
+    else:
+        label = f"peer {rank}: {config.algorithm} on {topology.name}"
+        with _ProgressDisplay(console, config.rounds, label, args.quiet) as bar:
+            report = run_peer(
+                config,
+                topology,
+                rank,
+                bind=args.bind,
+                progress=bar.advance,
+                startup_timeout=args.startup_timeout,
+                checkpoints=checkpoints,
+                tls=tls,
+                signing_key=args.key,
+                insecure=args.insecure,
+            )
+    _finish(report, args, console)
+    return 0
 
 
 def _rank_from_env() -> int:
@@ -489,7 +686,9 @@ def _rank_from_env() -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"RANK environment variable must be an integer, got {value!r}") from None
+        raise ValueError(
+            f"RANK environment variable must be an integer, got {quoted(value)}"
+        ) from None
 
 
 if __name__ == "__main__":

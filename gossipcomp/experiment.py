@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+import math
+from collections.abc import Callable, Iterator, Set
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from gossipcomp.checkpoint import CheckpointStore
+from gossipcomp.checkpoint import CheckpointError, CheckpointStore, LoadedCheckpoint
 from gossipcomp.compress import parse_spec
 from gossipcomp.data import DigitsSplit, parse_partition, partition_indices
 from gossipcomp.gossip import (
@@ -30,7 +33,8 @@ from gossipcomp.gossip import (
 )
 from gossipcomp.gossip.byzantine import DEFAULT_SCALE
 from gossipcomp.gossip.clipping import AdaptiveRadius, ClipRadius
-from gossipcomp.peer import Peer, PeerStats
+from gossipcomp.peer import MAX_ROUND_TIMEOUT, Peer, PeerStats
+from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
 from gossipcomp.training import (
     DEFAULT_BATCH_SIZE,
@@ -41,9 +45,20 @@ from gossipcomp.training import (
     local_step,
     make_optimizer,
 )
+from gossipcomp.transport.base import MAX_WIRE_ROUND
 from gossipcomp.transport.codec import all_finite
 
 log = logging.getLogger(__name__)
+
+# an SGD rate this large diverges at once (TrainingDiverged, tests/test_simulate.py); far above
+# it, torch cannot apply the step to float32 parameters at all (1e308: an overflow error)
+MAX_LR = 1e6
+MAX_GOSSIP_STEPS = 100  # exchanges per round, each waiting on every neighbour: more is a typo
+MAX_SEED = 2**32 - 1  # the data split's seed (scikit-learn, numpy) must fit 32 bits
+# what a checkpoint holds besides the model-sized tensors: configuration, accuracy history,
+# generator state and the archive's own records (a few kB for a 600-round run)
+_PAYLOAD_SLACK = 16 * 2**20
+_HISTORY_ENTRY_BYTES = 128  # a pickled Evaluation takes about 40; at most one per round
 
 
 @dataclass(frozen=True)
@@ -71,18 +86,28 @@ class TrainConfig:
     attack_scale: float = DEFAULT_SCALE  # sign_flip sends -scale x, scale sends scale x
 
     def __post_init__(self) -> None:
-        if self.rounds < 1:
-            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.eval_every < 0:
-            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        """Refuse any setting that could not train, naming it, before anything runs."""
+        _integer("rounds", self.rounds, 1, MAX_WIRE_ROUND - 1)
+        _integer("batch_size", self.batch_size, 1)
+        _integer("eval_every", self.eval_every, 0)
+        _integer("seed", self.seed, 0, MAX_SEED)
+        _integer("rank", self.rank, 1)
+        _integer("gossip_steps", self.gossip_steps, 1, MAX_GOSSIP_STEPS)
+        _number("lr", self.lr, 0.0, MAX_LR)
+        _number("momentum", self.momentum, 0.0, 1.0, closed_low=True, closed_high=False)
+        _number("round_timeout", self.round_timeout, 0.0, MAX_ROUND_TIMEOUT)
+        for name in ("zeta", "gamma"):
+            if getattr(self, name) is not None:
+                _number(name, getattr(self, name), 0.0, 1.0)
+        if isinstance(self.consensus_step, str):
+            if self.consensus_step != "auto":
+                raise ValueError(
+                    f"consensus_step must be a number or 'auto', got {self.consensus_step!r}"
+                )
+        elif self.consensus_step is not None:  # the algorithm checks its own upper limit
+            _number("consensus_step", self.consensus_step, 0.0, math.inf, closed_high=False)
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {self.algorithm!r}; known: {sorted(ALGORITHMS)}")
-        if isinstance(self.consensus_step, str) and self.consensus_step != "auto":
-            raise ValueError(
-                f"consensus_step must be a number or 'auto', got {self.consensus_step!r}"
-            )
         parse_partition(self.partition)
         if self.compressor is not None:
             parse_spec(self.compressor)  # fail early on a bad spec, naming what exists
@@ -99,6 +124,40 @@ class TrainConfig:
         return asdict(self)
 
 
+def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
+    """Raise ValueError naming `name` unless `value` is an int (not a bool) in [low, high]."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        upper = "" if high is None else f" and <= {high}"
+        raise ValueError(f"{name} must be >= {low}{upper} (an integer), got {quoted(value)}")
+
+
+def _number(
+    name: str,
+    value: Any,
+    low: float,
+    high: float,
+    *,
+    closed_low: bool = False,
+    closed_high: bool = True,
+) -> None:
+    """Raise ValueError naming `name` unless `value` is a finite int or float (not a bool) in
+    the interval from `low` to `high`, open at the low end and closed at the high end unless
+    told otherwise (NaN fails every comparison, so it is caught by the same test)."""
+    ok = not isinstance(value, bool) and isinstance(value, int | float)
+    if ok:
+        above = low <= value if closed_low else low < value
+        below = value <= high if closed_high else value < high
+        ok = above and below and (isinstance(value, int) or math.isfinite(value))
+    if not ok:
+        interval = f"{'[' if closed_low else '('}{low:g}, {high:g}{']' if closed_high else ')'}"
+        raise ValueError(f"{name} must be a finite number in {interval}, got {quoted(value)}")
+
+
 def build_algorithm(config: TrainConfig, topology: Topology, rank: int) -> GossipAlgorithm:
     """The configured gossip algorithm of peer `rank`, with step sizes resolved against the
     topology, clipped gossip when configured, and wrapped as a liar when `rank` is Byzantine."""
@@ -107,6 +166,11 @@ def build_algorithm(config: TrainConfig, topology: Topology, rank: int) -> Gossi
         raise ValueError(
             f"byzantine rank {outside[0]} out of range for topology {topology.name} "
             f"(ranks 0 to {topology.n - 1})"
+        )
+    if len(config.byzantine) == topology.n:  # distinct ranks, all in range: every one
+        raise ValueError(
+            f"no honest peer left to measure: --byzantine lists every rank of topology "
+            f"{topology.name} (0 to {topology.n - 1})"
         )
     clipping = None if config.clip is None else parse_clip(config.clip)
     degree = len(topology.neighbors(rank))
@@ -253,37 +317,87 @@ class PeerTrainer:
         }
 
     def restore(self) -> int | None:
-        """Load the newest valid checkpoint of this peer, if any; return its round."""
+        """Load the newest usable checkpoint of this peer, if any; return its round.
+
+        A file that could not have been written by this peer's run (any part malformed, of
+        the wrong shape or type, too big for this model) is skipped with a warning naming the
+        file and the part, and the next older one is tried. A checkpoint of another
+        configuration stops the restore (ValueError naming the settings that differ): that is
+        a mistake in how the peer was started, and an older file would only hide it.
+        """
         if self.store is None:
             return None
-        loaded = self.store.load_latest()
+        loaded = self.store.load_latest(self._adopt, max_payload=self.max_checkpoint_payload())
         if loaded is None:
             return None
-        state = loaded.state
-        saved, mine = _identity(state.get("config", {})), _identity(self.config.to_dict())
-        if saved != mine:
-            differing = sorted(k for k in mine.keys() | saved.keys() if saved.get(k) != mine.get(k))
-            raise ValueError(
-                f"{loaded.path}: written by another configuration; differs in "
-                + ", ".join(f"{k} (saved {saved.get(k)!r}, now {mine.get(k)!r})" for k in differing)
-            )
-        # check every part before changing any: the optimizer state on a scratch optimizer, the
-        # stream state on a copy of the stream (sharing its examples), the history by building
-        # it; the peer checks its own parts before assigning them, so it goes last
-        scratch = make_optimizer(self.peer.model, self.config.lr, self.config.momentum)
-        scratch.load_state_dict(state["optimizer"])
-        stream = copy.copy(self.stream)
-        stream.load_state_dict(state["stream"])
-        try:
-            history = [Evaluation(**c) for c in state["history"]]
-        except TypeError as error:
-            raise ValueError(f"{loaded.path}: accuracy history: {error}") from error
-        self.peer.load_state_dict(state["peer"])
-        self.optimizer, self.stream, self.history = scratch, stream, history
         log.warning(
             "peer %d: restored from %s (round %d)", self.peer.rank, loaded.path, loaded.round
         )
         return self.peer.round
+
+    def max_checkpoint_payload(self) -> int:
+        """The most payload bytes a checkpoint of this peer can hold, from its own sizes.
+
+        The model, its momentum buffers and the algorithm's state (at most a copy per
+        neighbour and two more: DEF-ATC) are (degree + 4) model sizes; twice that, as the
+        algorithms keep their copies in float32 (double a half-precision model), plus the batch
+        order (8 bytes an example, twice), one history entry per round, and a constant for the
+        rest. A DEF-ATC peer on a ring writes about half of this, and so does a large model.
+        """
+        model_bytes = sum(
+            t.numel() * t.element_size() for t in self.peer.model.state_dict().values()
+        )
+        degree = len(self.peer.topology.neighbors(self.peer.rank))
+        return (
+            2 * (degree + 4) * model_bytes
+            + 16 * self.stream.num_examples
+            + _HISTORY_ENTRY_BYTES * self.config.rounds
+            + _PAYLOAD_SLACK
+        )
+
+    def _adopt(self, loaded: LoadedCheckpoint) -> None:
+        """Check every part of `loaded` before changing anything, then take it over.
+
+        A bad part raises CheckpointError naming it (load_latest then tries an older file); a
+        checkpoint of another configuration raises ValueError. The optimizer state is loaded
+        into a scratch optimizer and the stream state into a copy of the stream (sharing its
+        examples); the peer checks its own parts before assigning them, so it goes last.
+        """
+        path, state = loaded.path, loaded.state
+        with _part(path, "state"):
+            _require_keys(state, {"peer", "optimizer", "stream", "history"}, {"config"})
+        with _part(path, "config"):
+            saved_config = _saved_config(state.get("config", {}))
+        saved, mine = _identity(saved_config), _identity(self.config.to_dict())
+        if saved != mine:
+            differing = sorted(k for k in mine.keys() | saved.keys() if saved.get(k) != mine.get(k))
+            raise ValueError(
+                f"{path}: written by another configuration; differs in "
+                + ", ".join(f"{k} (saved {saved.get(k)!r}, now {mine.get(k)!r})" for k in differing)
+            )
+        peer_state = state["peer"]
+        with _part(path, "peer"):
+            if not isinstance(peer_state, dict):
+                raise ValueError(f"expected a dict, got {type(peer_state).__name__}")
+        with _part(path, "peer.round"):
+            found = peer_state.get("round")
+            if type(found) is not int or found != loaded.round:
+                raise ValueError(f"expected {loaded.round} (the file's round), got {quoted(found)}")
+        with _part(path, "peer.model"):
+            _require_finite(peer_state.get("model"))
+        scratch = make_optimizer(self.peer.model, self.config.lr, self.config.momentum)
+        with _part(path, "optimizer"):
+            _check_optimizer_state(state["optimizer"], scratch, self.peer.model)
+            scratch.load_state_dict(state["optimizer"])
+        stream = copy.copy(self.stream)
+        with _part(path, "stream"):
+            _check_stream_order(state["stream"], stream.num_examples)
+            stream.load_state_dict(state["stream"])
+        with _part(path, "history"):
+            history = _history(state["history"], loaded.round)
+        with _part(path, "peer"):
+            self.peer.load_state_dict(peer_state)
+        self.optimizer, self.stream, self.history = scratch, stream, history
 
     def run(
         self,
@@ -320,6 +434,147 @@ class PeerTrainer:
 def _crossed(before: int, after: int, every: int) -> bool:
     """Whether a multiple of `every` lies in (before, after] (never when every is 0)."""
     return every > 0 and after // every > before // every
+
+
+@contextmanager
+def _part(path: Path, field: str) -> Iterator[None]:
+    """Report a ValueError, TypeError or KeyError raised while checking `field` of the
+    checkpoint at `path` as a CheckpointError naming both, so load_latest skips the file."""
+    try:
+        yield
+    except (ValueError, TypeError, KeyError) as error:
+        raise CheckpointError(path, f"{field}: {error}") from error
+
+
+def _require_keys(value: Any, required: Set[str], optional: Set[str] = frozenset()) -> None:
+    """Raise ValueError unless `value` is a dict holding `required` and only `optional` more."""
+    if not isinstance(value, dict) or not required <= set(value) <= required | optional:
+        found = sorted(map(str, value)) if isinstance(value, dict) else type(value).__name__
+        expected = sorted(required) + [f"{k} (optional)" for k in sorted(optional)]
+        raise ValueError(f"expected keys {expected}, got {quoted(found)}")
+
+
+def _saved_config(value: Any) -> dict[str, Any]:
+    """A checkpoint's configuration as a full, valid TrainConfig's settings.
+
+    Anything TrainConfig would refuse (another type, unknown keys, bad values) cannot have
+    been written by a run, so it is a bad file (ValueError), not another configuration.
+    """
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        found = sorted(map(repr, value)) if isinstance(value, dict) else type(value).__name__
+        raise ValueError(f"expected a dict of settings by name, got {quoted(found)}")
+    unknown = sorted(value.keys() - {f.name for f in fields(TrainConfig)})
+    if unknown:
+        raise ValueError(f"unknown settings {quoted(unknown)}")
+    return TrainConfig(**value).to_dict()
+
+
+def _require_finite(model: Any) -> None:
+    """Raise ValueError if a floating-point tensor of a saved model state holds NaN/Inf (the
+    peer never keeps such a model; its shapes are checked by Peer.load_state_dict)."""
+    if not isinstance(model, dict):
+        return  # Peer.load_state_dict names what is wrong with it
+    for name, value in model.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not all_finite(value):
+            raise ValueError(f"{quoted(name)} holds NaN/Inf")
+
+
+def _check_optimizer_state(
+    saved: Any, scratch: torch.optim.Optimizer, model: torch.nn.Module
+) -> None:
+    """Raise ValueError unless `saved` is the state of `scratch` (this run's SGD) after some
+    steps: its parameter groups with the same settings, and per parameter at most a finite
+    momentum buffer of the parameter's shape and dtype. torch.optim checks the groups' sizes
+    only; a buffer of another shape would fail mid-training, and one of another dtype would be
+    converted (allocated afresh) before any check."""
+    _require_keys(saved, {"state", "param_groups"})
+    groups, expected = saved["param_groups"], scratch.state_dict()["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(expected):
+        raise ValueError(f"param_groups: expected {len(expected)} groups, got {quoted(groups)}")
+    for index, (group, fresh) in enumerate(zip(groups, expected, strict=True)):
+        # an older torch may have saved fewer settings; it fills in the defaults
+        _require_keys(group, {"params"}, set(fresh) - {"params"})
+        for key, value in group.items():
+            if not _plain_equal(value, fresh[key]):
+                raise ValueError(
+                    f"param_groups[{index}][{key!r}]: expected {fresh[key]!r}, got {quoted(value)}"
+                )
+    params = list(model.parameters())
+    per_param = saved["state"]
+    if not isinstance(per_param, dict) or not all(
+        type(k) is int and 0 <= k < len(params) for k in per_param
+    ):
+        found = sorted(map(repr, per_param)) if isinstance(per_param, dict) else per_param
+        raise ValueError(
+            f"state: expected parameter indices 0 to {len(params) - 1}, got {quoted(found)}"
+        )
+    for index, entry in per_param.items():
+        _require_keys(entry, set(), {"momentum_buffer"})
+        buffer, param = entry.get("momentum_buffer"), params[index]
+        if buffer is None:
+            continue
+        if (
+            not isinstance(buffer, torch.Tensor)
+            or buffer.shape != param.shape
+            or buffer.dtype != param.dtype
+        ):
+            found = (
+                f"{tuple(buffer.shape)} {buffer.dtype}"
+                if isinstance(buffer, torch.Tensor)
+                else type(buffer).__name__
+            )
+            raise ValueError(
+                f"state[{index}] momentum_buffer: expected {tuple(param.shape)} {param.dtype}, "
+                f"got {quoted(found)}"
+            )
+        if not all_finite(buffer):
+            raise ValueError(f"state[{index}] momentum_buffer holds NaN/Inf")
+
+
+def _plain_equal(value: Any, expected: Any) -> bool:
+    """Whether `value` equals an optimizer setting `expected` (a scalar or a list of them) with
+    the same types throughout; never compares a tensor, whose truth value would raise."""
+    if type(value) is not type(expected):
+        return False
+    if isinstance(expected, list):
+        return len(value) == len(expected) and all(
+            _plain_equal(a, b) for a, b in zip(value, expected, strict=True)
+        )
+    return bool(value == expected)
+
+
+def _check_stream_order(saved: Any, num_examples: int) -> None:
+    """What BatchStream.load_state_dict leaves unchecked: the order is one permutation of this
+    peer's examples (another index would fail, or read past them, mid-training) and the
+    counters are plain integers, not bools."""
+    _require_keys(saved, {"generator", "order", "cursor", "epoch"})
+    order = saved["order"]
+    if isinstance(order, torch.Tensor) and order.dtype == torch.int64 and order.numel():
+        permutation = order.ndim == 1 and order.numel() == num_examples
+        if not permutation or not torch.equal(order.sort().values, torch.arange(num_examples)):
+            raise ValueError(f"order: expected a permutation of {num_examples} example indices")
+    for key in ("cursor", "epoch"):
+        if isinstance(saved[key], bool):
+            raise ValueError(f"{key}: expected an integer, got {saved[key]!r}")
+
+
+def _history(saved: Any, round: int) -> list[Evaluation]:
+    """The saved accuracy history, checked: evaluations at rounds up to the checkpoint's, with
+    an accuracy in [0, 1] and a byte count >= 0."""
+    if not isinstance(saved, list):
+        raise ValueError(f"expected a list, got {type(saved).__name__}")
+    history = []
+    for index, entry in enumerate(saved):
+        _require_keys(entry, {f.name for f in fields(Evaluation)})
+        at, accuracy, sent = entry["round"], entry["test_accuracy"], entry["bytes_sent"]
+        try:
+            _integer("round", at, 0, round)
+            _number("test_accuracy", accuracy, 0.0, 1.0, closed_low=True)
+            _integer("bytes_sent", sent, 0)
+        except ValueError as error:
+            raise ValueError(f"[{index}] {error}") from None
+        history.append(Evaluation(at, float(accuracy), sent))
+    return history
 
 
 def _identity(config: dict[str, Any]) -> dict[str, Any]:

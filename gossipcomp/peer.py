@@ -15,6 +15,7 @@ communicating (inside exchanges).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -32,6 +33,7 @@ from gossipcomp.gossip.base import (
     Neighbourhood,
     Resumable,
 )
+from gossipcomp.gossip.clipping import total_norm
 from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.state import checked_tensors
 from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
@@ -48,6 +50,7 @@ from gossipcomp.transport.base import (
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
 
 AVERAGE_PHASE = "average"
+MAX_GOSSIP_MOVE = 100.0  # a gossip round may move the model by this many times (||x|| + 1)
 MAX_ROUND_TIMEOUT = 86400.0  # seconds: a round deadline beyond a day is a typing mistake
 log = logging.getLogger(__name__)
 
@@ -84,27 +87,32 @@ class Peer:
         backoff: Backoff | None = None,
         ready: bool = True,
         pace: RoundPace | None = None,
+        max_move: float | None = MAX_GOSSIP_MOVE,
     ) -> None:
         """`ready=False` (a peer about to restore a checkpoint): neighbours' handshakes are
         answered "not ready" until `ready()`, so none is answered from a round about to change.
         `pace`: how fast this peer goes through rounds, which bounds the rounds it believes a
-        neighbour can have reached (links.py); measured as it trains."""
+        neighbour can have reached (links.py); measured as it trains. `max_move`: a gossip
+        round that would move the model by more than max_move * (||x|| + 1), or make it NaN/Inf,
+        is refused (None: only NaN/Inf is). Honest averaging moves a model by at most twice its
+        distance to a neighbour, so only a lying or broken neighbour gets near the default;
+        clipping (`--clip`) is what bounds smaller lies."""
         if not 0 <= rank < topology.n:
             raise ValueError(
                 f"rank {rank} out of range for topology {topology.name} (n={topology.n})"
             )
         if transport.rank != rank:
             raise ValueError(f"transport is for rank {transport.rank}, peer is rank {rank}")
-        if not (math.isfinite(round_timeout) and 0 < round_timeout <= MAX_ROUND_TIMEOUT):
-            raise ValueError(
-                f"round_timeout: expected seconds in (0, {MAX_ROUND_TIMEOUT:g}], got {round_timeout}"
-            )
+        _check_round_timeout(round_timeout)
         self.model = model
         self.topology = topology
         self.rank = rank
         self.algorithm = algorithm
         self.transport = transport
         self.round_timeout = round_timeout
+        if max_move is not None and not (math.isfinite(max_move) and max_move > 0):
+            raise ValueError(f"max_move: expected a number > 0 or None, got {max_move}")
+        self.max_move = max_move
         self.round = 0
         self._params: NamedParams = [(n, p) for n, p in model.named_parameters()]
         self._weights = topology.neighbor_weights(rank)
@@ -155,8 +163,11 @@ class Peer:
         backoff: Backoff | None = None,
         ready: bool = True,
     ) -> Peer:
-        """A peer with its own gRPC server at `bind` (default: its address in the topology)."""
+        """A peer with its own gRPC server at `bind` (default: its address in the topology).
+        A stream that carries an envelope must finish within the round's deadline."""
+        _check_round_timeout(round_timeout)
         identity = Identity(rank, topology.hash, model_signature(model))
+        options = dataclasses.replace(options or GrpcOptions(), stream_timeout=round_timeout)
         transport = GrpcTransport(
             identity,
             topology.neighbors(rank),
@@ -293,9 +304,9 @@ class Peer:
         Lost neighbours are left out (and probed in the background); neighbours whose edge
         resumes this round are resynchronised first. A peer behind an edge's agreed resume
         round jumps to it (`round` then grows by more than one). A round whose result would
-        make the model NaN/Inf is refused: the model is put back as it was and the edges heard
-        this round are taken down (they resume later with their state resynchronised), so
-        nothing a neighbour sends can stop the peer.
+        make the model NaN/Inf, or move it further than `max_move` allows, is refused: the
+        model is put back as it was and the edges heard this round are taken down (they resume
+        later with their state resynchronised), so nothing a neighbour sends can stop the peer.
         """
         now = time.perf_counter()
         if self._last_mark is not None:
@@ -311,8 +322,8 @@ class Peer:
         for j, reason in hood.failed.items():
             self.links.failed(j, self.round, reason)
         heard = [j for j in hood.weights if j not in hood.failed]
-        if heard and not self._model_finite():
-            self._refuse_round(before, heard)
+        if heard and not self._acceptable(before):
+            self._refuse_round(before, self._to_blame(hood, heard, before))
             heard = []
         self.links.in_step(heard, self.round)
         self._in_step_since = now if heard else None
@@ -321,20 +332,36 @@ class Peer:
         self._comm_seconds += hood.comm_seconds
         self._last_mark = time.perf_counter()
 
-    def _model_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for _, p in self._params)
+    def _acceptable(self, before: list[torch.Tensor]) -> bool:
+        """Whether the model after this round's gossip is finite and moved no more than
+        `max_move` allows from `before`."""
+        with torch.no_grad():
+            moved = total_norm(p - b for (_, p), b in zip(self._params, before, strict=True))
+            if not math.isfinite(moved):
+                return False
+            return self.max_move is None or moved <= self.max_move * (total_norm(before) + 1.0)
+
+    def _to_blame(
+        self, hood: Neighbourhood, heard: list[int], before: list[torch.Tensor]
+    ) -> list[int]:
+        """The neighbours of a refused round that sent a raw value beyond what `max_move`
+        allows; all those heard when none did (the lie was in a compressed payload)."""
+        limit = (self.max_move or MAX_GOSSIP_MOVE) * (total_norm(before) + 1.0)
+        blamed = [j for j in heard if hood.largest.get(j, 0.0) > limit]
+        return blamed or heard
 
     def _refuse_round(self, before: list[torch.Tensor], heard: list[int]) -> None:
-        """Undo a gossip round that made the model non-finite and take its edges down."""
+        """Undo a gossip round that would break the model and take the blamed edges down."""
         with torch.no_grad():
             for (_, p), saved in zip(self._params, before, strict=True):
                 p.copy_(saved)
-        reason = "what it sent made this peer's model NaN/Inf; round refused"
+        reason = "what it sent would make this peer's model NaN/Inf or move it absurdly far"
         log.warning(
-            "peer %d: round %d would make the model NaN/Inf; refused, model kept, neighbours "
-            "%s taken down to resynchronise",
+            "peer %d: round %d would make the model NaN/Inf or move it more than %s x "
+            "(its norm + 1); refused, model kept, neighbours %s taken down to resynchronise",
             self.rank,
             self.round,
+            self.max_move,
             ", ".join(str(j) for j in heard),
         )
         for j in heard:
@@ -466,6 +493,13 @@ def _neighbour_counts(value: Any, neighbours: set[int], what: str) -> dict[int, 
             f">= 0, got {quoted(value)}"
         )
     return dict(value)
+
+
+def _check_round_timeout(seconds: float) -> None:
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_ROUND_TIMEOUT):
+        raise ValueError(
+            f"round_timeout: expected seconds in (0, {MAX_ROUND_TIMEOUT:g}], got {seconds}"
+        )
 
 
 def _positive_seconds(value: Any, what: str) -> float | None:

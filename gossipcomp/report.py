@@ -55,16 +55,23 @@ class Report:
     per_peer: list[PeerReport]
     history: list[HistoryPoint] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
-    # mean and min over the reported peers that did not lie (None when every one lied); the
-    # same as final/min_test_accuracy when no peer is Byzantine
-    honest_test_accuracy: float | None = None
-    honest_min_test_accuracy: float | None = None
+    # mean and min over the reported peers that did not lie, derived from per_peer so that they
+    # are never None while an honest peer is reported (None only for a report of liars alone: a
+    # Byzantine `peer` process); the same as final/min_test_accuracy when no peer is Byzantine
+    honest_test_accuracy: float | None = field(init=False)
+    honest_min_test_accuracy: float | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        mean, minimum = honest_accuracy(self.per_peer)
+        object.__setattr__(self, "honest_test_accuracy", mean)
+        object.__setattr__(self, "honest_min_test_accuracy", minimum)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def write_json(self, path: str | os.PathLike[str]) -> None:
-        """Write the report atomically: a temporary file in the same folder, fsync, rename."""
+        """Write the report atomically: a temporary file in the same folder, fsync, rename,
+        fsync of the folder. A crash leaves the old report or the new one, never half of one."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -78,6 +85,22 @@ class Report:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        folder = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename itself survives a power cut
+        finally:
+            os.close(folder)
+
+    def _honest_caption(self) -> str:
+        """The honest peers' accuracy when some peer lied; says so when every reported one did."""
+        if not any(p.byzantine for p in self.per_peer):
+            return ""
+        if self.honest_test_accuracy is None or self.honest_min_test_accuracy is None:
+            return "; no honest peer in this report (every peer reported lied)"
+        return (
+            f"; honest peers: mean {self.honest_test_accuracy:.4f}, "
+            f"min {self.honest_min_test_accuracy:.4f}"
+        )
 
     def summary_table(self) -> Table:
         table = Table(
@@ -86,15 +109,7 @@ class Report:
                 f"mean accuracy {self.final_test_accuracy:.4f}, min {self.min_test_accuracy:.4f}, "
                 f"average model {self.average_model_test_accuracy:.4f}, consensus distance "
                 f"{self.consensus_distance:.3e}, {self.bytes_sent_total / 1e6:.2f} MB sent, "
-                f"{self.wall_seconds:.1f} s"
-                + (
-                    f"; honest peers: mean {self.honest_test_accuracy:.4f}, "
-                    f"min {self.honest_min_test_accuracy:.4f}"
-                    if self.honest_test_accuracy is not None
-                    and self.honest_min_test_accuracy is not None
-                    and any(p.byzantine for p in self.per_peer)
-                    else ""
-                )
+                f"{self.wall_seconds:.1f} s" + self._honest_caption()
             ),
         )
         for column in ("peer", "test acc", "MB sent", "MB recv", "compute s", "comm s", "fails"):

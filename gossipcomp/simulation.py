@@ -32,7 +32,7 @@ from gossipcomp.experiment import (
 )
 from gossipcomp.models import build_mlp
 from gossipcomp.peer import Peer
-from gossipcomp.report import Report, flat, honest_accuracy, merge_history, peer_reports
+from gossipcomp.report import Report, flat, merge_history, peer_reports
 from gossipcomp.security import TlsFiles, throwaway_certificates
 from gossipcomp.security.signing_keys import PeerKeys, load_signing_key
 from gossipcomp.topology import Topology
@@ -92,7 +92,6 @@ def _report(
 ) -> Report:
     accuracies = [o.test_accuracy for o in outcomes]
     per_peer = peer_reports(outcomes, distances, config.byzantine)
-    honest_mean, honest_min = honest_accuracy(per_peer)
     return Report(
         mode=mode,
         algorithm=config.algorithm,
@@ -108,8 +107,6 @@ def _report(
         per_peer=per_peer,
         history=merge_history(outcomes),
         config={**config.to_dict(), "topology_file": topology.source},
-        honest_test_accuracy=honest_mean,
-        honest_min_test_accuracy=honest_min,
     )
 
 
@@ -208,7 +205,8 @@ def peer_keys(topology: Topology, rank: int, signing_key: Path | None) -> PeerKe
 def _train_all(
     trainers: Sequence[PeerTrainer], progress: ProgressCallback | None
 ) -> list[PeerOutcome]:
-    """Train every peer in its own thread; the first failure stops the others and is raised."""
+    """Train every peer in its own thread; the first failure stops the others and is raised
+    as it was (not wrapped), so a caller can tell a diverged run from a bug."""
     outcomes: dict[int, PeerOutcome] = {}
     errors: list[BaseException] = []
     failed = threading.Event()
@@ -233,8 +231,7 @@ def _train_all(
     for thread in threads:
         thread.join()
     if errors:
-        first = next((e for e in errors if not isinstance(e, TrainingAborted)), errors[0])
-        raise RuntimeError(f"simulation failed: {first}") from first
+        raise next((e for e in errors if not isinstance(e, TrainingAborted)), errors[0])
     return [outcomes[t.peer.rank] for t in trainers]
 
 
@@ -249,12 +246,14 @@ def run_peer(
     checkpoints: CheckpointPolicy | None = None,
     tls: TlsFiles | None = None,
     signing_key: Path | None = None,
+    insecure: bool = False,
 ) -> Report:
     """Train one peer of `topology` at its address; its neighbours run elsewhere. With
     `checkpoints`, it continues from its newest valid checkpoint and keeps writing them; with
     `tls`, it talks to its neighbours over mutual TLS only; with `signing_key` (required when
     the topology lists public keys, and only with `tls`), it signs every message and accepts
-    only messages signed by its neighbours' keys."""
+    only messages signed by its neighbours' keys. Without `tls` it serves only on loopback
+    unless `insecure` (GrpcOptions.insecure: plaintext trusts whoever reaches the port)."""
     if signing_key is not None and tls is None:
         raise ValueError(
             "peer authentication (--key) needs mutual TLS (--tls-cert, --tls-key, --tls-ca): "
@@ -269,7 +268,7 @@ def run_peer(
         rank,
         build_algorithm(config, topology, rank),
         bind=bind,
-        options=GrpcOptions(tls=tls, keys=keys),
+        options=GrpcOptions(tls=tls, keys=keys, insecure=insecure),
         round_timeout=config.round_timeout,
         ready=checkpoints is None,
     ) as peer:

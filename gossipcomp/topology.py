@@ -4,13 +4,16 @@ A topology fixes who talks to whom (an undirected connected graph on ranks 0..n-
 peer trusts each neighbour (a symmetric doubly-stochastic W supported on edges and the diagonal),
 and where each rank listens ("host:port"). Every peer loads the same file, so everything derived
 here is deterministic; ``Topology.hash`` lets peers check in the handshake that they agree.
+
+W is sparse (memory linear in the edges: a peer needs only its own row), sizes are checked against
+MAX_PEERS and MAX_EDGES before any graph is built, and the spectrum is computed only when asked:
+exactly from the dense W up to MAX_DENSE_PEERS peers, by sparse methods above.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,14 +23,25 @@ from typing import Any
 
 import networkx as nx
 import numpy as np
-import yaml
 from rich.console import Group, RenderableType
 from rich.table import Table
+from scipy import sparse
+from scipy.linalg import eigvals_banded
+from scipy.sparse.csgraph import reverse_cuthill_mckee
+from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
 
 from gossipcomp.security.signing_keys import parse_public_key, read_allowlist
+from gossipcomp.text import quoted
+from gossipcomp.yaml_files import load_yaml_file
 
 DEFAULT_BASE_PORT = 50100
-MAX_PEERS = 4096  # W is dense (n x n) and its spectrum is computed eagerly
+MAX_PEERS = 16_384  # every size-dependent step below stays within seconds up to here
+MAX_EDGES = 1_000_000  # ~0.5 GB of networkx graph at most; a complete graph up to 1414 peers
+MAX_DENSE_PEERS = 1024  # dense W, its full spectrum and explicit weights_matrix up to here
+SHOWN_NEIGHBOURS = 16  # neighbours listed per peer by format_topology
+_BANDED_WORK = 1e9  # n^2 * bandwidth: exact banded eigenvalues cost about this many flops
+_LANCZOS_RESTARTS = 100  # implicit restarts of ARPACK (about 2300 products with W) at most
+_HASH_TAG = b"gossipcomp topology v2\0"
 _TOL = 1e-9
 _TOP_KEYS = tuple(
     "name kind n rows cols dim degree p seed edges weights weights_matrix base_port peers "
@@ -69,7 +83,7 @@ class Topology:
     name: str
     kind: str
     graph: nx.Graph  # nodes 0..n-1, undirected, connected, no self loops (frozen copy)
-    weights: np.ndarray = field(repr=False)  # (n, n) mixing matrix W, read-only
+    mixing: sparse.csr_array = field(repr=False)  # W (n x n, CSR), arrays read-only
     addresses: tuple[str, ...]  # "host:port" per rank
     public_keys: tuple[str | None, ...] = field(repr=False)  # per rank, None if not given
     source: str = "<dict>"  # file path or "<dict>", used in error messages
@@ -81,10 +95,7 @@ class Topology:
         g.add_nodes_from(range(n))
         g.add_edges_from(sorted((min(e), max(e)) for e in self.graph.edges()))
         object.__setattr__(self, "graph", nx.freeze(g))
-        w = np.array(self.weights, dtype=np.float64)
-        _check_weights(w, g, self.source)
-        w.flags.writeable = False
-        object.__setattr__(self, "weights", w)
+        object.__setattr__(self, "mixing", _checked_mixing(self.mixing, g, self.source))
         object.__setattr__(self, "addresses", _check_addresses(self.addresses, n, self.source))
         keys = tuple(self.public_keys)
         if len(keys) != n or any(k is not None and not isinstance(k, str) for k in keys):
@@ -95,9 +106,11 @@ class Topology:
                 problem = f"peers {listed[key]} and {rank} have the same public key {key}"
                 raise _fail(self.source, problem, "one key per peer")
         object.__setattr__(self, "public_keys", keys)
-        if self.spectral_gap <= 1e-12:
-            slem = self.second_largest_eigenvalue_modulus
-            raise _fail(self.source, f"W does not converge (SLEM {slem:.6g})", "SLEM < 1")
+        # W is symmetric, stochastic and connected, so 1 is a simple eigenvalue; -1 is one exactly
+        # when the support of W (self weights as loops) is bipartite: decided without a spectrum
+        if not self._diagonal.any() and nx.is_bipartite(g):
+            problem = "W does not converge (bipartite graph and every self weight 0: eigenvalue -1)"
+            raise _fail(self.source, problem, "a positive self weight on at least one peer")
 
     @property
     def n(self) -> int:
@@ -114,29 +127,59 @@ class Topology:
         return sorted(self.graph.neighbors(self._rank(rank)))
 
     def neighbor_weights(self, rank: int) -> dict[int, float]:
-        """{j: w_ij} over the neighbours j of ``rank``: what rank i applies to j's model."""
+        """{j: w_ij} over the neighbours j of ``rank``: what rank i applies to j's model (its row
+        of W, read from the sparse matrix)."""
         i = self._rank(rank)
-        return {j: float(self.weights[i, j]) for j in self.neighbors(i)}
+        start, stop = self.mixing.indptr[i], self.mixing.indptr[i + 1]
+        columns = self.mixing.indices[start:stop].tolist()
+        values = self.mixing.data[start:stop].tolist()
+        return {j: w for j, w in zip(columns, values, strict=True) if j != i}
 
     def self_weight(self, rank: int) -> float:
         """w_ii: the weight a peer keeps on its own model."""
-        i = self._rank(rank)
-        return float(self.weights[i, i])
+        return float(self._diagonal[self._rank(rank)])
 
     def edges(self) -> list[tuple[int, int]]:
         """All edges as sorted (i, j) pairs with i < j."""
         return sorted((min(e), max(e)) for e in self.graph.edges())
 
     @cached_property
+    def _diagonal(self) -> np.ndarray:
+        diagonal = self.mixing.diagonal()
+        diagonal.flags.writeable = False
+        return diagonal
+
+    @cached_property
+    def weights(self) -> np.ndarray:
+        """W as a dense read-only (n, n) array, for topologies of at most MAX_DENSE_PEERS peers
+        (larger ones: ``mixing``, or a peer's row through ``neighbor_weights``)."""
+        self._dense_only("the dense mixing matrix (weights)")
+        w = self.mixing.toarray()
+        w.flags.writeable = False
+        return w
+
+    @cached_property
     def eigenvalues(self) -> np.ndarray:
-        """Eigenvalues of W (real, since W is symmetric), largest first; the first is 1."""
+        """Eigenvalues of W (real, since W is symmetric), largest first; the first is 1. Only up
+        to MAX_DENSE_PEERS peers: larger topologies give their extremes through the properties
+        below."""
+        self._dense_only("the full spectrum (eigenvalues)")
         return np.linalg.eigvalsh(self.weights)[::-1].copy()
+
+    @cached_property
+    def _extreme_eigenvalues(self) -> tuple[float, float]:
+        """(lambda_2, lambda_min), computed on first use: exactly (dense) up to MAX_DENSE_PEERS
+        peers, else by the sparse methods of ``_sparse_extremes``."""
+        if self.n <= MAX_DENSE_PEERS:
+            ev = self.eigenvalues
+            return float(ev[1]), float(ev[-1])
+        return _sparse_extremes(self.mixing, self.source)
 
     @property
     def second_largest_eigenvalue_modulus(self) -> float:
         """max(|lambda_2|, |lambda_n|): exact gossip shrinks disagreement by this per round."""
-        ev = self.eigenvalues
-        return float(max(abs(ev[1]), abs(ev[-1])))
+        second, smallest = self._extreme_eigenvalues
+        return max(abs(second), abs(smallest))
 
     @property
     def spectral_gap(self) -> float:
@@ -147,21 +190,39 @@ class Topology:
     def optimal_consensus_step(self) -> float:
         """gamma* = 2 / (2 - lambda_2 - lambda_min): the step of x <- x + gamma (W x - x) that
         minimises the spectral radius on the disagreement subspace (1.308 on an 8-ring)."""
-        ev = self.eigenvalues
-        return float(2.0 / (2.0 - ev[1] - ev[-1]))
+        second, smallest = self._extreme_eigenvalues
+        return 2.0 / (2.0 - second - smallest)
 
     @cached_property
     def hash(self) -> str:
-        """sha256 hex over n, edges and W rounded to 12 decimals; addresses are left out so a
+        """sha256 hex over n, the sorted edges, their weights and the self weights (weights as
+        integers of 1e-12, so rounding noise below that does not matter), all little-endian
+        int64: linear in the edges, identical in every process. Addresses are left out so a
         topology whose ports were rebound still matches."""
-        w = np.round(self.weights, 12) + 0.0  # + 0.0 turns -0.0 into 0.0
-        rows = [[f"{v:.12f}" for v in row] for row in w]
-        blob = json.dumps({"n": self.n, "edges": self.edges(), "weights": rows})
-        return hashlib.sha256(blob.encode()).hexdigest()
+        upper = sparse.triu(self.mixing, k=1, format="coo")  # exactly the edges, since W is valid
+        order = np.lexsort((upper.col, upper.row))
+        digest = hashlib.sha256(_HASH_TAG)
+        for part in (
+            np.array([self.n, len(order)]),
+            upper.row[order],
+            upper.col[order],
+            np.rint(upper.data[order] * 1e12),
+            np.rint(self._diagonal * 1e12),
+        ):
+            digest.update(np.ascontiguousarray(part, dtype="<i8").tobytes())
+        return digest.hexdigest()
+
+    def _dense_only(self, what: str) -> None:
+        if self.n > MAX_DENSE_PEERS:
+            raise _fail(
+                self.source,
+                f"{what} is not built for {self.n} peers (over MAX_DENSE_PEERS, {MAX_DENSE_PEERS})",
+                "neighbor_weights / self_weight, the sparse `mixing`, or the spectral properties",
+            )
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle through the constructor, so a copy is re-validated and W stays read-only."""
-        fields = (self.name, self.kind, self.graph, self.weights, self.addresses)
+        fields = (self.name, self.kind, self.graph, self.mixing, self.addresses)
         return (Topology, (*fields, self.public_keys, self.source))
 
     def with_addresses(self, addresses: Sequence[str]) -> Topology:
@@ -172,9 +233,10 @@ class Topology:
 def _check_graph(graph: nx.Graph, source: str, kind: str) -> None:
     if not isinstance(graph, nx.Graph) or graph.is_directed() or graph.is_multigraph():
         raise _fail(source, f"graph is a {type(graph).__name__}", "an undirected simple nx.Graph")
-    n = graph.number_of_nodes()
-    if n < 2:
-        raise _fail(source, f"topology has {n} peer(s)", "at least 2")
+    n, m = graph.number_of_nodes(), graph.number_of_edges()
+    if not 2 <= n <= MAX_PEERS:
+        raise _fail(source, f"topology has {n} peer(s)", f"2..{MAX_PEERS} (MAX_PEERS)")
+    _check_edge_count(m, f"the graph has {m} edges", source)
     if set(graph.nodes()) != set(range(n)):
         raise _fail(source, "graph nodes are not the ranks", f"ints 0..{n - 1}")
     for u, v in graph.edges():
@@ -187,25 +249,44 @@ def _check_graph(graph: nx.Graph, source: str, kind: str) -> None:
         raise _fail(source, problem, "a connected graph" + hint)
 
 
-def _check_weights(w: np.ndarray, graph: nx.Graph, source: str) -> None:
+def _checked_mixing(w: object, graph: nx.Graph, source: str) -> sparse.csr_array:
+    """W as a canonical CSR matrix (float64, sorted, no stored zeros, arrays read-only), after
+    checking it is a valid mixing matrix for `graph`; every check is linear in the edges."""
     n = graph.number_of_nodes()
-    if w.shape != (n, n):
-        raise _fail(source, f"weights_matrix has shape {w.shape}", f"({n}, {n}) for {n} peers")
-    if not np.all(np.isfinite(w)):
+    shape = getattr(w, "shape", None)
+    if shape != (n, n):
+        raise _fail(source, f"weights_matrix has shape {shape}", f"({n}, {n}) for {n} peers")
+    w = sparse.csr_array(w, dtype=np.float64, copy=True)
+    w.sum_duplicates()
+    if not np.all(np.isfinite(w.data)):
         raise _fail(source, "weights_matrix has NaN or infinite entries", "finite numbers")
-    if (w < 0).any():
-        i, j = (int(k) for k in np.argwhere(w < 0)[0])
-        raise _fail(source, f"negative weight {w[i, j]:.6g} at ({i}, {j})", "entries >= 0")
-    for i, j in zip(*np.nonzero(w), strict=True):
-        if i != j and not graph.has_edge(int(i), int(j)):
-            problem = f"weight {w[i, j]:.6g} on non-edge ({i}, {j})"
-            raise _fail(source, problem, "zero off the edges and diagonal")
-    for i, j in graph.edges():
-        if w[i, j] <= 0:
-            raise _fail(source, f"zero weight on edge ({i}, {j})", "a positive weight per edge")
-    asym = np.argwhere(np.abs(w - w.T) > _TOL)
-    if len(asym):
-        i, j = (int(k) for k in asym[0])
+    w.eliminate_zeros()
+    w.sort_indices()
+    coo = w.tocoo()  # row-major, so the first entry reported is the first a reader would see
+    negative = np.flatnonzero(coo.data < 0)
+    if len(negative):
+        k = negative[0]
+        i, j = int(coo.row[k]), int(coo.col[k])
+        raise _fail(source, f"negative weight {coo.data[k]:.6g} at ({i}, {j})", "entries >= 0")
+    off = coo.row != coo.col
+    given = coo.row[off].astype(np.int64) * n + coo.col[off]
+    edges = np.array(graph.edges(), dtype=np.int64).reshape(-1, 2)
+    wanted = np.sort(np.concatenate([edges[:, 0] * n + edges[:, 1], edges[:, 1] * n + edges[:, 0]]))
+    stray = np.flatnonzero(~np.isin(given, wanted, assume_unique=True))
+    if len(stray):
+        i, j = divmod(int(given[stray[0]]), n)
+        problem = f"weight {w[i, j]:.6g} on non-edge ({i}, {j})"
+        raise _fail(source, problem, "zero off the edges and diagonal")
+    if len(given) != len(wanted):
+        missing = np.sort(wanted[~np.isin(wanted, given, assume_unique=True)])
+        i, j = sorted(divmod(int(missing[0]), n))
+        raise _fail(source, f"zero weight on edge ({i}, {j})", "a positive weight per edge")
+    asymmetric = (w - w.T).tocsr()
+    asymmetric.sort_indices()
+    diff = asymmetric.tocoo()
+    far = np.flatnonzero(np.abs(diff.data) > _TOL)
+    if len(far):
+        i, j = int(diff.row[far[0]]), int(diff.col[far[0]])
         problem = f"W is not symmetric: w[{i},{j}]={w[i, j]:.12g}, w[{j},{i}]={w[j, i]:.12g}"
         raise _fail(source, problem, "w_ij == w_ji")
     sums = w.sum(axis=1)
@@ -213,17 +294,67 @@ def _check_weights(w: np.ndarray, graph: nx.Graph, source: str) -> None:
     if len(bad):
         problem = f"W is not doubly stochastic: row {bad[0]} sums to {sums[bad[0]]:.12g}"
         raise _fail(source, problem, "every row and column to sum to 1")
+    for array in (w.data, w.indices, w.indptr):
+        array.flags.writeable = False
+    return w
+
+
+def _sparse_extremes(w: sparse.csr_array, source: str) -> tuple[float, float]:
+    """(lambda_2, lambda_min) of a large sparse W, without a dense matrix.
+
+    A graph of small bandwidth (rings, paths, thin tori: the ones whose lambda_2 sits in a tight
+    cluster below 1) is reordered by reverse Cuthill-McKee and its two eigenvalues taken exactly
+    from the banded matrix (LAPACK ?sbevx, about n^2 * bandwidth flops). Any other is solved by
+    Lanczos (ARPACK eigsh) on W with the known eigenvector 1 moved to eigenvalue -1, so the
+    largest left is lambda_2: such graphs mix fast and converge in tens of products with W.
+    Eigenvalues are then within 1e-8 (the residual bound), and the start vector is fixed, so
+    every peer derives the same step.
+    """
+    n = w.shape[0]
+    order = reverse_cuthill_mckee(w, symmetric_mode=True)
+    banded = w[order][:, order].tocoo()
+    bandwidth = int(np.abs(banded.row - banded.col).max())
+    if n * n * bandwidth <= _BANDED_WORK:
+        band = np.zeros((bandwidth + 1, n))
+        lower = banded.row >= banded.col
+        band[(banded.row - banded.col)[lower], banded.col[lower]] = banded.data[lower]
+        (smallest,) = eigvals_banded(band, lower=True, select="i", select_range=(0, 0))
+        second, _ = eigvals_banded(band, lower=True, select="i", select_range=(n - 2, n - 1))
+        return float(second), float(smallest)
+    ones = np.full(n, 1.0 / np.sqrt(n))
+    deflated = LinearOperator(
+        (n, n), matvec=lambda x: w @ x - 2.0 * ones * (ones @ x), dtype=np.float64
+    )
+    start = np.random.default_rng(0).standard_normal(n)
+    settings = {"k": 1, "ncv": 24, "tol": 1e-8, "maxiter": _LANCZOS_RESTARTS, "v0": start}
+    try:
+        (second,) = eigsh(deflated, which="LA", return_eigenvectors=False, **settings)
+        (smallest,) = eigsh(w, which="SA", return_eigenvectors=False, **settings)
+    except ArpackNoConvergence:
+        problem = (
+            f"the spectrum of W ({n} peers, bandwidth {bandwidth}) did not converge in "
+            f"{_LANCZOS_RESTARTS} Lanczos restarts"
+        )
+        raise _fail(source, problem, "a gossip step given explicitly instead of 'auto'") from None
+    return float(second), float(smallest)
+
+
+def _check_edge_count(count: float, what: str, source: str) -> None:
+    """Refuse a graph of more than MAX_EDGES edges, before it is built when the count is known."""
+    if count > MAX_EDGES:
+        problem = f"{what}, over the limit of {MAX_EDGES} (MAX_EDGES)"
+        raise _fail(source, problem, f"at most {MAX_EDGES} edges")
 
 
 def _check_address(addr: object, what: str, source: str) -> str:
     expected = '"host:port" with port 1..65535 (IPv6 as "[::1]:50100")'
     if not isinstance(addr, str):
-        raise _fail(source, f"{what} address {addr!r} is not a string", expected)
+        raise _fail(source, f"{what} address {quoted(addr)} is not a string", expected)
     host, sep, port = addr.rpartition(":")
     ipv6_ok = ":" not in host or (host.startswith("[") and host.endswith("]"))
     host_ok = bool(host) and ipv6_ok and not any(c.isspace() for c in host)
     if not sep or not host_ok or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise _fail(source, f"{what} address {addr!r} is not host:port", expected)
+        raise _fail(source, f"{what} address {quoted(addr)} is not host:port", expected)
     return addr
 
 
@@ -235,7 +366,7 @@ def _check_addresses(addresses: Sequence[str], n: int, source: str) -> tuple[str
     for r, a in enumerate(addrs):
         _check_address(a, f"rank {r}", source)
         if a in seen:
-            problem = f"duplicate address {a!r} for ranks {seen[a]} and {r}"
+            problem = f"duplicate address {quoted(a)} for ranks {seen[a]} and {r}"
             raise _fail(source, problem, "a distinct address per rank")
         seen[a] = r
     return addrs
@@ -246,7 +377,7 @@ def _int(spec: Mapping[str, Any], key: str, source: str, kind: str, low: int) ->
     if not _is_int(v) or not low <= v <= high:
         size = "" if not _is_int(v) else " (too small)" if v < low else " (too large)"
         raise _fail(
-            source, f"{kind} parameter {key!r} is {v!r}{size}", f"an integer in {low}..{high}"
+            source, f"{kind} parameter {key!r} is {quoted(v)}{size}", f"an integer in {low}..{high}"
         )
     return int(v)
 
@@ -255,11 +386,13 @@ def _edge_list(spec: Mapping[str, Any], source: str) -> nx.Graph:
     raw = spec["edges"]
     n = _int(spec, "n", source, "edges", 2) if "n" in spec else None
     if not isinstance(raw, list | tuple) or not raw:
-        raise _fail(source, f"edges is {raw!r}", "a non-empty list of [i, j] pairs")
+        raise _fail(source, f"edges is {quoted(raw)}", "a non-empty list of [i, j] pairs")
+    _check_edge_count(len(raw), f"edges lists {len(raw)} edges", source)
     pairs: list[tuple[int, int]] = []
     for e in raw:
         if not (isinstance(e, list | tuple) and len(e) == 2 and all(map(_is_int, e))):
-            raise _fail(source, f"edge {e!r} is malformed", "a pair of integer peer ids [i, j]")
+            problem = f"edge {quoted(e)} is malformed"
+            raise _fail(source, problem, "a pair of integer peer ids [i, j]")
         i, j = e
         if i == j:
             raise _fail(source, f"self-loop on node {i}", "edges between distinct peers")
@@ -310,42 +443,66 @@ def _build_graph(kind: str, spec: Mapping[str, Any], source: str) -> nx.Graph:
             raise _fail(
                 source, f"no {degree}-regular graph on {n} peers", "degree < n, n*degree even"
             )
+        _check_edge_count(n * degree // 2, f"a {degree}-regular graph on {n} peers", source)
         return nx.random_regular_graph(degree, n, seed=seed)
     if kind == "erdos_renyi":
-        p = spec["p"]
+        p, n = spec["p"], num("n")
         if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
-            raise _fail(source, f"erdos_renyi parameter 'p' is {p!r}", "a probability in (0, 1]")
-        return nx.gnp_random_graph(num("n"), float(p), seed=seed)
+            problem = f"erdos_renyi parameter 'p' is {quoted(p)}"
+            raise _fail(source, problem, "a probability in (0, 1]")
+        expected = p * n * (n - 1) / 2
+        _check_edge_count(
+            expected, f"erdos_renyi on {n} peers expects {expected:.0f} edges", source
+        )
+        return nx.fast_gnp_random_graph(n, float(p), seed=seed)  # O(n + edges), not O(n^2)
+    n = num("n")
+    if kind == "complete":
+        _check_edge_count(n * (n - 1) // 2, f"a complete graph on {n} peers", source)
     builders: dict[str, Callable[[int], nx.Graph]] = {
         "ring": lambda n: nx.path_graph(2) if n == 2 else nx.cycle_graph(n),
         "complete": nx.complete_graph,
         "star": lambda n: nx.star_graph(n - 1),  # centre 0
         "exponential": _exponential,
     }
-    return builders[kind](num("n"))
+    return builders[kind](n)
 
 
-def _weights(graph: nx.Graph, scheme: object, spec: Mapping[str, Any], source: str) -> np.ndarray:
+def _weights(
+    graph: nx.Graph, scheme: object, spec: Mapping[str, Any], source: str
+) -> sparse.csr_array | np.ndarray:
+    """W for `scheme`: Metropolis-Hastings (w_ij = 1 / (1 + max(d_i, d_j))) or uniform
+    (1 / (1 + max degree)) as a sparse matrix built from the edges, or the explicit dense
+    weights_matrix (at most MAX_DENSE_PEERS peers); Topology checks it."""
     n = graph.number_of_nodes()
     if scheme == "explicit":
         expected = f"weights_matrix: {n} x {n} list of lists of numbers"
         if "weights_matrix" not in spec:
             raise _fail(source, "weights: explicit without weights_matrix", expected)
+        if n > MAX_DENSE_PEERS:
+            problem = f"weights: explicit on {n} peers (over MAX_DENSE_PEERS, {MAX_DENSE_PEERS})"
+            raise _fail(source, problem, "weights: metropolis or uniform for larger topologies")
         try:
             return np.array(spec["weights_matrix"], dtype=np.float64)
         except (TypeError, ValueError) as exc:
-            raise _fail(source, f"weights_matrix is not numeric ({exc})", expected) from None
+            problem = f"weights_matrix is not numeric ({quoted(str(exc))})"
+            raise _fail(source, problem, expected) from None
     if "weights_matrix" in spec:
         raise _fail(source, f"weights_matrix given with weights: {scheme}", "weights: explicit")
     if scheme not in WEIGHT_SCHEMES:
-        raise _fail(source, f"unknown weights scheme {scheme!r}", f"one of {list(WEIGHT_SCHEMES)}")
-    deg = dict(graph.degree())
-    w = np.zeros((n, n))
-    dmax = max(deg.values())
-    for i, j in graph.edges():
-        w[i, j] = w[j, i] = 1.0 / (1 + (max(deg[i], deg[j]) if scheme == "metropolis" else dmax))
-    w[np.diag_indices(n)] = 1.0 - w.sum(axis=1)
-    return w
+        expected = f"one of {list(WEIGHT_SCHEMES)}"
+        raise _fail(source, f"unknown weights scheme {quoted(scheme)}", expected)
+    edges = np.array(graph.edges(), dtype=np.int64).reshape(-1, 2)
+    degree = np.bincount(edges.ravel(), minlength=n)
+    if scheme == "metropolis":
+        w = 1.0 / (1.0 + np.maximum(degree[edges[:, 0]], degree[edges[:, 1]]))
+    else:
+        w = np.full(len(edges), 1.0 / (1.0 + degree.max()))
+    rows, cols = (
+        np.concatenate([edges[:, 0], edges[:, 1]]),
+        np.concatenate([edges[:, 1], edges[:, 0]]),
+    )
+    off = sparse.csr_array((np.concatenate([w, w]), (rows, cols)), shape=(n, n))
+    return off + sparse.diags_array(1.0 - off.sum(axis=1), format="csr")
 
 
 def _peers(raw: object, n: int, base_port: int, source: str) -> tuple[list[str], list[str | None]]:
@@ -358,11 +515,12 @@ def _peers(raw: object, n: int, base_port: int, source: str) -> tuple[list[str],
     for r_raw, value in raw.items():
         r = int(r_raw) if isinstance(r_raw, str) and r_raw.isdigit() else r_raw
         if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n:
-            raise _fail(source, f"peers has rank {r_raw!r} out of range", f"ranks 0..{n - 1}")
+            problem = f"peers has rank {quoted(r_raw)} out of range"
+            raise _fail(source, problem, f"ranks 0..{n - 1}")
         if isinstance(value, Mapping):
             extra = set(value) - {"address", "public_key"}
             if "address" not in value or extra:
-                problem = f"peer {r} entry has keys {sorted(map(str, value))}"
+                problem = f"peer {r} entry has keys {quoted(sorted(map(str, value)))}"
                 raise _fail(source, problem, "address (required) and public_key (optional)")
             key = value.get("public_key")
             if key is not None:
@@ -381,7 +539,8 @@ def _allowlisted(raw: object, keys: list[str | None], source: str) -> list[str |
     if raw is None:
         return keys
     if not isinstance(raw, str) or not raw:
-        raise _fail(source, f"allowlist is {raw!r}", "a path to a YAML file of rank -> public key")
+        expected = "a path to a YAML file of rank -> public key"
+        raise _fail(source, f"allowlist is {quoted(raw)}", expected)
     folder = Path(source).parent if source != "<dict>" else Path.cwd()
     try:
         listed = read_allowlist(folder / raw)
@@ -398,36 +557,14 @@ def _allowlisted(raw: object, keys: list[str | None], source: str) -> list[str |
     return merged
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys instead of silently keeping the last."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
 def load_topology(path: str | os.PathLike[str]) -> Topology:
-    """Read and validate a topology YAML file (schema: see ``topology_from_dict``)."""
+    """Read and validate a topology YAML file (schema: see ``topology_from_dict``), through the
+    hardened reader of gossipcomp.yaml_files: no aliases, bounded size, depth and node count."""
     source = os.fspath(path)
     try:
-        text = Path(source).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise _fail(source, "topology file not found", "an existing YAML file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise _fail(source, f"cannot read topology file ({exc})", "a UTF-8 YAML file") from None
-    try:
-        spec = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        mark, what = getattr(exc, "problem_mark", None), getattr(exc, "problem", None) or exc
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise _fail(source, f"not valid YAML{where}: {what}", "a YAML mapping") from None
+        spec = load_yaml_file(source, "topology file", "a YAML mapping of topology keys")
+    except (FileNotFoundError, ValueError) as error:
+        raise TopologyError(str(error)) from None
     if not isinstance(spec, Mapping):
         problem = f"top level is {type(spec).__name__}, not a mapping"
         raise _fail(source, problem, f"a mapping with keys from {list(_TOP_KEYS)}")
@@ -444,12 +581,12 @@ def topology_from_dict(spec: Mapping[str, Any], source: str = "<dict>") -> Topol
         raise _fail(source, f"spec is {type(spec).__name__}, not a mapping", "a mapping")
     unknown = [str(k) for k in spec if k not in _TOP_KEYS]
     if unknown:
-        raise _fail(source, f"unknown key(s) {unknown}", f"keys from {list(_TOP_KEYS)}")
+        raise _fail(source, f"unknown key(s) {quoted(unknown)}", f"keys from {list(_TOP_KEYS)}")
     if "kind" not in spec:
         raise _fail(source, "missing parameter 'kind'", f"one of {list(_KINDS)}")
     kind = spec["kind"]
     if not isinstance(kind, str) or kind not in _KINDS:
-        raise _fail(source, f"unknown kind {kind!r}", f"one of {list(_KINDS)}")
+        raise _fail(source, f"unknown kind {quoted(kind)}", f"one of {list(_KINDS)}")
     required, optional = _KINDS[kind]
     takes = f"kind {kind!r} takes {list(required + optional)}"
     for key in required:
@@ -463,14 +600,14 @@ def topology_from_dict(spec: Mapping[str, Any], source: str = "<dict>") -> Topol
     w = _weights(graph, spec.get("weights", "metropolis"), spec, source)
     base_port = spec.get("base_port", DEFAULT_BASE_PORT)
     if not _is_int(base_port) or not 1 <= base_port <= 65536 - n:
-        raise _fail(source, f"base_port is {base_port!r}", f"an integer in 1..{65536 - n}")
+        raise _fail(source, f"base_port is {quoted(base_port)}", f"an integer in 1..{65536 - n}")
     addresses, keys = _peers(spec.get("peers"), n, base_port, source)
     keys = _allowlisted(spec.get("allowlist"), keys, source)
     name = spec.get("name")
     if name is None:
         name = Path(source).stem if source != "<dict>" else f"{kind}{n}"
     if not isinstance(name, str) or not name:
-        raise _fail(source, f"name is {name!r}", "a non-empty string")
+        raise _fail(source, f"name is {quoted(name)}", "a non-empty string")
     return Topology(name, kind, graph, w, tuple(addresses), tuple(keys), source)
 
 
@@ -485,23 +622,27 @@ def build_topology(
 
 
 def format_topology(topology: Topology) -> RenderableType:
-    """A summary (name, kind, n, hash, spectral quantities) and one row per peer."""
+    """A summary (name, kind, n, hash, spectral quantities) and one row per peer (its first
+    SHOWN_NEIGHBOURS neighbours: a row stays short on dense graphs)."""
     t = topology
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
     summary.add_column(overflow="fold")
     summary.add_row("name", t.name)
     summary.add_row("kind", t.kind)
-    summary.add_row("n / edges", f"{t.n} / {len(t.edges())}")
+    summary.add_row("n / edges", f"{t.n} / {t.graph.number_of_edges()}")
     summary.add_row("hash", t.hash)
-    summary.add_row("spectral gap", f"{t.spectral_gap:.4f}")
+    summary.add_row("spectral gap", f"{t.spectral_gap:.4g}")
     summary.add_row("SLEM", f"{t.second_largest_eigenvalue_modulus:.4f}")
     summary.add_row("optimal consensus step", f"{t.optimal_consensus_step:.4f}")
     peers = Table(title="peers")
     for col in ("rank", "address", "degree", "self weight", "neighbour:weight"):
         peers.add_column(col, justify="left" if col.startswith(("addr", "neigh")) else "right")
     for r in range(t.n):
-        nbrs = ", ".join(f"{j}:{w:.4f}" for j, w in t.neighbor_weights(r).items())
+        weights = list(t.neighbor_weights(r).items())
+        nbrs = ", ".join(f"{j}:{w:.4f}" for j, w in weights[:SHOWN_NEIGHBOURS])
+        if len(weights) > SHOWN_NEIGHBOURS:
+            nbrs += f", ... ({len(weights) - SHOWN_NEIGHBOURS} more)"
         degree, self_w = str(t.graph.degree(r)), f"{t.self_weight(r):.4f}"
         peers.add_row(str(r), t.addresses[r], degree, self_w, nbrs)
     return Group(summary, peers)

@@ -261,7 +261,7 @@ def test_arbitrary_objects_are_refused_at_load(
 ) -> None:
     """Even a well-formed file (header and digest right) cannot make load run arbitrary code."""
     store = CheckpointStore(tmp_path, rank=0)
-    monkeypatch.setattr(checkpoint, "_check_value", lambda value, where: None)
+    monkeypatch.setattr(checkpoint._ValueCheck, "check", lambda self, value, where: None)
     path = store.save(1, {"extra": Opaque()})
     monkeypatch.undo()
     with pytest.raises(CheckpointError, match="cannot be loaded safely") as raised:
@@ -283,3 +283,28 @@ def test_checkpoint_directory_holds_only_final_names(tmp_path: Path) -> None:
     store.save(1, small_state(1))
     assert [p.name for p in tmp_path.iterdir()] == ["rank0-round000000001.ckpt"]
     assert os.stat(store.path_for(1)).st_size > 0
+
+
+def nested(depth: int) -> list[Any]:
+    """A list nested `depth` deep."""
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ({"w": torch.zeros(1).expand(1000)}, r"state\['w'\]: tensor of shape \(1000,\).*views 4"),
+        ({"deep": nested(40)}, r"state\['deep'\]\[0\].*: nested more than 32 deep"),
+    ],
+)
+def test_what_could_not_be_loaded_back_is_refused_at_save(
+    tmp_path: Path, state: dict[str, Any], message: str
+) -> None:
+    """Loading refuses expanded views and deep nesting, so saving refuses them first."""
+    store = CheckpointStore(tmp_path, rank=0)
+    with pytest.raises(ValueError, match=message):
+        store.save(1, state)
+    assert list(tmp_path.iterdir()) == []

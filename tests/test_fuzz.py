@@ -128,3 +128,65 @@ def test_peer_still_serves_a_valid_neighbour_after_fuzzing(live_peer):
     )
     assert not results[0].failed and not results[1].failed
     assert torch.equal(decode_raw(results[1].received[0].tensor("w")), WEIGHT * 2)
+
+
+@pytest.fixture(scope="module")
+def greeted_peer():
+    """Peer 1 of a ring3 over real gRPC, its handshakes answered by a real LinkMonitor."""
+    from gossipcomp.links import LinkMonitor
+
+    receiver = GrpcTransport(Identity(1, "t", "m"), [0, 2])
+    monitor = LinkMonitor(1, [0, 2])
+    receiver.set_hello_handler(lambda s, r, p, a: monitor.answer_hello(s, r, p, a, 10))
+    channel = grpc.insecure_channel(receiver.address)
+    hello = channel.unary_unary(f"/{SERVICE_NAME}/Hello")
+    yield receiver, monitor, hello
+    channel.close()
+    receiver.close()
+
+
+INT64 = st.integers(-(2**63), 2**63 - 1)
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    version=st.integers(0, 2**32 - 1),
+    sender=st.integers(-(2**31), 2**31 - 1),
+    topology_hash=st.one_of(st.just("t"), st.text(max_size=50)),
+    round=INT64,
+    proposed=INT64,
+    alone=st.booleans(),
+    garbage=st.one_of(st.none(), st.binary(max_size=200)),
+)
+def test_random_hellos_are_refused_cleanly_and_never_move_rounds_out_of_bounds(
+    greeted_peer, version, sender, topology_hash, round, proposed, alone, garbage
+):
+    """Any handshake, well-formed or not, is answered or refused with a documented code (never
+    UNKNOWN: a round of 2^63-1 once failed the handler after it had been adopted), and no
+    agreed resume round ever lies beyond what the peer believes plus the largest margin."""
+    from gossipcomp.links import MAX_RESUME_MARGIN
+    from gossipcomp.proto.v1 import gossip_pb2 as pb
+
+    receiver, monitor, hello = greeted_peer
+    if garbage is not None:
+        request = garbage
+    else:
+        request = pb.HelloRequest(
+            protocol_version=version,
+            sender=sender,
+            topology_hash=topology_hash,
+            model_signature="m",
+            round=round,
+            proposed_resume_round=proposed,
+            alone=alone,
+        ).SerializeToString()
+    try:
+        hello(request, timeout=5)
+    except grpc.RpcError as error:
+        assert error.code() in REFUSALS, (error.code(), error.details())
+        assert len(error.details()) < 500
+    for j in (0, 2):
+        link = monitor._links[j]
+        assert 0 <= link.resume_round <= monitor.plausible_round(j) + MAX_RESUME_MARGIN

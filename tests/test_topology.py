@@ -175,6 +175,15 @@ def test_hash_stable_and_graph_sensitive(tmp_path: Path) -> None:
     assert out.stdout.strip() == ring8.hash
 
 
+def test_hash_value_is_pinned() -> None:
+    """Peers compare hashes in the handshake, so a change of scheme must be deliberate: v2 is
+    sha256 over n, sorted edges and weights in units of 1e-12 as little-endian int64."""
+    ring8 = load_topology(TOPOLOGY_DIR / "ring8.yaml")
+    assert ring8.hash == "e47c63b59a8025e6172f8d10020e421248c42901f244be07348e093f1ea350a5"
+    cube = build_topology("hypercube", dim=12)  # sparse path: same scheme, no dense matrix
+    assert cube.hash == "7a31ba4f9be39ce08de535d231da25533b22a5f759a64d70cbd3119d5fb99140"
+
+
 def test_metropolis_weights_on_star6_by_hand() -> None:
     t = load_topology(TOPOLOGY_DIR / "star6.yaml")
     # centre 0 has degree 5, leaves degree 1: w_0j = 1 / (1 + max(5, 1)) = 1/6.
@@ -377,7 +386,7 @@ def test_bad_file_raises_clear_error(tmp_path: Path, case: str) -> None:
 
 def test_missing_file_and_dict_errors(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere.yaml"
-    with pytest.raises(TopologyError, match="nowhere.yaml: topology file not found"):
+    with pytest.raises(TopologyError, match="topology file .*nowhere.yaml: no such file"):
         load_topology(missing)
     with pytest.raises(TopologyError, match="<dict>: unknown kind 'blob'.*'torus'"):
         topology_from_dict({"kind": "blob"})

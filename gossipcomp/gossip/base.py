@@ -13,7 +13,17 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from gossipcomp.transport.base import Envelope, ExchangeResult, Payload, PayloadSpec, Transport
+from gossipcomp.transport.base import (
+    RAW_CODEC,
+    Envelope,
+    ExchangeResult,
+    Payload,
+    PayloadSpec,
+    Transport,
+)
+from gossipcomp.transport.codec import decode_raw
+
+_FLOATS = {"float32", "float64", "float16", "bfloat16"}
 
 NamedParams = Sequence[tuple[str, torch.Tensor]]
 RESUME_PHASE = "resume"  # the exchange that resynchronises an edge when it comes back
@@ -56,6 +66,9 @@ class Neighbourhood:
     comm_seconds: float = 0.0
     exchanges: int = 0  # exchanges made this round
     failed: dict[int, str] = field(default_factory=dict)  # neighbour -> why it failed this round
+    # neighbour -> largest |value| of the raw float tensors it sent this round: names the
+    # neighbour to blame when a round has to be refused (compressed payloads are not counted)
+    largest: dict[int, float] = field(default_factory=dict)
 
     @property
     def neighbours(self) -> list[int]:
@@ -74,7 +87,19 @@ class Neighbourhood:
         self.exchanges += 1
         self.links.add(result)
         self.failed.update(result.failed)
+        for j, envelope in result.received.items():
+            self.largest[j] = max(self.largest.get(j, 0.0), _largest_raw_value(envelope))
         return result
+
+
+def _largest_raw_value(envelope: Envelope) -> float:
+    """The largest magnitude among an envelope's raw floating-point values (already checked
+    finite at receipt); 0 when it has none."""
+    largest = 0.0
+    for tensor in envelope.tensors:
+        if tensor.codec == RAW_CODEC and tensor.dtype in _FLOATS and tensor.nbytes:
+            largest = max(largest, float(decode_raw(tensor).abs().max()))
+    return largest
 
 
 class GossipAlgorithm(Protocol):

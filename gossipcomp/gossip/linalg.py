@@ -16,16 +16,11 @@ def hashed_seed(*parts: int | str) -> int:
     return int.from_bytes(hashlib.sha256(blob).digest()[:8], "big") >> 1
 
 
-def orthonormalize(vectors: torch.Tensor, eps: float = ORTHO_EPS) -> torch.Tensor:
-    """Gram-Schmidt on the columns of `vectors` ([n, r]); returns a new [n, r] tensor.
-
-    eps keeps a zero (or dependent) column at zero instead of dividing by zero; both ends of an
-    edge run the same operations on the same numbers, so they get bitwise the same result.
-    """
-    out = vectors.clone()
-    for c in range(out.shape[1]):
-        column = out[:, c]
-        for k in range(c):
-            column -= (out[:, k] @ column) * out[:, k]
-        column /= column.norm() + eps
-    return out
+def orthonormal_basis(vectors: torch.Tensor, eps: float = ORTHO_EPS) -> torch.Tensor:
+    """The columns of `vectors` ([n, r]) orthonormalised in order, as Gram-Schmidt would give
+    them (same signs; a zero or dependent column stays at zero, eps keeping it from dividing by
+    zero), computed by one Householder QR: vectors = Q R, column c scaled by R_cc / (|R_cc| +
+    eps). Both ends of an edge run it on bitwise equal vectors, so they get the same basis."""
+    q, r = torch.linalg.qr(vectors)
+    diagonal = r.diagonal()
+    return q * (diagonal / (diagonal.abs() + eps))

@@ -14,7 +14,13 @@ nothing is sent to agree on it. Power steps alternate sides:
 Both ends apply equal and opposite updates, so the network sum of every parameter is preserved.
 Tensors with ndim <= 1 (biases, norm weights) are gossiped exactly with the first step of a round.
 A round sends r*m or r*n floats per matrix per edge instead of m*n; r is capped at n per
-matrix, and with r = n one step averages two peers' matrices exactly.
+matrix, and with r = n one step averages two peers' matrices exactly. No matrix uses a rank above
+`largest_useful_rank` (the longest short side): the command line refuses one.
+
+Bases are orthonormalised by Householder QR (`orthonormal_basis`), in compiled code: a step costs
+O(m r^2) whatever r is. (A Gram-Schmidt loop in Python made each step cost O(r^2) interpreter
+iterations: at r = 256, a quarter of a second per matrix per neighbour, so a large --rank, capped
+to 256 on the demo's 256x256 layer, ran ten times slower than rank 1.)
 
 Step k of the run (k = round * power_steps + s) is a right step when k is even. Its phase is
 named "right{s}" or "left{s}", so both ends expect the same shapes. If an edge fails, neither
@@ -34,14 +40,14 @@ power_steps * gamma * sum_j w_ij * tau.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from gossipcomp.gossip.base import NamedParams, Neighbourhood
 from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, total_norm
-from gossipcomp.gossip.linalg import hashed_seed, orthonormalize
+from gossipcomp.gossip.linalg import hashed_seed, orthonormal_basis
 from gossipcomp.gossip.state import checked_tensors, require_keys
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec, TensorSpec
 from gossipcomp.transport.codec import decode_raw, encode_raw, raw_nbytes, tensor_spec
@@ -53,6 +59,13 @@ def oriented(tensor: torch.Tensor) -> torch.Tensor:
     """A view of a parameter (ndim >= 2) as [m, n] with n <= m: [out, rest], or its transpose."""
     matrix = tensor.view(tensor.shape[0], -1)
     return matrix if matrix.shape[1] <= matrix.shape[0] else matrix.t()
+
+
+def largest_useful_rank(params: Iterable[torch.Tensor]) -> int:
+    """The highest rank any matrix among `params` can use: the longest of their short sides
+    (each matrix caps the rank at its own short side n, where one step already averages it
+    exactly). 0 when there is no matrix."""
+    return max((min(oriented(p).shape) for p in params if p.ndim >= 2), default=0)
 
 
 class PowerGossip:
@@ -176,7 +189,7 @@ class PowerGossip:
                 for i in self._matrices:
                     name, p = params[i]
                     x = oriented(p).float()
-                    basis = orthonormalize(self._state[(j, i, side)])
+                    basis = orthonormal_basis(self._state[(j, i, side)])
                     product = x @ basis if side == RIGHT else x.t() @ basis
                     bases[(j, i)], mine[(j, i)] = basis, product
                     tensors.append(encode_raw(f"{name}/{side}", product))

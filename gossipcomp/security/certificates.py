@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from gossipcomp.security.tls import TlsFiles
+from gossipcomp.yaml_files import MAX_KEY_BYTES, read_regular_file
 
 CA_CERT_NAME = "ca.pem"
 CA_KEY_NAME = "ca-key.pem"
@@ -198,8 +199,9 @@ def _load_ca(
         raise ValueError(
             f"CA certificate {cert_path}: expected a PEM certificate ({error})"
         ) from None
+    pem = read_regular_file(key_path, "CA key", "a PEM key", MAX_KEY_BYTES, private=True)
     try:
-        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        key = serialization.load_pem_private_key(pem, password=None)
     except (ValueError, TypeError) as error:
         raise ValueError(f"CA key {key_path}: expected an unencrypted PEM key ({error})") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):

@@ -21,6 +21,9 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from gossipcomp.text import quoted
+from gossipcomp.yaml_files import MAX_KEY_BYTES, load_yaml_file, read_regular_file
+
 PUBLIC_KEY_PREFIX = "ed25519:"
 KEY_ID_BYTES = 8
 ALLOWLIST_NAME = "allowlist.yaml"
@@ -37,12 +40,13 @@ def parse_public_key(text: object, where: str) -> Ed25519PublicKey:
     """Parse ``ed25519:<base64>``; ValueError naming `where`, the problem and the format."""
     expected = f"'{PUBLIC_KEY_PREFIX}' followed by the base64 of 32 bytes"
     if not isinstance(text, str) or not text.startswith(PUBLIC_KEY_PREFIX):
-        raise ValueError(f"{where}: public key {text!r} is not an Ed25519 key; expected {expected}")
+        problem = f"public key {quoted(text)} is not an Ed25519 key"
+        raise ValueError(f"{where}: {problem}; expected {expected}")
     try:
         raw = base64.b64decode(text[len(PUBLIC_KEY_PREFIX) :], validate=True)
     except binascii.Error:
         raise ValueError(
-            f"{where}: public key {text!r} is not valid base64; expected {expected}"
+            f"{where}: public key {quoted(text)} is not valid base64; expected {expected}"
         ) from None
     if len(raw) != 32:
         raise ValueError(f"{where}: public key has {len(raw)} bytes; expected {expected}")
@@ -79,18 +83,13 @@ def write_signing_key(path: Path) -> Ed25519PrivateKey:
 
 
 def load_signing_key(path: Path) -> Ed25519PrivateKey:
-    """Read a private signing key (`--key`); errors name the file and what was expected."""
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"signing key (--key) {path}: no such file (expected a PEM Ed25519 private key "
-            f"made by `gossipcomp keys new`)"
-        ) from None
-    except IsADirectoryError:
-        raise ValueError(
-            f"signing key (--key) {path}: is a directory (expected a PEM file)"
-        ) from None
+    """Read a private signing key (`--key`); errors name the file and what was expected.
+
+    Refuses anything but a regular file (a FIFO is not waited on) and a file that group or
+    others may access: a signing key others can read lets them speak as this peer.
+    """
+    expected = "a PEM Ed25519 private key made by `gossipcomp keys new`"
+    data = read_regular_file(path, "signing key (--key)", expected, MAX_KEY_BYTES, private=True)
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm) as error:
@@ -155,15 +154,9 @@ def record_in_allowlist(directory: Path, rank: int, key: Ed25519PrivateKey) -> P
 
 
 def read_allowlist(path: Path) -> dict[int, str]:
-    """Read an allowlist file: a YAML mapping rank -> ``ed25519:...``, each key checked."""
-    try:
-        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"allowlist {path}: no such file (expected a YAML mapping rank -> public key)"
-        ) from None
-    except yaml.YAMLError as error:
-        raise ValueError(f"allowlist {path}: not valid YAML ({error})") from None
+    """Read an allowlist file: a YAML mapping rank -> ``ed25519:...``, each key checked, through
+    the hardened reader of gossipcomp.yaml_files (no aliases, bounded size, depth and nodes)."""
+    loaded = load_yaml_file(path, "allowlist", "a YAML mapping rank -> public key")
     if not isinstance(loaded, Mapping):
         raise ValueError(
             f"allowlist {path}: top level is {type(loaded).__name__}; expected a mapping "
@@ -172,7 +165,7 @@ def read_allowlist(path: Path) -> dict[int, str]:
     keys: dict[int, str] = {}
     for rank, text in loaded.items():
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"allowlist {path}: rank {rank!r}; expected integers >= 0")
+            raise ValueError(f"allowlist {path}: rank {quoted(rank)}; expected integers >= 0")
         parse_public_key(text, f"allowlist {path}: peer {rank}")
         keys[rank] = text
     return keys

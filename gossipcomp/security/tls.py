@@ -18,6 +18,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 
+from gossipcomp.yaml_files import MAX_KEY_BYTES, read_regular_file
+
+MAX_CERTIFICATE_BYTES = 2**20  # a certificate chain or CA bundle (a system bundle is ~200 kB)
+
 
 @dataclass(frozen=True)
 class TlsPem:
@@ -40,10 +44,11 @@ class TlsFiles:
         """Read and check the three files.
 
         Raises FileNotFoundError naming a missing file, ValueError naming a file that is not
-        what it should be (not PEM, not parseable, or a key that does not match the certificate).
+        what it should be (not a regular file, a private key group or others may access, not
+        PEM, not parseable, or a key that does not match the certificate).
         """
         cert = _read(self.cert, "certificate (--tls-cert)")
-        key = _read(self.key, "private key (--tls-key)")
+        key = _read(self.key, "private key (--tls-key)", private=True)
         ca = _read(self.ca, "CA certificate (--tls-ca)")
         certificate = _certificates(cert, self.cert, "certificate (--tls-cert)")[0]
         _certificates(ca, self.ca, "CA certificate (--tls-ca)")
@@ -78,13 +83,10 @@ def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
     )
 
 
-def _read(path: Path, what: str) -> bytes:
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {path}: no such file (expected a PEM file)") from None
-    except IsADirectoryError:
-        raise ValueError(f"{what} {path}: is a directory (expected a PEM file)") from None
+def _read(path: Path, what: str, private: bool = False) -> bytes:
+    """A PEM file's bytes: a regular file, bounded, and (a private key) owner-only."""
+    limit = MAX_KEY_BYTES if private else MAX_CERTIFICATE_BYTES
+    data = read_regular_file(path, what, "a PEM file", limit, private=private)
     if b"-----BEGIN " not in data:
         raise ValueError(f"{what} {path}: not PEM (expected a '-----BEGIN ...' block)")
     return data

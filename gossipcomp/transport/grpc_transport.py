@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
@@ -173,9 +174,13 @@ class _GossipService:
                 code = "FAILED_PRECONDITION"
         await context.abort(_STATUS[code], details)
 
-    async def Hello(
-        self, request: pb.HelloRequest, context: grpc.aio.ServicerContext
-    ) -> pb.HelloReply:
+    async def Hello(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.HelloReply:
+        try:
+            request = pb.HelloRequest.FromString(raw)
+        except DecodeError:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "request: expected a HelloRequest message"
+            )
         try:
             answer = self._answer_hello(request)
         except EnvelopeRejected as refused:
@@ -341,9 +346,8 @@ def _handlers(service: _GossipService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
         SERVICE_NAME,
         {
-            "Hello": grpc.unary_unary_rpc_method_handler(
-                service.Hello,
-                request_deserializer=pb.HelloRequest.FromString,
+            "Hello": grpc.unary_unary_rpc_method_handler(  # parsed in the handler: a
+                service.Hello,  # malformed one is INVALID_ARGUMENT, not UNKNOWN
                 response_serializer=pb.HelloReply.SerializeToString,
             ),
             "Push": grpc.stream_unary_rpc_method_handler(
