@@ -379,8 +379,13 @@ def test_a_network_restarted_with_an_edge_down_resynchronises_it():
     topology = load_topology("topologies/ring4.yaml")
     first = copy.deepcopy(_models(1)[0])
     hub = InMemoryHub()
+    # a deadline no busy core misses by accident: only the injected fault may fail an edge
     peers = _network(
-        topology, [copy.deepcopy(first) for _ in range(4)], ALGORITHMS["choco-sign"], hub
+        topology,
+        [copy.deepcopy(first) for _ in range(4)],
+        ALGORITHMS["choco-sign"],
+        hub,
+        round_timeout=2.0,
     )
     with torch.no_grad():
         for p in peers:
