@@ -47,6 +47,7 @@ RESUME_MARGIN = 5  # rounds between agreeing on a resume round and using it
 MAX_RESUME_MARGIN = 640  # the margin doubles each time an answer came too late to be used
 SPEED_ALLOWANCE = 2.0  # a neighbour may run rounds this many times faster than this peer's best
 DEFAULT_ROUND_SECONDS = 0.005  # the fastest round assumed before any was measured
+PACE_WINDOW = 64  # recent in-step rounds whose fastest sets the pace
 
 
 class LinkState(enum.Enum):
@@ -77,8 +78,7 @@ class RoundPace:
     `floor` is used until a round is measured (or a checkpoint says how fast the peer went)."""
 
     floor: float = DEFAULT_ROUND_SECONDS
-    window: int = 64
-    _recent: deque[float] = field(default_factory=deque)
+    _recent: deque[float] = field(default_factory=lambda: deque(maxlen=PACE_WINDOW))
     _prior: float | None = None
 
     def __post_init__(self) -> None:
@@ -89,8 +89,6 @@ class RoundPace:
         """One round completed in step with a neighbour took `seconds`."""
         if math.isfinite(seconds) and seconds > 0:
             self._recent.append(seconds)
-            if len(self._recent) > self.window:
-                self._recent.popleft()
 
     def assume(self, seconds: float) -> None:
         """What a checkpoint recorded, used until this run measures its own rounds."""
@@ -215,18 +213,18 @@ class LinkMonitor:
     def _believed(
         self, link: _Link, their_round: int, proposed: int, alone: bool
     ) -> tuple[int, int]:
-        """A neighbour's claimed round (and proposed resume round, 0 for none) as far as they
-        can be believed: at most `plausible_round`; and, unless it says it is alone (restored
-        from a checkpoint), not behind the round both were last in step at, which it has
-        passed. A proposal keeps its margin over the round, capped at `MAX_RESUME_MARGIN`.
-        The caller holds the lock."""
+        """A neighbour's claimed round as far as it can be believed, and the margin of its
+        proposed resume round (0 for no proposal). The round is at most `plausible_round`
+        and, unless it says it is alone (restored from a checkpoint), not behind the round both
+        were last in step at, which it has passed; the margin is capped at
+        `MAX_RESUME_MARGIN`. The caller holds the lock."""
         believed = min(their_round, self._plausible(link))
         if not alone:
             believed = max(believed, link.in_step_round)
-        if proposed:
-            margin = min(MAX_RESUME_MARGIN, max(RESUME_MARGIN, proposed - their_round))
-            proposed = believed + margin
-        return believed, proposed
+        margin = (
+            min(MAX_RESUME_MARGIN, max(RESUME_MARGIN, proposed - their_round)) if proposed else 0
+        )
+        return believed, margin
 
     def catch_up_round(self, round: int) -> int | None:
         """The round to move to when rounds disagree with neighbours this peer resumes with.
@@ -334,8 +332,8 @@ class LinkMonitor:
                 return False
             if answer.resume_round <= round and not alone:
                 return False
-            their_round, _ = self._believed(link, answer.round, 0, answer.alone)
-            their_round = None if answer.alone else their_round
+            believed, _ = self._believed(link, answer.round, 0, answer.alone)
+            their_round = None if answer.alone else believed
             self._adopt(neighbour, answer.resume_round, their_round)
             return True
 
@@ -354,12 +352,12 @@ class LinkMonitor:
             link = self._links[sender]
             if proposed == 0 and sender_round == round and link.state is LinkState.UP:
                 return HelloAnswer(round, 0)
-            sender_round, proposed = self._believed(link, sender_round, proposed, sender_alone)
+            sender_round, proposed_margin = self._believed(
+                link, sender_round, proposed, sender_alone
+            )
             anchored = self._anchored()
             # the sender's margin (grown after failed attempts) when it proposes one
-            margin = RESUME_MARGIN
-            if proposed:
-                margin = min(MAX_RESUME_MARGIN, max(RESUME_MARGIN, proposed - sender_round))
+            margin = proposed_margin or RESUME_MARGIN
             bases = [round + margin] if anchored else []
             if not sender_alone:
                 bases.append(sender_round + margin)

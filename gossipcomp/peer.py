@@ -51,6 +51,7 @@ from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
 
 AVERAGE_PHASE = "average"
 MAX_GOSSIP_MOVE = 100.0  # a gossip round may move the model by this many times (||x|| + 1)
+MIN_ROUND_SECONDS = 1e-6  # a checkpointed pace below this would believe any claimed round
 MAX_ROUND_TIMEOUT = 86400.0  # seconds: a round deadline beyond a day is a typing mistake
 log = logging.getLogger(__name__)
 
@@ -347,7 +348,7 @@ class Peer:
         """The neighbours of a refused round that sent a raw value beyond what `max_move`
         allows; all those heard when none did (the lie was in a compressed payload)."""
         limit = (self.max_move or MAX_GOSSIP_MOVE) * (total_norm(before) + 1.0)
-        blamed = [j for j in heard if hood.largest.get(j, 0.0) > limit]
+        blamed = [j for j in heard if hood.largest_raw_value(j) > limit]
         return blamed or heard
 
     def _refuse_round(self, before: list[torch.Tensor], heard: list[int]) -> None:
@@ -426,7 +427,12 @@ class Peer:
                 f"peer checkpoint: round must be an integer in [0, 2^53), got {quoted(round)}"
             )
         saved_at = _positive_seconds(state.get("saved_at"), "saved_at")
-        seconds_per_round = _positive_seconds(state.get("seconds_per_round"), "seconds_per_round")
+        seconds_per_round = _positive_seconds(
+            state.get("seconds_per_round"),
+            "seconds_per_round",
+            MIN_ROUND_SECONDS,
+            MAX_ROUND_TIMEOUT,
+        )
         current = self.model.state_dict()
         saved = state["model"]
         if set(saved) != set(current):
@@ -502,14 +508,20 @@ def _check_round_timeout(seconds: float) -> None:
         )
 
 
-def _positive_seconds(value: Any, what: str) -> float | None:
-    """An optional checkpointed time in seconds, checked: a finite number > 0, or None."""
+def _positive_seconds(
+    value: Any, what: str, low: float = 0.0, high: float = math.inf
+) -> float | None:
+    """An optional checkpointed time in seconds, checked: a finite number in (low, high], or
+    None. The pace bounds how far neighbours are believed, so it may not be absurdly small."""
     if value is None:
         return None
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
-        or not (math.isfinite(value) and value > 0)
+        or not (math.isfinite(value) and low < value <= high)
     ):
-        raise ValueError(f"peer checkpoint: {what} must be a number > 0, got {quoted(value)}")
+        raise ValueError(
+            f"peer checkpoint: {what} must be a finite number in ({low:g}, {high:g}], "
+            f"got {quoted(value)}"
+        )
     return float(value)

@@ -146,6 +146,14 @@ def test_fifo_directory_and_device_are_refused_without_blocking(tmp_path: Path) 
     assert "character device" in _refused(lambda: load_topology("/dev/zero"))
 
 
+def _refused_naming_file(path: Path, text: str, needle: str) -> str:
+    """Load `text` as the topology file `path`; the refusal must hold `needle` and the path."""
+    path.write_text(text)
+    message = _refused(lambda: load_topology(path))
+    assert needle in message and str(path) in message
+    return message
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
@@ -165,10 +173,7 @@ def test_fifo_directory_and_device_are_refused_without_blocking(tmp_path: Path) 
 def test_errors_quote_at_most_a_few_dozen_characters(
     tmp_path: Path, text: str, needle: str
 ) -> None:
-    path = tmp_path / "long.yaml"
-    path.write_text(text)
-    message = _refused(lambda: load_topology(path))
-    assert needle in message and str(path) in message
+    _refused_naming_file(tmp_path / "long.yaml", text, needle)
 
 
 # ---- topology size: limits before building, linear memory, lazy sparse spectrum ---------------
@@ -189,10 +194,7 @@ def test_graphs_over_the_limits_are_refused_before_they_are_built(
     tmp_path: Path, text: str, needle: str
 ) -> None:
     """`kind: complete, n: 4096` (23 bytes) ran out of memory hashing a dense 4096 x 4096 W."""
-    path = tmp_path / "big.yaml"
-    path.write_text(text)
-    message = _refused(lambda: load_topology(path))
-    assert needle in message and str(path) in message
+    message = _refused_naming_file(tmp_path / "big.yaml", text, needle)
     assert "MAX_EDGES" in message or "too large" in message
 
 

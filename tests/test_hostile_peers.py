@@ -8,7 +8,9 @@ hold now.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import threading
 import time
 
@@ -54,6 +56,17 @@ def _all_up(peers: list[Peer]) -> bool:
     return all(
         p.links.state(j) is LinkState.UP for p in peers for j in p.topology.neighbors(p.rank)
     )
+
+
+def _run_until_all_up(peers: list[Peer], rounds: int, pause: float, seconds: float) -> bool:
+    """Gossip on (to `rounds`) until every edge is up or `seconds` pass; whether they all were."""
+    running = _Running(peers, rounds=rounds, pause=pause)
+    deadline = time.monotonic() + seconds
+    while not _all_up(peers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    came_back = _all_up(peers)
+    running.join(seconds + 30)
+    return came_back
 
 
 class _Running:
@@ -111,15 +124,14 @@ def test_a_neighbour_claiming_round_a_million_cannot_throw_a_peer_ahead(how):
     training; signed with peer 0's real key under mutual TLS it was accepted too. Now peer 1
     believes the claim only up to where peer 0 can really be (a few rounds past their last
     round in step), trains every round to the end, and every edge comes back."""
+    files_kept = contextlib.ExitStack()
     if how == "plaintext forgery":
-        with_keys = None
         options: list[GrpcOptions | None] = [None] * 3
         liar_options = None
     else:
         private = {r: Ed25519PrivateKey.generate() for r in range(3)}
         public = {r: k.public_key() for r, k in private.items()}
-        with_keys = throwaway_certificates([f"peer{r}" for r in range(3)])
-        files = with_keys.__enter__()
+        files = files_kept.enter_context(throwaway_certificates([f"peer{r}" for r in range(3)]))
         options = [
             GrpcOptions(tls=files[f"peer{r}"], keys=PeerKeys(private[r], public)) for r in range(3)
         ]
@@ -141,19 +153,13 @@ def test_a_neighbour_claiming_round_a_million_cannot_throw_a_peer_ahead(how):
         assert after[1] <= max(after[0], after[2]) + 4 * RESUME_MARGIN, after
         assert [p.round for p in peers] == [200] * 3
         assert running.calls[1] >= 200 - 4 * RESUME_MARGIN, running.calls  # it kept training
-        deadline = time.monotonic() + 20
-        extra = _Running(peers, rounds=400)
-        while not _all_up(peers) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        came_back = _all_up(peers)
-        extra.join(60)
+        came_back = _run_until_all_up(peers, rounds=400, pause=0.003, seconds=20)
         assert came_back, [(p.rank, p.round, p.links.not_up()) for p in peers]
     finally:
         liar.close()
         for p in peers:
             p.close()
-        if with_keys is not None:
-            with_keys.__exit__(None, None, None)
+        files_kept.close()
 
 
 def test_a_forged_far_resume_proposal_parks_an_edge_for_a_bounded_number_of_rounds():
@@ -183,12 +189,8 @@ def test_a_forged_far_resume_proposal_parks_an_edge_for_a_bounded_number_of_roun
         )(hello, timeout=5)
         assert reply.resume_round <= reply.round + MAX_RESUME_MARGIN
         running.join(60)
-        extra = _Running(peers, rounds=100 + 2 * MAX_RESUME_MARGIN + 200, pause=0.0005)
-        deadline = time.monotonic() + 60
-        while not _all_up(peers) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        came_back = _all_up(peers)
-        extra.join(90)
+        rounds = 100 + 2 * MAX_RESUME_MARGIN + 200
+        came_back = _run_until_all_up(peers, rounds=rounds, pause=0.0005, seconds=60)
         assert came_back, [(p.rank, p.round, p.links.not_up()) for p in peers]
     finally:
         stranger.close()
@@ -319,6 +321,21 @@ def test_a_restored_peer_still_catches_up_with_a_network_far_ahead():
     running = _Running([restored, *peers[1:]], rounds=1200, pause=0.0005)
     running.join(60)
     assert _all_up([restored, *peers[1:]])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("seconds_per_round", 1e-300), ("seconds_per_round", math.nan), ("saved_at", math.inf)],
+)
+def test_a_checkpointed_pace_that_would_believe_any_round_is_refused(field, value):
+    """The checkpoint's pace and age bound how far a restored peer believes its neighbours: a
+    pace of 1e-300 s a round would believe any claim, so it is refused, naming the field."""
+    peer, _ = _lonely_peer()
+    state = peer.state_dict()
+    state[field] = value
+    with pytest.raises(ValueError, match=f"peer checkpoint: {field} must be a finite number"):
+        peer.load_state_dict(state)
+    assert peer.round == 0
 
 
 def test_a_neighbour_sending_1e30_cannot_make_a_peer_exit():

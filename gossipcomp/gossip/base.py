@@ -66,9 +66,9 @@ class Neighbourhood:
     comm_seconds: float = 0.0
     exchanges: int = 0  # exchanges made this round
     failed: dict[int, str] = field(default_factory=dict)  # neighbour -> why it failed this round
-    # neighbour -> largest |value| of the raw float tensors it sent this round: names the
-    # neighbour to blame when a round has to be refused (compressed payloads are not counted)
-    largest: dict[int, float] = field(default_factory=dict)
+    # neighbour -> the envelopes it sent this round (references, no copies): what the peer
+    # looks at to blame a neighbour when it has to refuse the round
+    received: dict[int, list[Envelope]] = field(default_factory=dict)
 
     @property
     def neighbours(self) -> list[int]:
@@ -88,18 +88,22 @@ class Neighbourhood:
         self.links.add(result)
         self.failed.update(result.failed)
         for j, envelope in result.received.items():
-            self.largest[j] = max(self.largest.get(j, 0.0), _largest_raw_value(envelope))
+            self.received.setdefault(j, []).append(envelope)
         return result
 
-
-def _largest_raw_value(envelope: Envelope) -> float:
-    """The largest magnitude among an envelope's raw floating-point values (already checked
-    finite at receipt); 0 when it has none."""
-    largest = 0.0
-    for tensor in envelope.tensors:
-        if tensor.codec == RAW_CODEC and tensor.dtype in _FLOATS and tensor.nbytes:
-            largest = max(largest, float(decode_raw(tensor).abs().max()))
-    return largest
+    def largest_raw_value(self, neighbour: int) -> float:
+        """The largest magnitude among the raw floating-point values `neighbour` sent this
+        round (already checked finite at receipt); 0 when it sent none. Compressed payloads
+        are not counted."""
+        return max(
+            (
+                float(decode_raw(t).abs().max())
+                for envelope in self.received.get(neighbour, ())
+                for t in envelope.tensors
+                if t.codec == RAW_CODEC and t.dtype in _FLOATS and t.nbytes
+            ),
+            default=0.0,
+        )
 
 
 class GossipAlgorithm(Protocol):

@@ -125,13 +125,12 @@ class GrpcOptions:
 
 
 _STATUS = {code.name: code for code in grpc.StatusCode}
-_LOOPBACK_HOSTS = ("localhost", "[::1]", "::1")
 
 
 def is_loopback(bind: str) -> bool:
     """Whether a `host:port` address only accepts connections from this machine."""
-    host = bind.rsplit(":", 1)[0].strip("[]").lower() if ":" in bind else bind
-    if host in _LOOPBACK_HOSTS:
+    host = bind.rsplit(":", 1)[0].strip("[]").lower()
+    if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
