@@ -762,3 +762,52 @@ def test_every_compressor_runs_on_cuda(spec: str) -> None:
     ):
         reference = parse_spec(spec).decompress(parse_spec(spec).compress(x, ctx()), ctx())
         torch.testing.assert_close(on_cpu, reference, rtol=1e-5, atol=1e-6)
+
+
+# --- what compressors state about themselves --------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_stated_error_bounds_hold_on_average(spec: str) -> None:
+    """A contractive compressor's mean squared error stays below ||x||^2 and an unbiased one's
+    below variance_bound ||x||^2 (over shared-randomness draws, on a heavy-tailed vector)."""
+    compressor = parse_spec(spec)
+    x = randn(500, seed=5) ** 3
+    errors = [float((roundtrip(spec, x, ctx(r)) - x).pow(2).sum()) for r in range(40)]
+    mean_error, energy = sum(errors) / len(errors), float(x.pow(2).sum())
+    if compressor.contractive and not spec.startswith("ef+"):
+        assert mean_error < energy
+    if compressor.unbiased:
+        assert mean_error <= compressor.variance_bound(x.numel()) * energy * 1.1 + 1e-9
+    else:
+        assert compressor.variance_bound(x.numel()) == 0.0
+    assert compressor.contractive or compressor.unbiased  # every one is usable by Choco
+    assert 0.0 < compressor.consensus_step <= 1.0
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_summable_payloads_decode_to_the_sum(spec: str) -> None:
+    """Where a compressor says its payloads can be summed, adding two payloads' values (as the
+    wire's element type) decodes to the sum of the decoded tensors; top-k's cannot be."""
+    compressor = parse_spec(spec)
+    inner = getattr(compressor, "inner", compressor)
+    a, b, context = randn(300, seed=1), randn(300, seed=2), ctx()
+    first, second = compressor.compress(a, context), compressor.compress(b, context)
+    if not compressor.summable:
+        assert inner.name in {"topk", "dgc", "sign", "onebit", "qsgd", "terngrad"}
+        return
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(inner.name, torch.float32)
+    summed = (
+        torch.frombuffer(bytearray(first.data), dtype=dtype).float()
+        + torch.frombuffer(bytearray(second.data), dtype=dtype).float()
+    ).to(dtype)
+    total = compressor.decompress(
+        type(first)(first.codec, first.shape, summed.view(torch.uint8).numpy().tobytes()), context
+    )
+    expected = compressor.decompress(first, context) + compressor.decompress(second, context)
+    assert torch.allclose(total, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_sparsifiers_say_so_through_error_feedback() -> None:
+    assert parse_spec("ef+topk").sparsifying and parse_spec("randomk").sparsifying
+    assert not parse_spec("ef+sign").sparsifying and not parse_spec("fp16").sparsifying

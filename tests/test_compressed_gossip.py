@@ -11,7 +11,6 @@ from torch import nn
 
 from gossipcomp.compress import parse_spec
 from gossipcomp.gossip import DEFATC, DPSGD, Choco
-from gossipcomp.gossip.choco import default_consensus_step
 from gossipcomp.gossip.def_atc import default_def_steps
 from gossipcomp.topology import load_topology
 
@@ -117,12 +116,12 @@ def test_def_atc_with_sign_reaches_consensus_and_keeps_the_average():
 
 
 def test_default_steps_and_bad_options():
-    assert default_consensus_step(parse_spec("sign")) == 0.45
-    assert default_consensus_step(parse_spec("topk:ratio=0.01")) == pytest.approx(0.1)
-    assert default_consensus_step(parse_spec("topk:ratio=0.5")) == 0.45
+    assert parse_spec("sign").consensus_step == 0.45
+    assert parse_spec("topk:ratio=0.01").consensus_step == pytest.approx(0.1)
+    assert parse_spec("topk:ratio=0.5").consensus_step == 0.45
     assert default_def_steps(parse_spec("topk:ratio=0.01")) == (0.5, 0.2)
     assert default_def_steps(parse_spec("sign")) == (1.0, 1.0)
-    assert default_consensus_step(parse_spec("ef+sign")) == 0.45
+    assert parse_spec("ef+sign").consensus_step == 0.45
     with pytest.raises(ValueError, match="consensus_step must lie in"):
         Choco(parse_spec("sign"), consensus_step=1.5)
     with pytest.raises(ValueError, match="zeta must lie in"):

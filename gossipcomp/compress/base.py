@@ -96,6 +96,36 @@ class Compressor(Protocol):
         ...
 
     @property
+    def contractive(self) -> bool:
+        """True when E||D(C(x)) - x||^2 <= (1 - delta) ||x||^2 for some delta > 0 (what Choco
+        and error feedback need); an unbiased compressor becomes one when scaled by
+        1 / (1 + variance_bound)."""
+        ...
+
+    @property
+    def summable(self) -> bool:
+        """True when the element-wise sum of payloads decodes to the sum of the decoded tensors
+        (fp16, random-k with shared indices): such payloads can go through all-reduce."""
+        ...
+
+    @property
+    def sparsifying(self) -> bool:
+        """True when most entries are dropped each time (top-k, random-k, DGC): algorithms that
+        feed back the error damp their steps for these."""
+        ...
+
+    @property
+    def consensus_step(self) -> float:
+        """The suggested gossip step in (0, 1] for compressed gossip (Choco's gamma), measured on
+        an 8-ring (docs/benchmarks.md)."""
+        ...
+
+    def variance_bound(self, numel: int) -> float:
+        """beta with E||D(C(x)) - x||^2 <= beta ||x||^2 for an unbiased compressor of `numel`
+        elements; 0 for a biased one (its error is bounded by contraction instead)."""
+        ...
+
+    @property
     def spec(self) -> str:
         """Canonical spec string: parse_spec(c.spec) builds an equal compressor."""
         ...

@@ -119,6 +119,9 @@ def check_scale(value: float, codec: str, what: str, nonnegative: bool = True) -
         raise PayloadError(f"{codec} payload {what}: expected {want}, got {value!r}")
 
 
+# a cautious gossip step for a compressor whose own step was never measured
+DEFAULT_CONSENSUS_STEP = 0.1
+
 FLOAT32_MAX = float(numpy.finfo(numpy.float32).max)
 
 
@@ -150,10 +153,20 @@ class Codec:
     """Base of the built-in compressors: subclasses are frozen dataclasses of their parameters."""
 
     name: ClassVar[str] = ""
+    contractive: ClassVar[bool] = True
+    summable: ClassVar[bool] = False
+    sparsifying: ClassVar[bool] = False
 
     @property
     def codec(self) -> str:
         return self.name
+
+    @property
+    def consensus_step(self) -> float:
+        return DEFAULT_CONSENSUS_STEP
+
+    def variance_bound(self, numel: int) -> float:
+        return 0.0
 
     @property
     def spec(self) -> str:

@@ -27,6 +27,11 @@ class Identity(Codec):
 
     name: ClassVar[str] = "identity"
     unbiased: ClassVar[bool] = True
+    summable: ClassVar[bool] = True
+
+    @property
+    def consensus_step(self) -> float:
+        return 1.0
 
     def wire_bytes(self, numel: int) -> int:
         return 4 * numel
@@ -47,7 +52,12 @@ class _HalfCast(Codec):
     """A 16-bit float cast, saturating at the format's largest finite value."""
 
     unbiased: ClassVar[bool] = False
+    summable: ClassVar[bool] = True  # summed in float32 (an fp16 sum could overflow)
     dtype: ClassVar[torch.dtype] = torch.float16
+
+    @property
+    def consensus_step(self) -> float:
+        return 1.0
 
     def wire_bytes(self, numel: int) -> int:
         return 2 * numel

@@ -22,6 +22,7 @@ class ErrorFeedback:
     """Wraps any compressor in error feedback (spec "ef+SPEC"); biased whatever the inner one."""
 
     unbiased = False
+    contractive = True  # what was not sent is sent later: no error accumulates
 
     def __init__(self, inner: Compressor) -> None:
         if isinstance(inner, ErrorFeedback):
@@ -40,6 +41,21 @@ class ErrorFeedback:
     @property
     def spec(self) -> str:
         return f"ef+{self.inner.spec}"
+
+    @property
+    def summable(self) -> bool:
+        return self.inner.summable
+
+    @property
+    def sparsifying(self) -> bool:
+        return self.inner.sparsifying
+
+    @property
+    def consensus_step(self) -> float:
+        return self.inner.consensus_step
+
+    def variance_bound(self, numel: int) -> float:
+        return 0.0
 
     def wire_bytes(self, numel: int) -> int:
         return self.inner.wire_bytes(numel)

@@ -18,6 +18,7 @@ exceeds float32's range, or holds NaN/Inf, yields a payload every receiver refus
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -41,6 +42,7 @@ class _StochasticLevels(Codec):
     """Shared encode/decode of sign + stochastically rounded level codes under one scale."""
 
     unbiased: ClassVar[bool] = True
+    contractive: ClassVar[bool] = False  # unbiased: contractive only once scaled
 
     @property
     def _levels(self) -> int:
@@ -105,6 +107,15 @@ class QSGD(_StochasticLevels):
     def _levels(self) -> int:
         return self.levels
 
+    @property
+    def consensus_step(self) -> float:
+        return 0.1  # after the 1 / (1 + beta) scaling; consensus sweep on ring8
+
+    def variance_bound(self, numel: int) -> float:
+        """min(d / s^2, sqrt(d) / s) (Alistarh et al. 2017)."""
+        s = self.levels
+        return min(numel / s**2, math.sqrt(numel) / s)
+
     def _scale(self, flat: torch.Tensor) -> float:
         return kernels.l2_norm(flat)
 
@@ -118,6 +129,14 @@ class TernGrad(_StochasticLevels):
     @property
     def _levels(self) -> int:
         return 1
+
+    @property
+    def consensus_step(self) -> float:
+        return 0.3  # after the 1 / (1 + beta) scaling; consensus sweep on ring8
+
+    def variance_bound(self, numel: int) -> float:
+        """max|x| ||x||_1 - ||x||^2 <= (sqrt(d) - 1) ||x||^2."""
+        return max(0.0, math.sqrt(numel) - 1.0)
 
     def _scale(self, flat: torch.Tensor) -> float:
         return kernels.abs_max(flat)

@@ -26,6 +26,9 @@ from gossipcomp.compress.codec import (
 )
 
 
+SIGN_CONSENSUS_STEP = 0.45  # Choco on ring8 digits (docs/benchmarks.md)
+
+
 def _read_sign_plane(payload: PayloadReader, numel: int, codec: str) -> torch.Tensor:
     plane = payload.section(torch.uint8, bitpack.plane_bytes(numel))
     if not bitpack.padding_is_clear(plane, 1, numel):
@@ -39,6 +42,10 @@ class Sign(Codec):
 
     name: ClassVar[str] = "sign"
     unbiased: ClassVar[bool] = False
+
+    @property
+    def consensus_step(self) -> float:
+        return SIGN_CONSENSUS_STEP
 
     def wire_bytes(self, numel: int) -> int:
         return 4 + bitpack.plane_bytes(numel)
@@ -63,6 +70,10 @@ class OneBit(Codec):
 
     name: ClassVar[str] = "onebit"
     unbiased: ClassVar[bool] = False
+
+    @property
+    def consensus_step(self) -> float:
+        return SIGN_CONSENSUS_STEP
 
     def wire_bytes(self, numel: int) -> int:
         return 8 + bitpack.plane_bytes(numel)

@@ -14,8 +14,8 @@ copies once (`resume_payload`, `resume_edge`).
 Choco needs a contractive compressor (E||C(x) - x||^2 <= (1 - w) ||x||^2); an unbiased one with
 variance bound beta ||x||^2 (QSGD, TernGrad, unbiased random-k) is made contractive by scaling
 its output by 1 / (1 + beta), as the Choco paper does; both ends scale the same bytes by the same
-factor, so the public copies stay identical. gamma is the consensus step; defaults per
-compressor in `default_consensus_step`, measured on ring8 digits (docs/benchmarks.md).
+factor, so the public copies stay identical. gamma is the consensus step; by default the
+compressor's `consensus_step`, measured on ring8 digits (docs/benchmarks.md).
 
 With `clipping`, each neighbour's xh_j - xh_i (over the whole model) is clipped to the round's
 radius before mixing (gossip/clipping.py); the public copies themselves are tracked unclipped,
@@ -24,7 +24,6 @@ so both ends of every edge still agree on them exactly.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,52 +46,6 @@ from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
 
 PHASE = "choco"
 
-# consensus step by compressor family (8-ring references, see module docstring)
-_FIXED_STEPS = {"identity": 1.0, "fp16": 1.0, "bf16": 1.0, "sign": 0.45, "onebit": 0.45}
-# sparsifiers: the step scales with the fraction kept. The paper's reference for top-1% on an
-# 8-ring is 0.0375; on digits it reached 0.9545 after 600 rounds where 0.1 reached 0.970
-# (docs/benchmarks.md), so top-k takes 10 x ratio. Random entries carry less of the difference
-# than the largest ones, so random-k takes smaller steps (a consensus sweep diverged above ~ratio).
-_SPARSE_STEP_PER_RATIO = {"topk": 10.0, "dgc": 10.0, "randomk": 2.0}
-_MAX_SPARSE_STEP = {"topk": 0.45, "dgc": 0.45, "randomk": 0.3}
-# after the 1 / (1 + beta) scaling; from a consensus sweep on ring8 (docs/benchmarks.md)
-_UNBIASED_STEPS = {"qsgd": 0.1, "terngrad": 0.3, "randomk": 0.1}
-
-
-def variance_bound(compressor: Compressor, numel: int) -> float:
-    """beta with E||D(C(x)) - x||^2 <= beta ||x||^2 for unbiased compressors; 0 for biased ones.
-
-    QSGD with s levels: min(d / s^2, sqrt(d) / s) (Alistarh et al.); unbiased random-k: d/k - 1;
-    TernGrad: max|x| ||x||_1 - ||x||^2 <= (sqrt(d) - 1) ||x||^2.
-    """
-    if not compressor.unbiased:
-        return 0.0
-    if compressor.name == "qsgd":
-        s = compressor.levels
-        return min(numel / s**2, math.sqrt(numel) / s)
-    if compressor.name == "terngrad":
-        return math.sqrt(numel) - 1.0
-    if compressor.name == "randomk":
-        k = max(1, math.ceil(compressor.ratio * numel))
-        return numel / min(k, numel) - 1.0
-    if compressor.name in _FIXED_STEPS:
-        return 0.0
-    raise ValueError(f"no variance bound known for unbiased compressor {compressor.spec!r}")
-
-
-def default_consensus_step(compressor: Compressor) -> float:
-    """The documented default gamma for a compressor (error-feedback wrappers: the inner one)."""
-    inner = getattr(compressor, "inner", compressor)
-    if inner.name in _FIXED_STEPS:
-        return _FIXED_STEPS[inner.name]
-    if inner.unbiased and inner.name in _UNBIASED_STEPS:
-        return _UNBIASED_STEPS[inner.name]
-    if inner.name in _SPARSE_STEP_PER_RATIO:
-        step = _SPARSE_STEP_PER_RATIO[inner.name] * float(inner.ratio)
-        return min(_MAX_SPARSE_STEP[inner.name], step)
-    return 0.1
-
-
 class Choco:
     """Choco-SGD's gossip step with any compressor, `steps` times per round.
 
@@ -110,7 +63,7 @@ class Choco:
         steps: int = 1,
         clipping: ClipRadius | None = None,
     ):
-        step = default_consensus_step(compressor) if consensus_step is None else consensus_step
+        step = compressor.consensus_step if consensus_step is None else consensus_step
         if not 0.0 < step <= 1.0:
             raise ValueError(f"consensus_step must lie in (0, 1] for choco, got {step}")
         if steps < 1:
@@ -129,7 +82,7 @@ class Choco:
         self, params: NamedParams, rank: int, neighbours: Sequence[int]
     ) -> dict[str, PayloadSpec]:
         self._codec = BroadcastCodec(self.compressor, self.seed, rank)
-        self._scales = [1.0 / (1.0 + variance_bound(self.compressor, p.numel())) for _, p in params]
+        self._scales = [1.0 / (1.0 + self.compressor.variance_bound(p.numel())) for _, p in params]
         self.public = [torch.zeros_like(p, dtype=torch.float32) for _, p in params]
         self.neighbour_public = {j: [torch.zeros_like(t) for t in self.public] for j in neighbours}
         spec = compressed_spec(params, self.compressor)

@@ -45,12 +45,11 @@ PHASE = "def"
 # Sparsifiers leave most of delta in the error memory; with zeta = 1 the references then
 # overshoot and training diverged on ring8 digits, while (0.5, 0.2) reached 0.966 with top-1%
 # (docs/benchmarks.md). Dense and sign-like compressors work with the undamped (1, 1).
-_SPARSE = {"topk", "randomk", "dgc"}
 
 
 def default_def_steps(compressor: Compressor) -> tuple[float, float]:
     """Documented default (zeta, gamma) for a compressor."""
-    return (0.5, 0.2) if compressor.name in _SPARSE else (1.0, 1.0)
+    return (0.5, 0.2) if compressor.sparsifying else (1.0, 1.0)
 
 
 class DEFATC:
