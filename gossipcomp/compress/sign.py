@@ -25,7 +25,6 @@ from gossipcomp.compress.codec import (
     check_scale,
 )
 
-
 SIGN_CONSENSUS_STEP = 0.45  # Choco on ring8 digits (docs/benchmarks.md)
 
 

@@ -46,6 +46,7 @@ from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
 
 PHASE = "choco"
 
+
 class Choco:
     """Choco-SGD's gossip step with any compressor, `steps` times per round.
 
