@@ -48,6 +48,68 @@ def build_mlp(
     return model
 
 
+class ResidualBlock(nn.Module):
+    """x + Linear(ReLU(LayerNorm(x))): a pre-normalised residual block of constant width."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width, device="meta")
+        self.linear = nn.Linear(width, width, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(torch.relu(self.norm(x)))
+
+
+class ResidualMLP(nn.Module):
+    """input -> Linear -> `depth` residual blocks -> LayerNorm -> Linear -> classes.
+
+    Four parameter tensors per block (norm weight and bias, linear weight and bias): many small
+    tensors of mixed sizes, the case merged compression is for.
+    """
+
+    def __init__(self, input_dim: int, width: int, depth: int, num_classes: int) -> None:
+        super().__init__()
+        self.stem = nn.Linear(input_dim, width, device="meta")
+        self.blocks = nn.Sequential(*(ResidualBlock(width) for _ in range(depth)))
+        self.norm = nn.LayerNorm(width, device="meta")
+        self.head = nn.Linear(width, num_classes, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(self.stem(x))))
+
+
+def build_resmlp(
+    seed: int,
+    input_dim: int = 64,
+    width: int = 64,
+    depth: int = 24,
+    num_classes: int = 10,
+) -> nn.Module:
+    """A deep residual MLP (4 x depth + 6 parameter tensors: 102 by default), initialised only
+    from `seed` like `build_mlp`. Each block's output layer starts at a tenth of torch's
+    default scale so that the residual stream stays near the identity at initialisation."""
+    if min(input_dim, width, num_classes) < 1 or depth < 0:
+        raise ValueError(
+            f"widths must be >= 1 and depth >= 0, got input_dim={input_dim}, width={width}, "
+            f"depth={depth}, num_classes={num_classes}"
+        )
+    model = ResidualMLP(input_dim, width, depth, num_classes).to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    block_outputs = {block.linear for block in model.blocks}
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                bound = 1.0 / math.sqrt(module.in_features)
+                if module in block_outputs:
+                    bound *= 0.1
+                module.weight.uniform_(-bound, bound, generator=generator)
+                module.bias.uniform_(-bound, bound, generator=generator)
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+    return model
+
+
 def model_signature(model: nn.Module) -> str:
     """Hex sha256 of the (name, shape, dtype) of every parameter, in registration order.
 
