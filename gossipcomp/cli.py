@@ -44,6 +44,7 @@ from gossipcomp.gossip import ALGORITHMS, ATTACKS, parse_clip
 from gossipcomp.gossip.powergossip import largest_useful_rank
 from gossipcomp.models import build_mlp
 from gossipcomp.peer import MAX_ROUND_TIMEOUT
+from gossipcomp.presentation import format_topology
 from gossipcomp.report import Report
 from gossipcomp.security import CA_CERT_NAME, CA_KEY_NAME, TlsFiles, new_ca, new_peer_certificate
 from gossipcomp.security.signing_keys import (
@@ -53,7 +54,7 @@ from gossipcomp.security.signing_keys import (
 )
 from gossipcomp.simulation import CheckpointPolicy, run_peer, run_simulation
 from gossipcomp.text import quoted
-from gossipcomp.topology import Topology, TopologyError, format_topology, load_topology
+from gossipcomp.topology import Topology, TopologyError, load_topology
 from gossipcomp.transport.base import HandshakeError, PeerUnreachableError
 
 DEFAULT_TOPOLOGY = "ring8"

@@ -23,8 +23,6 @@ from typing import Any
 
 import networkx as nx
 import numpy as np
-from rich.console import Group, RenderableType
-from rich.table import Table
 from scipy import sparse
 from scipy.linalg import eigvals_banded
 from scipy.sparse.csgraph import reverse_cuthill_mckee
@@ -38,7 +36,6 @@ DEFAULT_BASE_PORT = 50100
 MAX_PEERS = 16_384  # every size-dependent step below stays within seconds up to here
 MAX_EDGES = 1_000_000  # ~0.5 GB of networkx graph at most; a complete graph up to 1414 peers
 MAX_DENSE_PEERS = 1024  # dense W, its full spectrum and explicit weights_matrix up to here
-SHOWN_NEIGHBOURS = 16  # neighbours listed per peer by format_topology
 _BANDED_WORK = 1e9  # n^2 * bandwidth: exact banded eigenvalues cost about this many flops
 _LANCZOS_RESTARTS = 100  # implicit restarts of ARPACK (about 2300 products with W) at most
 _HASH_TAG = b"gossipcomp topology v2\0"
@@ -619,30 +616,3 @@ def build_topology(
     if name is not None:
         spec["name"] = name
     return topology_from_dict(spec)
-
-
-def format_topology(topology: Topology) -> RenderableType:
-    """A summary (name, kind, n, hash, spectral quantities) and one row per peer (its first
-    SHOWN_NEIGHBOURS neighbours: a row stays short on dense graphs)."""
-    t = topology
-    summary = Table.grid(padding=(0, 2))
-    summary.add_column(style="bold")
-    summary.add_column(overflow="fold")
-    summary.add_row("name", t.name)
-    summary.add_row("kind", t.kind)
-    summary.add_row("n / edges", f"{t.n} / {t.graph.number_of_edges()}")
-    summary.add_row("hash", t.hash)
-    summary.add_row("spectral gap", f"{t.spectral_gap:.4g}")
-    summary.add_row("SLEM", f"{t.second_largest_eigenvalue_modulus:.4f}")
-    summary.add_row("optimal consensus step", f"{t.optimal_consensus_step:.4f}")
-    peers = Table(title="peers")
-    for col in ("rank", "address", "degree", "self weight", "neighbour:weight"):
-        peers.add_column(col, justify="left" if col.startswith(("addr", "neigh")) else "right")
-    for r in range(t.n):
-        weights = list(t.neighbor_weights(r).items())
-        nbrs = ", ".join(f"{j}:{w:.4f}" for j, w in weights[:SHOWN_NEIGHBOURS])
-        if len(weights) > SHOWN_NEIGHBOURS:
-            nbrs += f", ... ({len(weights) - SHOWN_NEIGHBOURS} more)"
-        degree, self_w = str(t.graph.degree(r)), f"{t.self_weight(r):.4f}"
-        peers.add_row(str(r), t.addresses[r], degree, self_w, nbrs)
-    return Group(summary, peers)

@@ -26,7 +26,7 @@ from gossipcomp.security import (
     public_key_text,
     throwaway_certificates,
 )
-from gossipcomp.security.authentication import Authenticator
+from gossipcomp.transport.authentication import Authenticator
 from gossipcomp.transport.base import Envelope, EnvelopeRejected, HandshakeError, Identity
 from gossipcomp.transport.codec import decode_raw, encode_raw, tensor_spec
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.console import Console
 
 from gossipcomp import yaml_files
+from gossipcomp.presentation import format_topology
 from gossipcomp.security import TlsFiles, new_ca, new_peer_certificate
 from gossipcomp.security.signing_keys import (
     load_signing_key,
@@ -35,7 +36,6 @@ from gossipcomp.topology import (
     MAX_PEERS,
     TopologyError,
     build_topology,
-    format_topology,
     load_topology,
     topology_from_dict,
 )

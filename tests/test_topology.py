@@ -14,12 +14,12 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.console import Console
 
+from gossipcomp.presentation import format_topology
 from gossipcomp.security.signing_keys import public_key_text
 from gossipcomp.topology import (
     Topology,
     TopologyError,
     build_topology,
-    format_topology,
     load_topology,
     topology_from_dict,
 )

@@ -6,19 +6,25 @@ certificate against it (its subjectAltName must cover the host they dial), so on
 certificate from the network's CA can join, and nobody on the path can read or alter envelopes.
 The files are checked when loaded (PEM, parseable, key matching certificate) so that a wrong flag
 fails at start with a message naming it, not later as an opaque handshake failure.
+
+grpc is imported only by the two functions that build gRPC credentials: checking files (and the
+topology, which reads signing keys from this package) must not load the gRPC runtime.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 
 from gossipcomp.yaml_files import MAX_KEY_BYTES, read_regular_file
+
+if TYPE_CHECKING:
+    import grpc
 
 MAX_CERTIFICATE_BYTES = 2**20  # a certificate chain or CA bundle (a system bundle is ~200 kB)
 
@@ -69,6 +75,8 @@ class TlsFiles:
 
 def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
     """Server side of mutual TLS: present our certificate, require one signed by the CA."""
+    import grpc
+
     pem = files.load()
     return grpc.ssl_server_credentials(
         [(pem.key, pem.cert)], root_certificates=pem.ca, require_client_auth=True
@@ -77,6 +85,8 @@ def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
 
 def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
     """Client side of mutual TLS: verify the server against the CA, present our certificate."""
+    import grpc
+
     pem = files.load()
     return grpc.ssl_channel_credentials(
         root_certificates=pem.ca, private_key=pem.key, certificate_chain=pem.cert

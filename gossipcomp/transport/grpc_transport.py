@@ -9,7 +9,7 @@ algorithm.
 With `GrpcOptions.tls` set, the server and every channel use mutual TLS (gossipcomp.security):
 only peers holding a certificate from the network's CA can connect. Plaintext is the default.
 With `GrpcOptions.keys` as well, every envelope and handshake is signed by its sender and
-checked by its receiver (gossipcomp.security.authentication) before anything else is looked at;
+checked by its receiver (gossipcomp.transport.authentication) before anything else is looked at;
 authentication without TLS is refused at start.
 """
 
@@ -39,10 +39,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.proto.v1 import gossip_pb2_grpc as pb_grpc
-from gossipcomp.security.authentication import DEFAULT_CLOCK_TOLERANCE, Authenticator
 from gossipcomp.security.signing_keys import PeerKeys
 from gossipcomp.security.tls import TlsFiles, channel_credentials, server_credentials
 from gossipcomp.text import quoted
+from gossipcomp.transport.authentication import DEFAULT_CLOCK_TOLERANCE, Authenticator
 from gossipcomp.transport.base import (
     MAX_WIRE_ROUND,
     Envelope,
