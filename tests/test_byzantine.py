@@ -98,16 +98,17 @@ def test_a_lying_choco_peer_keeps_tracked_copies_consistent():
     own = _params(peers[LIAR].model)
     gossip_round(peers)
     # identity compression: after one step the liar's public copy is exactly 2 x_3
-    for public, x in zip(liar.inner.public, own, strict=True):
+    public_copy = liar.inner.state_dict()["public"]  # per parameter, in model order
+    for public, x in zip(public_copy, own, strict=True):
         assert torch.equal(public, 2.0 * x)
     for j in (2, 4):
         tracked = peers[j].algorithm.neighbour_public[LIAR]
-        for mine, theirs in zip(tracked, liar.inner.public, strict=True):
+        for mine, theirs in zip(tracked, liar.inner.public, strict=True):  # flat, per group
             assert torch.equal(mine, theirs)
     for got, want in zip(_params(peers[LIAR].model), own, strict=True):
         assert torch.equal(got, want)
     # state and resynchronisation delegate to the inner algorithm
-    assert set(liar.state_dict()) == {"public", "neighbour_public"}
+    assert set(liar.state_dict()) == {"public", "neighbour_public", "feedback"}
     liar.load_state_dict(liar.state_dict())
     resumed = liar.resume_payload(list(peers[LIAR].model.named_parameters()))
     assert resumed is not None and len(resumed) == len(own)

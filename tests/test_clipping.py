@@ -172,7 +172,7 @@ def _mixed_change(name: str, peer: Peer, before: list[torch.Tensor]) -> float:
     """How far this round's mixing moved the peer: the parameters' change, except for DEF-ATC,
     whose combine sets w_k = phi_k + gamma sum_l a_lk (phi_l - phi_k): its distance to phi_k."""
     if name == "def":
-        return difference_norm(_params(peer), peer.algorithm.reference)
+        return difference_norm(_params(peer), peer.algorithm.state_dict()["reference"])
     return difference_norm(_params(peer), before)
 
 

@@ -136,7 +136,8 @@ def test_malformed_compressed_payload_is_refused_before_any_state_changes():
     import grpc
 
     from gossipcomp.compress.base import CompressionContext
-    from gossipcomp.gossip.compressed import compressed_spec, to_wire
+    from gossipcomp.gossip.grouping import to_wire
+    from gossipcomp.gossip.merged import MergedCodec
     from gossipcomp.models import model_signature
     from gossipcomp.peer import Peer
     from gossipcomp.topology import build_topology
@@ -157,14 +158,15 @@ def test_malformed_compressed_payload_is_refused_before_any_state_changes():
             )
             sender = GrpcTransport(Identity(0, topology.hash, model_signature(m)), [1])
             made += [peer, sender]
-            sender.expect("choco0", compressed_spec(params, parse_spec(spec)))
+            sender.expect("choco0", MergedCodec(params, parse_spec(spec), 0, 0).spec(int))
             sender.connect({1: peer.address}, timeout=10)
             peer.start(timeout=10, addresses={0: sender.address})
             peers.append((peer, sender))
         compressor = parse_spec(spec)
         payload = []
         for i, (name, p) in enumerate(params):
-            compressed = compressor.compress(p.detach(), CompressionContext(0, 0, -1, 0, i))
+            flat = p.detach().reshape(-1)  # each parameter is its own group: one flat buffer
+            compressed = compressor.compress(flat, CompressionContext(0, 0, -1, 0, i))
             data = bytearray(compressed.data)
             k = len(data) // 8
             if i == 0:  # indices follow the k values: repeat the first index

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from gossipcomp.compress import parse_spec
 from gossipcomp.compress.base import CompressionContext
-from gossipcomp.gossip.compressed import compressed_spec, to_wire
+from gossipcomp.gossip.grouping import to_wire
+from gossipcomp.gossip.merged import MergedCodec
 from gossipcomp.transport.base import Envelope, Identity
 from gossipcomp.transport.codec import decode_raw, encode_raw, tensor_spec
 from gossipcomp.transport.grpc_transport import SERVICE_NAME, GrpcTransport
@@ -49,7 +50,7 @@ def live_peer():
     sender = GrpcTransport(Identity(0, "t", "m"), [1])
     for transport in (receiver, sender):
         transport.expect("model", (tensor_spec("w", WEIGHT),))
-        transport.expect("choco0", compressed_spec(COMPRESSED_PARAMS, TOPK))
+        transport.expect("choco0", MergedCodec(COMPRESSED_PARAMS, TOPK, 0, 0).spec(int))
     sender.connect({1: receiver.address}, timeout=10)
     receiver.connect({0: sender.address}, timeout=10)
     channel = grpc.insecure_channel(receiver.address)

@@ -32,14 +32,15 @@ import torch
 from gossipcomp.compress.base import Compressor
 from gossipcomp.gossip.base import RESUME_PHASE, NamedParams, Neighbourhood
 from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
-from gossipcomp.gossip.compressed import BroadcastCodec, compressed_spec, to_wire
+from gossipcomp.gossip.grouping import GroupPlan
+from gossipcomp.gossip.merged import MergedCodec
 from gossipcomp.gossip.state import (
     checked_tensors,
     load_edge_tensors,
     raw_copy_payload,
     raw_copy_spec,
     require_keys,
-    restore_from_envelope,
+    restored_tensors,
     save_edge_tensors,
 )
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
@@ -51,7 +52,10 @@ class Choco:
     """Choco-SGD's gossip step with any compressor, `steps` times per round.
 
     Each step compresses x - xh afresh and exchanges it (phase "choco{s}"): more steps buy faster
-    consensus with more bytes, which pays when peers' data differ (docs/benchmarks.md).
+    consensus with more bytes, which pays when peers' data differ (docs/benchmarks.md). The
+    parameters travel in the groups of the current schedule (gossip/grouping.py; one group per
+    parameter by default), each compressed once, with its own compressor; the consensus step
+    is `consensus_step` for every group, or each group's compressor's own when not given.
     """
 
     name = "choco"
@@ -71,51 +75,82 @@ class Choco:
             raise ValueError(f"steps must be >= 1, got {steps}")
         self.compressor = compressor
         self.consensus_step = step
+        self._given_step = consensus_step
         self.seed = seed
         self.steps = steps
         self.clipping = clipping
-        self._codec: BroadcastCodec | None = None
-        self._scales: list[float] = []  # 1 / (1 + beta) per tensor
-        self.public: list[torch.Tensor] = []  # xh_i
+        self._codec: MergedCodec | None = None
+        self._scales: list[float] = []  # 1 / (1 + beta) per group
+        self._steps: list[float] = []  # gamma per group
+        self.public: list[torch.Tensor] = []  # xh_i, one flat buffer per group
         self.neighbour_public: dict[int, list[torch.Tensor]] = {}  # xh_j as tracked here
 
     def setup(
         self, params: NamedParams, rank: int, neighbours: Sequence[int]
     ) -> dict[str, PayloadSpec]:
-        self._codec = BroadcastCodec(self.compressor, self.seed, rank)
-        self._scales = [1.0 / (1.0 + self.compressor.variance_bound(p.numel())) for _, p in params]
-        self.public = [torch.zeros_like(p, dtype=torch.float32) for _, p in params]
-        self.neighbour_public = {j: [torch.zeros_like(t) for t in self.public] for j in neighbours}
-        spec = compressed_spec(params, self.compressor)
-        specs = {f"{PHASE}{s}": spec for s in range(self.steps)}
+        self._codec = MergedCodec(params, self.compressor, self.seed, rank)
+        self._adopt_grouping(self._codec)
+        self.public = self._codec.zeros()
+        self.neighbour_public = {j: self._codec.zeros() for j in neighbours}
+        return self.specs(params, None)
+
+    def specs(
+        self, params: NamedParams, plans: Sequence[GroupPlan] | None
+    ) -> dict[str, PayloadSpec]:
+        """Per phase, what a neighbour's envelope holds under the groups `plans` (the current
+        grouping when None), without changing anything."""
+        codec = self._require_codec()
+        grouping = codec.grouping if plans is None else codec.regrouped(params, plans)
+        specs = {
+            f"{PHASE}{s}": codec.spec(lambda round, s=s: round * self.steps + s, grouping)
+            for s in range(self.steps)
+        }
         specs[RESUME_PHASE] = raw_copy_spec(params)
         return specs
+
+    def regroup(self, params: NamedParams, plans: Sequence[GroupPlan]) -> None:
+        """Switch to the groups `plans` (a new schedule): state moves to the new buffers."""
+        codec = self._require_codec()
+        public = codec.per_parameter(self.public)
+        tracked = {j: codec.per_parameter(t) for j, t in self.neighbour_public.items()}
+        memories = codec.feedback_memories()
+        codec.use(codec.regrouped(params, plans))
+        codec.load_feedback_memories(memories)
+        self._adopt_grouping(codec)
+        self.public = codec.flats(public)
+        self.neighbour_public = {j: codec.flats(t) for j, t in tracked.items()}
+
+    def _adopt_grouping(self, codec: MergedCodec) -> None:
+        groups = codec.grouping.groups
+        self._scales = [1.0 / (1.0 + g.compressor.variance_bound(g.layout.numel)) for g in groups]
+        given = self._given_step
+        self._steps = [g.compressor.consensus_step if given is None else given for g in groups]
+
+    def _require_codec(self) -> MergedCodec:
+        if self._codec is None:
+            raise RuntimeError("Choco used before setup")
+        return self._codec
 
     def step(self, params: NamedParams, hood: Neighbourhood) -> None:
         for s in range(self.steps):
             self._consensus_step(params, hood, s)
 
     def _consensus_step(self, params: NamedParams, hood: Neighbourhood, s: int) -> None:
-        codec = self._codec
-        if codec is None:
-            raise RuntimeError("Choco.step before setup")
+        codec = self._require_codec()
         key = hood.round * self.steps + s  # distinct compression randomness for every step
         with torch.no_grad():
+            model = codec.flats([p for _, p in params])
             sent = [
-                codec.compress(p.float() - self.public[i], key, i)
-                for i, (_, p) in enumerate(params)
+                codec.compress(x.sub_(public), key, g)
+                for g, (x, public) in enumerate(zip(model, self.public, strict=True))
             ]
-            payload = tuple(to_wire(n, c) for (n, _), c in zip(params, sent, strict=True))
-            result = hood.exchange(f"{PHASE}{s}", payload)
-            # first every tensor's public copies (own and tracked), then the mixing weights
-            # (clipping needs the distances over all tensors), then the mixing
-            for i in range(len(params)):
-                scale = self._scales[i]
-                own = codec.decompress_own(sent[i], key, i, self.public[i])
-                self.public[i].add_(own, alpha=scale)
+            result = hood.exchange(f"{PHASE}{s}", codec.payload(sent))
+            # first every group's public copies (own and tracked), then the mixing weights
+            # (clipping needs the distances over all groups), then the mixing
+            for g, scale in enumerate(self._scales):
+                self.public[g].add_(codec.decompress_own(sent[g], key, g), alpha=scale)
                 for j, envelope in result.received.items():
-                    tracked = self.neighbour_public[j][i]
-                    tracked.add_(codec.decompress_from(envelope, i, tracked, key), alpha=scale)
+                    self.neighbour_public[j][g].add_(codec.decoded(envelope, g), alpha=scale)
             # only neighbours heard this step mix in; the others' weight stays with the peer
             weights = {j: hood.weights[j] for j in result.received}
             if self.clipping is not None:
@@ -124,33 +159,48 @@ class Choco:
                 }
                 weights = clipped_weights(weights, distances, self.clipping)
             heard = sum(weights.values())
-            for i, (_, p) in enumerate(params):
-                # pull = sum_j w_ij (xh_j - xh_i) over them
-                pull = torch.zeros_like(self.public[i])
+            pulls = []
+            for g, public in enumerate(self.public):
+                # pull = gamma sum_j w_ij (xh_j - xh_i) over them
+                pull = public * -heard
                 for j, w in weights.items():
-                    pull.add_(self.neighbour_public[j][i], alpha=w)
-                pull.add_(self.public[i], alpha=-heard)
-                p.add_(pull.to(p.dtype), alpha=self.consensus_step)
+                    pull.add_(self.neighbour_public[j][g], alpha=w)
+                pulls.append(pull.mul_(self._steps[g]))
+            codec.add_into(params, pulls)
 
     def resume_payload(self, params: NamedParams) -> Payload | None:
         """This peer's public copy, exactly: the neighbour replaces its tracked copy with it."""
-        return raw_copy_payload(params, self.public)
+        return raw_copy_payload(params, self._require_codec().per_parameter(self.public))
 
     def resume_edge(self, neighbour: int, envelope: Envelope | None, round: int) -> None:
-        restore_from_envelope(self.neighbour_public[neighbour], envelope, f"{self.name} resume")
+        codec = self._require_codec()
+        current = codec.per_parameter(self.neighbour_public[neighbour])
+        restored = restored_tensors(current, envelope, f"{self.name} resume")
+        self.neighbour_public[neighbour] = codec.flats(restored)
 
     def state_dict(self) -> dict[str, Any]:
+        codec = self._require_codec()
         return {
-            "public": [t.clone() for t in self.public],
-            "neighbour_public": save_edge_tensors(self.neighbour_public),
+            "public": [t.clone() for t in codec.per_parameter(self.public)],
+            "neighbour_public": save_edge_tensors(
+                {j: codec.per_parameter(t) for j, t in self.neighbour_public.items()}
+            ),
+            "feedback": codec.feedback_memories(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        require_keys(state, {"public", "neighbour_public"}, self.name)
-        public = checked_tensors(f"{self.name} public copy", self.public, state["public"])
+        codec = self._require_codec()
+        if isinstance(state, dict):  # older checkpoints saved no feedback memories
+            state = {"feedback": {}, **state}
+        require_keys(state, {"public", "neighbour_public", "feedback"}, self.name)
+        public = checked_tensors(
+            f"{self.name} public copy", codec.per_parameter(self.public), state["public"]
+        )
         tracked = load_edge_tensors(
             f"{self.name} neighbours' public copies",
-            self.neighbour_public,
+            {j: codec.per_parameter(t) for j, t in self.neighbour_public.items()},
             state["neighbour_public"],
         )
-        self.public, self.neighbour_public = public, tracked
+        codec.load_feedback_memories(state["feedback"])  # checks all, then assigns
+        self.public = codec.flats(public)
+        self.neighbour_public = {j: codec.flats(t) for j, t in tracked.items()}

@@ -28,14 +28,15 @@ import torch
 from gossipcomp.compress.base import Compressor
 from gossipcomp.gossip.base import RESUME_PHASE, NamedParams, Neighbourhood
 from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
-from gossipcomp.gossip.compressed import BroadcastCodec, compressed_spec, to_wire
+from gossipcomp.gossip.grouping import GroupPlan
+from gossipcomp.gossip.merged import MergedCodec
 from gossipcomp.gossip.state import (
     checked_tensors,
     load_edge_tensors,
     raw_copy_payload,
     raw_copy_spec,
     require_keys,
-    restore_from_envelope,
+    restored_tensors,
     save_edge_tensors,
 )
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
@@ -53,7 +54,13 @@ def default_def_steps(compressor: Compressor) -> tuple[float, float]:
 
 
 class DEFATC:
-    """Differential error feedback (DEF-ATC) with any compressor."""
+    """Differential error feedback (DEF-ATC) with any compressor.
+
+    The parameters travel in the groups of the current schedule (gossip/grouping.py; one group
+    per parameter by default), each group compressed once; references and the error memory are
+    kept as one flat buffer per group and saved per parameter, so checkpoints and regrouping
+    do not depend on the grouping.
+    """
 
     name = "def"
 
@@ -76,45 +83,68 @@ class DEFATC:
         self.gamma = gamma
         self.seed = seed
         self.clipping = clipping
-        self._codec: BroadcastCodec | None = None
-        self.reference: list[torch.Tensor] = []  # phi_k
+        self._codec: MergedCodec | None = None
+        self.reference: list[torch.Tensor] = []  # phi_k, one flat buffer per group
         self.neighbour_references: dict[int, list[torch.Tensor]] = {}  # phi_l
         self.error: list[torch.Tensor] = []  # z
 
     def setup(
         self, params: NamedParams, rank: int, neighbours: Sequence[int]
     ) -> dict[str, PayloadSpec]:
-        self._codec = BroadcastCodec(self.compressor, self.seed, rank)
-        initial = [p.detach().float().clone() for _, p in params]
+        self._codec = MergedCodec(params, self.compressor, self.seed, rank)
+        initial = self._codec.flats([p for _, p in params])
         self.reference = [t.clone() for t in initial]
         self.neighbour_references = {j: [t.clone() for t in initial] for j in neighbours}
-        self.error = [torch.zeros_like(t) for t in initial]
+        self.error = self._codec.zeros()
+        return self.specs(params, None)
+
+    def specs(
+        self, params: NamedParams, plans: Sequence[GroupPlan] | None
+    ) -> dict[str, PayloadSpec]:
+        """Per phase, what a neighbour's envelope holds under the groups `plans` (the current
+        grouping when None), without changing anything."""
+        codec = self._require_codec()
+        grouping = None if plans is None else codec.regrouped(params, plans)
         return {
-            PHASE: compressed_spec(params, self.compressor),
+            PHASE: codec.spec(lambda round: round, grouping),
             RESUME_PHASE: raw_copy_spec(params),
         }
 
+    def regroup(self, params: NamedParams, plans: Sequence[GroupPlan]) -> None:
+        """Switch to the groups `plans` (a new schedule): state moves to the new buffers."""
+        codec = self._require_codec()
+        reference, error = codec.per_parameter(self.reference), codec.per_parameter(self.error)
+        tracked = {j: codec.per_parameter(t) for j, t in self.neighbour_references.items()}
+        memories = codec.feedback_memories()
+        codec.use(codec.regrouped(params, plans))
+        codec.load_feedback_memories(memories)
+        self.reference, self.error = codec.flats(reference), codec.flats(error)
+        self.neighbour_references = {j: codec.flats(t) for j, t in tracked.items()}
+
+    def _require_codec(self) -> MergedCodec:
+        if self._codec is None:
+            raise RuntimeError("DEF-ATC used before setup")
+        return self._codec
+
     def step(self, params: NamedParams, hood: Neighbourhood) -> None:
-        codec = self._codec
-        if codec is None:
-            raise RuntimeError("DEFATC.step before setup")
+        codec = self._require_codec()
         with torch.no_grad():
+            model = codec.flats([p for _, p in params])
             sent, own = [], []
-            for i, (_, p) in enumerate(params):
-                delta = p.float() - self.reference[i] + self.error[i]
-                compressed = codec.compress(delta, hood.round, i)
-                decoded = codec.decompress_own(compressed, hood.round, i, delta)
-                self.error[i] = delta - decoded
+            for g, (delta, reference) in enumerate(zip(model, self.reference, strict=True)):
+                delta.sub_(reference).add_(self.error[g])
+                compressed = codec.compress(delta, hood.round, g)
+                decoded = codec.decompress_own(compressed, hood.round, g)
+                self.error[g] = delta.sub_(decoded)
                 sent.append(compressed)
                 own.append(decoded)
-            result = hood.exchange(
-                PHASE, tuple(to_wire(n, c) for (n, _), c in zip(params, sent, strict=True))
-            )
-            for i in range(len(params)):
-                self.reference[i].add_(own[i], alpha=self.zeta)
+            result = hood.exchange(PHASE, codec.payload(sent))
+            for g, reference in enumerate(self.reference):
+                reference.add_(own[g], alpha=self.zeta)
                 for j, envelope in result.received.items():
-                    theirs = codec.decompress_from(envelope, i, self.reference[i])
-                    self.neighbour_references[j][i].add_(theirs, alpha=self.zeta)
+                    self.neighbour_references[j][g].add_(
+                        codec.decoded(envelope, g), alpha=self.zeta
+                    )
             # every live neighbour combines, with its last reference when it failed this round
             weights, self_weight = hood.weights, hood.self_weight
             if self.clipping is not None:
@@ -124,34 +154,51 @@ class DEFATC:
                 }
                 weights = clipped_weights(weights, distances, self.clipping)
                 self_weight = 1.0 - sum(weights.values())
-            for i, (_, p) in enumerate(params):
-                combined = self.reference[i] * self_weight
+            mixed = []
+            for g, reference in enumerate(self.reference):
+                combined = reference * self_weight
                 for j, w in weights.items():
-                    combined.add_(self.neighbour_references[j][i], alpha=w)
-                mixed = self.reference[i] * (1.0 - self.gamma) + combined * self.gamma
-                p.copy_(mixed.to(p.dtype))
+                    combined.add_(self.neighbour_references[j][g], alpha=w)
+                mixed.append(combined.mul_(self.gamma).add_(reference, alpha=1.0 - self.gamma))
+            codec.copy_into(params, mixed)
 
     def resume_payload(self, params: NamedParams) -> Payload | None:
         """This peer's reference phi_k, exactly: the neighbour replaces its copy with it."""
-        return raw_copy_payload(params, self.reference)
+        return raw_copy_payload(params, self._require_codec().per_parameter(self.reference))
 
     def resume_edge(self, neighbour: int, envelope: Envelope | None, round: int) -> None:
-        restore_from_envelope(self.neighbour_references[neighbour], envelope, f"{self.name} resume")
+        codec = self._require_codec()
+        current = codec.per_parameter(self.neighbour_references[neighbour])
+        restored = restored_tensors(current, envelope, f"{self.name} resume")
+        self.neighbour_references[neighbour] = codec.flats(restored)
 
     def state_dict(self) -> dict[str, Any]:
+        codec = self._require_codec()
         return {
-            "reference": [t.clone() for t in self.reference],
-            "neighbour_references": save_edge_tensors(self.neighbour_references),
-            "error": [t.clone() for t in self.error],
+            "reference": [t.clone() for t in codec.per_parameter(self.reference)],
+            "neighbour_references": save_edge_tensors(
+                {j: codec.per_parameter(t) for j, t in self.neighbour_references.items()}
+            ),
+            "error": [t.clone() for t in codec.per_parameter(self.error)],
+            "feedback": codec.feedback_memories(),  # ef+... compressors' memories
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        require_keys(state, {"reference", "neighbour_references", "error"}, self.name)
-        reference = checked_tensors(f"{self.name} reference", self.reference, state["reference"])
-        error = checked_tensors(f"{self.name} error memory", self.error, state["error"])
+        codec = self._require_codec()
+        if isinstance(state, dict):  # older checkpoints saved no feedback memories
+            state = {"feedback": {}, **state}
+        require_keys(state, {"reference", "neighbour_references", "error", "feedback"}, self.name)
+        reference = checked_tensors(
+            f"{self.name} reference", codec.per_parameter(self.reference), state["reference"]
+        )
+        error = checked_tensors(
+            f"{self.name} error memory", codec.per_parameter(self.error), state["error"]
+        )
         neighbours = load_edge_tensors(
             f"{self.name} neighbour references",
-            self.neighbour_references,
+            {j: codec.per_parameter(t) for j, t in self.neighbour_references.items()},
             state["neighbour_references"],
         )
-        self.reference, self.error, self.neighbour_references = reference, error, neighbours
+        codec.load_feedback_memories(state["feedback"])  # checks all, then assigns
+        self.reference, self.error = codec.flats(reference), codec.flats(error)
+        self.neighbour_references = {j: codec.flats(t) for j, t in neighbours.items()}

@@ -78,10 +78,15 @@ def raw_copy_payload(params: NamedParams, tensors: Sequence[torch.Tensor]) -> Pa
     )
 
 
-def restore_from_envelope(target: list[torch.Tensor], envelope: Envelope | None, what: str) -> None:
-    """Replace `target`'s tensors with a neighbour's exact copy (validated by the transport)."""
+def restored_tensors(
+    current: Sequence[torch.Tensor], envelope: Envelope | None, what: str
+) -> list[torch.Tensor]:
+    """A neighbour's exact copy of `current` (validated by the transport), checked against it."""
     if envelope is None:
         raise ValueError(f"{what}: needs the neighbour's copy, got nothing")
-    decoded = [decode_raw(wire) for wire in envelope.tensors]
-    restored = checked_tensors(what, target, decoded)
-    target[:] = restored
+    return checked_tensors(what, current, [decode_raw(wire) for wire in envelope.tensors])
+
+
+def restore_from_envelope(target: list[torch.Tensor], envelope: Envelope | None, what: str) -> None:
+    """Replace `target`'s tensors with a neighbour's exact copy (validated by the transport)."""
+    target[:] = restored_tensors(target, envelope, what)

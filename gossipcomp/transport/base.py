@@ -47,6 +47,9 @@ class Envelope:
     tensors: Payload
     schedule_epoch: int = 0
     protocol_version: int = PROTOCOL_VERSION
+    # per tensor, what the spec's decoder made of it at receipt (None for raw tensors): a
+    # compressed payload is validated by decoding it, and the algorithm uses that result
+    decoded: tuple[object, ...] = ()
 
     def tensor(self, name: str) -> WireTensor:
         for t in self.tensors:
@@ -55,15 +58,18 @@ class Envelope:
         raise KeyError(f"envelope from peer {self.sender} has no tensor named {name!r}")
 
 
-PayloadCheck = Callable[[memoryview], None]
+# (payload bytes, sender, round) -> the decoded value; raises ValueError naming what is wrong
+PayloadDecoder = Callable[[memoryview, int, int], object]
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     """What a receiver expects of one incoming tensor; checked before anything is used.
 
-    `check`, for codecs other than raw, validates the payload's own layout (indices, scales,
-    padding) and raises ValueError naming the problem; the transport refuses the envelope then.
+    `decode`, for codecs other than raw, decodes the payload, which validates its own layout
+    (indices, scales, padding, values), and raises ValueError naming the problem; the transport
+    refuses the envelope then. What it returns travels with the envelope (`Envelope.decoded`),
+    so nothing is decoded twice.
     """
 
     name: str
@@ -72,7 +78,7 @@ class TensorSpec:
     codec: str
     nbytes: int
     require_finite: bool = True
-    check: PayloadCheck | None = None
+    decode: PayloadDecoder | None = None
 
 
 PayloadSpec = tuple[TensorSpec, ...]

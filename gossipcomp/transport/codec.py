@@ -222,16 +222,23 @@ def _segment_finite(data: memoryview, dtype: str) -> bool:
     return all_finite(torch.frombuffer(bytearray(data), dtype=DTYPES[dtype]))
 
 
-def check_payloads(tensors: Iterable[WireTensor], spec: PayloadSpec) -> None:
-    """Run each spec's payload check (compressed codecs); refuse the envelope if one fails."""
+def decode_payloads(
+    tensors: Iterable[WireTensor], spec: PayloadSpec, sender: int, round: int
+) -> tuple[object, ...]:
+    """Run each spec's decoder (compressed codecs) and return what they made, None for raw
+    tensors; refuse the envelope if one fails."""
+    decoded: list[object] = []
     for wire, want in zip(tensors, spec, strict=True):
-        if want.check is not None:
-            try:
-                want.check(memoryview(wire.data).cast("B"))
-            except ValueError as error:
-                raise EnvelopeRejected(
-                    RejectCode.INVALID_ARGUMENT, f"tensor {want.name!r} payload: {error}"
-                ) from None
+        if want.decode is None:
+            decoded.append(None)
+            continue
+        try:
+            decoded.append(want.decode(memoryview(wire.data).cast("B"), sender, round))
+        except ValueError as error:
+            raise EnvelopeRejected(
+                RejectCode.INVALID_ARGUMENT, f"tensor {want.name!r} payload: {error}"
+            ) from None
+    return tuple(decoded)
 
 
 def check_finite(tensors: Iterable[WireTensor], spec: PayloadSpec) -> None:

@@ -8,12 +8,13 @@ round and duplicate checks. Only then can an algorithm see it.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Collection, Mapping
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.transport.base import Envelope, PayloadSpec
-from gossipcomp.transport.codec import check_finite, check_payloads, validate_header
+from gossipcomp.transport.codec import check_finite, decode_payloads, validate_header
 from gossipcomp.transport.mailbox import Mailbox
 
 
@@ -62,9 +63,12 @@ class Inbox:
     def accept(
         self, envelope: Envelope, spec: PayloadSpec, wire_bytes: int, values_checked: bool = False
     ) -> None:
-        """Check values (unless read_envelope did as they arrived) and compressed payloads'
-        layouts, then store; raises EnvelopeRejected and stores nothing when invalid."""
+        """Check values (unless read_envelope did as they arrived) and decode compressed
+        payloads (which checks their layouts), then store the envelope with what was decoded;
+        raises EnvelopeRejected and stores nothing when invalid."""
         if not values_checked:
             check_finite(envelope.tensors, spec)
-        check_payloads(envelope.tensors, spec)
+        decoded = decode_payloads(envelope.tensors, spec, envelope.sender, envelope.round)
+        if any(value is not None for value in decoded):
+            envelope = dataclasses.replace(envelope, decoded=decoded)
         self.mailbox.deliver(envelope, wire_bytes)
