@@ -23,6 +23,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+# --scenarios name -> (scenario, peer 2 killed, peer 2 restarted from a damaged checkpoint)
+SCENARIOS = {
+    "none": ("no fault", False, False),
+    "killed": ("peer 2 killed", True, False),
+    "restarted": ("peer 2 killed and restarted", True, True),
+}
+
 
 def free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
@@ -42,12 +49,15 @@ def ring_file(directory: Path, n: int) -> Path:
     return path
 
 
-def start(directory: Path, topology: Path, rank: int, rounds: int) -> subprocess.Popen:
+def start(
+    directory: Path, topology: Path, rank: int, rounds: int, checkpoint_every: int
+) -> subprocess.Popen:
     command = [
         sys.executable, "-m", "gossipcomp", "peer", "--topology", str(topology),
         "--rank", str(rank), "--rounds", str(rounds), "--round-timeout", "5",
         "--eval-every", "0", "--quiet", "--report", str(directory / f"peer{rank}.json"),
-        "--checkpoint-dir", str(directory / "checkpoints"), "--checkpoint-every", "25",
+        "--checkpoint-dir", str(directory / "checkpoints"),
+        "--checkpoint-every", str(checkpoint_every),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "500"}
     return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
@@ -63,12 +73,16 @@ def wait_for_checkpoint(directory: Path, rank: int, at_least: int) -> None:
     raise RuntimeError(f"peer {rank} wrote no checkpoint of round >= {at_least}")
 
 
-def scenario(name: str, rounds: int, kill_after: int | None, restart: bool) -> dict:
+def scenario(
+    name: str, rounds: int, checkpoint_every: int, kill_after: int | None, restart: bool
+) -> dict:
+    """Run four peers; with `kill_after`, kill peer 2 once that checkpoint is written (and with
+    `restart`, damage its newest checkpoint and start it again)."""
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         topology = ring_file(directory, 4)
         began = time.perf_counter()
-        peers = {r: start(directory, topology, r, rounds) for r in range(4)}
+        peers = {r: start(directory, topology, r, rounds, checkpoint_every) for r in range(4)}
         if kill_after is not None:
             wait_for_checkpoint(directory / "checkpoints", 2, kill_after)
             peers[2].send_signal(signal.SIGKILL)
@@ -78,7 +92,7 @@ def scenario(name: str, rounds: int, kill_after: int | None, restart: bool) -> d
                 damaged = bytearray(files[0].read_bytes())
                 damaged[len(damaged) // 2] ^= 0xFF
                 files[0].write_bytes(bytes(damaged))
-                peers[2] = start(directory, topology, 2, rounds)
+                peers[2] = start(directory, topology, 2, rounds, checkpoint_every)
         said = {}
         for rank, process in peers.items():
             if process.returncode is not None and process.returncode < 0:
@@ -110,14 +124,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1500)
     parser.add_argument("--kill-after", type=int, default=100, help="checkpoint round to wait for")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=25, help="rounds between checkpoints"
+    )
+    parser.add_argument(
+        "--scenarios",
+        nargs="+",
+        choices=list(SCENARIOS),
+        default=list(SCENARIOS),
+        help="which to run (wall ratios need 'none', the fault-free run)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    results = [
-        scenario("no fault", args.rounds, None, False),
-        scenario("peer 2 killed", args.rounds, args.kill_after, False),
-        scenario("peer 2 killed and restarted", args.rounds, args.kill_after, True),
-    ]
-    baseline = results[0]["wall_seconds"]
+    results = []
+    for key in args.scenarios:
+        name, killed, restart = SCENARIOS[key]
+        kill_after = args.kill_after if killed else None
+        results.append(scenario(name, args.rounds, args.checkpoint_every, kill_after, restart))
+    baseline = next((r["wall_seconds"] for r in results if r["scenario"] == "no fault"), None)
     console = Console()
     table = Table(title=f"4-peer ring, {args.rounds} rounds, PowerGossip, processes")
     for column in (
@@ -131,15 +155,18 @@ def main() -> None:
     ):
         table.add_column(column)
     for result in results:
-        result["wall_ratio"] = result["wall_seconds"] / baseline
+        result["wall_ratio"] = result["wall_seconds"] / baseline if baseline else None
+        ratio = "-" if result["wall_ratio"] is None else f"{result['wall_ratio']:.2f}"
         for rank, row in sorted(result["peers"].items()):
             table.add_row(
-                result["scenario"], f"{result['wall_ratio']:.2f}", str(rank), str(row["rounds"]),
+                result["scenario"], ratio, str(rank), str(row["rounds"]),
                 f"{row['test_accuracy']:.3f}", str(row["failed_exchanges"]),
                 f"{row['average_model_norm']:.4f}",
             )  # fmt: skip
     console.print(table)
-    console.print(f"peer 2 after its restart said: {results[2]['peer2_said']}")
+    for result in results:
+        if result["scenario"] == SCENARIOS["restarted"][0]:
+            console.print(f"peer 2 after its restart said: {result['peer2_said']}")
     if args.json:
         args.json.write_text(
             json.dumps({"rounds": args.rounds, "results": results}, indent=2) + "\n"

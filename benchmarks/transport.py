@@ -18,7 +18,9 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import grpc
@@ -27,11 +29,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from gossipcomp.transport.base import Envelope, Identity
+from gossipcomp.transport.base import Identity, Payload
 from gossipcomp.transport.codec import encode_raw, tensor_spec
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
 
 PHASE = "bench"
+ROUND_TIMEOUT = 60.0  # seconds a round may take: far above any trial, so only a failure waits
 
 
 def _payload(mib: int) -> torch.Tensor:
@@ -53,31 +56,34 @@ def _serve_socket(server: socket.socket, size: int) -> None:
             conn.sendall(b"k")
 
 
-def _drain_mailbox(transport: GrpcTransport, stop: threading.Event) -> None:
-    """Consume each round's envelope so the mailbox keeps accepting the next trial."""
-    mailbox = transport._inbox.mailbox
-    round_ = 0
-    while not stop.is_set():
-        if mailbox.collect(round_, PHASE, [0], time.monotonic() + 0.2):
-            round_ += 1
-            mailbox.open_round(round_)
+def _ack() -> torch.Tensor:
+    """The receiver's own payload each round: one float, so a round's time is the sender's."""
+    return torch.zeros(1)
 
 
-def receiver(mib: int, chunk_sizes: list[int], pipe) -> None:
+def _answer_rounds(transport: GrpcTransport, sender: str, rounds: int) -> None:
+    """Be a peer whose neighbour sends the big envelope: exchange every round, answering with
+    the one-float acknowledgement, each round opened by `exchange` and collected before its
+    deadline, as in training."""
+    transport.connect({0: sender}, timeout=60)
+    ack = (encode_raw("ack", _ack()),)
+    for round_ in range(rounds):
+        transport.exchange(round_, PHASE, {0: ack}, timeout=ROUND_TIMEOUT)
+
+
+def receiver(mib: int, chunk_sizes: list[int], rounds: int, pipe: Connection) -> None:
     """The receiving peer: gRPC transports (one per chunk size), a bare gRPC sink, a socket."""
     torch.set_num_threads(1)
     spec = (tensor_spec("payload", _payload(mib)),)
-    stop = threading.Event()
     transports = {}
     for chunk in chunk_sizes:
         transport = GrpcTransport(
             Identity(1, "bench", "bench"), [0], options=GrpcOptions(chunk_bytes=chunk)
         )
         transport.expect(PHASE, spec)
-        threading.Thread(target=_drain_mailbox, args=(transport, stop), daemon=True).start()
-        transports[chunk] = transport.address
+        transports[chunk] = transport
 
-    def drain(requests, context) -> bytes:
+    def drain(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         return sum(len(r) for r in requests).to_bytes(8, "little")
 
     raw = grpc.server(
@@ -94,9 +100,25 @@ def receiver(mib: int, chunk_sizes: list[int], pipe) -> None:
     raw.start()
     sock = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_serve_socket, args=(sock, mib << 20), daemon=True).start()
-    pipe.send({"grpc": transports, "raw": f"127.0.0.1:{raw_port}", "socket": sock.getsockname()})
+    pipe.send(
+        {
+            "grpc": {chunk: t.address for chunk, t in transports.items()},
+            "raw": f"127.0.0.1:{raw_port}",
+            "socket": sock.getsockname(),
+        }
+    )
+    senders = pipe.recv()  # chunk size -> the sending peer's address
+    peers = [
+        threading.Thread(target=_answer_rounds, args=(t, senders[chunk], rounds), daemon=True)
+        for chunk, t in transports.items()
+    ]
+    for peer in peers:
+        peer.start()
     pipe.recv()  # until the sender is done
-    stop.set()
+    for peer in peers:
+        peer.join(timeout=ROUND_TIMEOUT)
+    for transport in transports.values():
+        transport.close()
     sock.close()
     raw.stop(0)
 
@@ -116,19 +138,27 @@ def raw_grpc_trial(drain, data: memoryview, chunk: int) -> float:
     return time.perf_counter() - start
 
 
-def grpc_trial(sender: GrpcTransport, envelope: Envelope) -> float:
+def grpc_trial(sender: GrpcTransport, round_: int, payload: Payload) -> float:
+    """One round of the real exchange: push the envelope, collect the receiver's acknowledgement
+    payload; raises if the receiver refused anything (the benchmark must not time failures)."""
     start = time.perf_counter()
-    sender.send(1, envelope, time.monotonic() + 120)
-    return time.perf_counter() - start
+    result = sender.exchange(round_, PHASE, {1: payload}, timeout=ROUND_TIMEOUT)
+    elapsed = time.perf_counter() - start
+    if result.failed or 1 not in result.received:
+        raise RuntimeError(f"round {round_} failed: {result.failed}")
+    return elapsed
 
 
 def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
+    """Time every path `trials` times (after one discarded warm-up), interleaved trial by trial."""
     torch.set_num_threads(1)
     wire = encode_raw("payload", _payload(mib))
     data = memoryview(wire.data).cast("B")
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
-    process = context.Process(target=receiver, args=(mib, chunk_sizes, theirs), daemon=True)
+    process = context.Process(
+        target=receiver, args=(mib, chunk_sizes, trials + 1, theirs), daemon=True
+    )
     process.start()
     addresses = ours.recv()
     senders = {}
@@ -136,8 +166,11 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
         sender = GrpcTransport(
             Identity(0, "bench", "bench"), [1], options=GrpcOptions(chunk_bytes=chunk)
         )
-        sender.connect({1: addresses["grpc"][chunk]}, timeout=30)
+        sender.expect(PHASE, (tensor_spec("ack", _ack()),))
         senders[chunk] = sender
+    ours.send({chunk: sender.address for chunk, sender in senders.items()})
+    for chunk, sender in senders.items():
+        sender.connect({1: addresses["grpc"][chunk]}, timeout=60)
     raw_channel = grpc.insecure_channel(addresses["raw"], options=GrpcOptions().channel_options())
     drain = raw_channel.stream_unary("/bench.Raw/Drain")
     default_chunk = GrpcOptions().chunk_bytes
@@ -150,18 +183,18 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
                 "grpc_raw_ceiling": raw_grpc_trial(drain, data, default_chunk),
             }
             for chunk, sender in senders.items():
-                times[f"grpc_{chunk >> 10}KiB"] = grpc_trial(
-                    sender, Envelope(0, trial, PHASE, (wire,))
-                )
+                times[f"grpc_{chunk >> 10}KiB"] = grpc_trial(sender, trial, (wire,))
             if trial:
                 for key, elapsed in times.items():
                     results[key].append(elapsed)
     finally:
+        ours.send("done")  # the receiver finishes its rounds and closes first
+        process.join(timeout=30)
+        if process.is_alive():
+            process.terminate()
         for sender in senders.values():
             sender.close()
         raw_channel.close()
-        ours.send("done")
-        process.join(timeout=30)
     nbytes = len(data)
     medians = {k: statistics.median(v) for k, v in results.items()}
     throughput = {k: nbytes / t / 1e9 for k, t in medians.items()}
