@@ -1,0 +1,398 @@
+"""The cost model a planner optimises: alpha-beta links, compressor costs, and a plan's time.
+
+Everything is affine and measured. A link moves n bytes in alpha + beta * n seconds
+(`LinkCost`, fitted by `fit_link` from transfers that happened); a compressor compresses and
+decompresses a buffer of m elements in fixed + per_element * m seconds (`CompressorCost`, timed
+by `measure_compressor` on this machine) and puts `WireSize.of(spec)` bytes on the wire.
+`predict_iteration` turns a plan into seconds under a `CostModel`; its docstring states the two
+modes' equations.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from gossipcomp.compress import CompressionContext, parse_spec
+from gossipcomp.schedule.groups import TensorGroup, TensorInfo, check_cover
+from gossipcomp.text import quoted
+
+Mode = Literal["gossip", "allreduce"]
+MODES: tuple[Mode, ...] = ("gossip", "allreduce")
+_OUTLIER_MADS = 3.0  # samples further than this many robust deviations from the fit are dropped
+_OUTLIER_PASSES = 3  # refits after dropping outliers, at most
+_WIRE_PROBE = 1 << 24  # element counts used to read a compressor's bytes per element
+
+
+def _non_negative(owner: str, **values: float) -> None:
+    for key, value in values.items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (math.isfinite(value) and value >= 0)
+        ):
+            raise ValueError(f"{owner}: {key} is {quoted(value)}; expected a finite number >= 0")
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """Alpha-beta link: a transfer of n bytes takes latency_s + seconds_per_byte * n."""
+
+    latency_s: float
+    seconds_per_byte: float
+
+    def __post_init__(self) -> None:
+        _non_negative("LinkCost", latency_s=self.latency_s, seconds_per_byte=self.seconds_per_byte)
+
+    def seconds(self, nbytes: float) -> float:
+        """Predicted seconds to move `nbytes` bytes."""
+        return self.latency_s + self.seconds_per_byte * nbytes
+
+
+@dataclass(frozen=True)
+class CompressorCost:
+    """Compress + decompress of one buffer of n elements: fixed_s + per_element_s * n."""
+
+    fixed_s: float
+    per_element_s: float
+
+    def __post_init__(self) -> None:
+        _non_negative("CompressorCost", fixed_s=self.fixed_s, per_element_s=self.per_element_s)
+
+    def seconds(self, numel: float) -> float:
+        """Predicted seconds to compress and decompress a buffer of `numel` elements."""
+        return self.fixed_s + self.per_element_s * numel
+
+
+@dataclass(frozen=True)
+class WireSize:
+    """A compressor's payload size as fixed_bytes + bytes_per_element * n.
+
+    Read from the compressor's exact `wire_bytes`: exact for dense codecs, within one element's
+    bytes for sparse ones (top-k rounds k up) and within a byte per bit plane for packed ones.
+    Affine, so planners can evaluate every candidate group at once with numpy.
+    """
+
+    fixed_bytes: float
+    bytes_per_element: float
+
+    @classmethod
+    def of(cls, spec: str) -> WireSize:
+        """The affine wire size of the compressor `spec` (see the class docstring)."""
+        compressor = parse_spec(spec)
+        low, high = compressor.wire_bytes(_WIRE_PROBE), compressor.wire_bytes(2 * _WIRE_PROBE)
+        per_element = (high - low) / _WIRE_PROBE
+        return cls(max(0.0, low - per_element * _WIRE_PROBE), per_element)
+
+    def bytes(self, numel: float) -> float:
+        return self.fixed_bytes + self.bytes_per_element * numel
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float], what: str) -> tuple[float, float]:
+    """(intercept, slope) >= 0 of y ~ intercept + slope * x by least squares, robust to outliers.
+
+    One least-squares fit, then up to _OUTLIER_PASSES times: samples whose residual lies further
+    than _OUTLIER_MADS robust deviations (1.4826 * median absolute deviation of the kept
+    residuals) from the kept residuals' median are dropped and the line refitted. A negative coefficient is
+    clamped to 0 and the other refitted alone. Needs at least two distinct x.
+    """
+    x = np.asarray(xs, dtype=float)
+    y = np.asarray(ys, dtype=float)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"{what}: expected as many sizes as times, got {x.size} and {y.size}")
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise ValueError(f"{what}: samples must be finite numbers")
+    if np.unique(x).size < 2:
+        raise ValueError(
+            f"{what}: got {np.unique(x).size} distinct size(s); expected at least 2 "
+            "to separate the fixed cost from the per-unit cost"
+        )
+    keep = np.ones(x.size, dtype=bool)
+    intercept, slope = _clamped_fit(x, y)
+    for _ in range(_OUTLIER_PASSES):
+        residual = y - (intercept + slope * x)
+        centre = float(np.median(residual[keep]))
+        spread = 1.4826 * float(np.median(np.abs(residual[keep] - centre)))
+        inside = np.abs(residual - centre) <= _OUTLIER_MADS * spread
+        if spread == 0 or np.array_equal(inside, keep) or np.unique(x[inside]).size < 2:
+            break
+        keep = inside
+        intercept, slope = _clamped_fit(x[keep], y[keep])
+    return intercept, slope
+
+
+def _clamped_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Least squares with both coefficients >= 0 (two coefficients: check the two faces)."""
+    design = np.stack([np.ones_like(x), x], axis=1)
+    (intercept, slope), *_ = np.linalg.lstsq(design, y, rcond=None)
+    if intercept >= 0 and slope >= 0:
+        return float(intercept), float(slope)
+    through_origin = max(0.0, float(x @ y) / float(x @ x)) if x @ x > 0 else 0.0
+    flat = max(0.0, float(y.mean()))
+    candidates = [(0.0, through_origin), (flat, 0.0)]
+    return min(candidates, key=lambda c: float(np.sum((y - c[0] - c[1] * x) ** 2)))
+
+
+MAX_SAMPLE_BYTES = 1 << 40  # a transfer claiming more bytes than this is refused (1 TiB)
+MAX_SAMPLE_SECONDS = 86_400.0  # and one claiming to have lasted more than a day
+
+
+def check_sample(nbytes: object, seconds: object, what: str) -> tuple[int, float]:
+    """(bytes, seconds) of one transfer, range-checked: an int in [0, MAX_SAMPLE_BYTES] and a
+    finite float in [0, MAX_SAMPLE_SECONDS]. Samples may come from the network: they are
+    checked before any arithmetic, and errors quote them shortened."""
+    if (
+        isinstance(nbytes, bool)
+        or not isinstance(nbytes, int | np.integer)
+        or not (0 <= nbytes <= MAX_SAMPLE_BYTES)
+    ):
+        raise ValueError(
+            f"{what}: bytes is {quoted(nbytes)}; expected an int in [0, {MAX_SAMPLE_BYTES}]"
+        )
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | float | np.floating)
+        or not (math.isfinite(seconds) and 0 <= seconds <= MAX_SAMPLE_SECONDS)
+    ):
+        raise ValueError(
+            f"{what}: seconds is {quoted(seconds)}; expected a finite number in "
+            f"[0, {MAX_SAMPLE_SECONDS:g}]"
+        )
+    return int(nbytes), float(seconds)
+
+
+def fit_link(samples: Sequence[tuple[int, float]]) -> LinkCost:
+    """Fit alpha (latency) and beta (seconds per byte) to (bytes, seconds) of real transfers.
+
+    Every sample is range-checked (`check_sample`); at least two distinct sizes are needed."""
+    if len(samples) < 2:
+        raise ValueError(
+            f"fit_link: got {len(samples)} sample(s); expected (bytes, seconds) "
+            "pairs of at least 2 distinct sizes"
+        )
+    checked = [check_sample(*_pair(sample), "fit_link") for sample in samples]
+    sizes, seconds = zip(*checked, strict=True)
+    latency, per_byte = fit_line(sizes, seconds, "fit_link")
+    return LinkCost(latency, per_byte)
+
+
+def _pair(sample: object) -> tuple[object, object]:
+    if not isinstance(sample, tuple | list) or len(sample) != 2:
+        raise ValueError(f"fit_link: sample {quoted(sample)} is not a (bytes, seconds) pair")
+    return sample[0], sample[1]
+
+
+class TransferLog:
+    """The last `per_link` (bytes, seconds) transfers of each link, fitted on demand.
+
+    A peer records every transfer as it happens (`record`) and asks for a link's alpha-beta fit
+    when it plans (`fit`). Memory is bounded: a deque of at most `per_link` samples per link and
+    at most `max_links` links (a peer's neighbours; one more is refused). Old samples fall out,
+    so the fit follows a link whose speed changes. Pure bookkeeping: no clock, no networking.
+    """
+
+    def __init__(self, per_link: int = 256, max_links: int = 4096) -> None:
+        for key, value, high in (
+            ("per_link", per_link, 1 << 20),
+            ("max_links", max_links, 1 << 20),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= high:
+                raise ValueError(
+                    f"TransferLog: {key} is {quoted(value)}; expected an int in [2, {high}]"
+                )
+        self.per_link = per_link
+        self.max_links = max_links
+        self._samples: dict[Hashable, deque[tuple[int, float]]] = {}
+
+    def record(self, link: Hashable, nbytes: int, seconds: float) -> None:
+        """Add one transfer of `nbytes` bytes that took `seconds` on `link` (range-checked)."""
+        sample = check_sample(nbytes, seconds, f"transfer on link {quoted(link)}")
+        samples = self._samples.get(link)
+        if samples is None:
+            if len(self._samples) >= self.max_links:
+                raise ValueError(
+                    f"TransferLog: link {quoted(link)} would be link "
+                    f"{len(self._samples) + 1}; expected at most {self.max_links}"
+                )
+            samples = self._samples[link] = deque(maxlen=self.per_link)
+        samples.append(sample)
+
+    def links(self) -> list[Hashable]:
+        """The links with at least one sample, in the order they were first seen."""
+        return list(self._samples)
+
+    def samples(self, link: Hashable) -> list[tuple[int, float]]:
+        """The samples kept for `link`, oldest first (empty if none)."""
+        return list(self._samples.get(link, ()))
+
+    def fit(self, link: Hashable, latency_s: float | None = None) -> LinkCost:
+        """The alpha-beta fit of `link`'s kept samples.
+
+        With two or more distinct sizes, `fit_link`. A gossip link often carries one size only,
+        which cannot separate latency from bandwidth: then `latency_s` (e.g. a fit of another
+        link, or a handshake's round trip) is taken as known and the per-byte cost is the mean
+        of (seconds - latency_s) / bytes; without it, ValueError.
+        """
+        samples = self.samples(link)
+        if not samples:
+            raise ValueError(f"TransferLog: no transfers recorded on link {quoted(link)}")
+        sizes = {nbytes for nbytes, _ in samples}
+        if len(sizes) >= 2:
+            return fit_link(samples)
+        if latency_s is None:
+            raise ValueError(
+                f"TransferLog: link {quoted(link)} carried one size only "
+                f"({next(iter(sizes))} bytes); pass latency_s to fit the per-byte "
+                "cost, or record transfers of another size"
+            )
+        _non_negative("TransferLog.fit", latency_s=latency_s)
+        nbytes = next(iter(sizes))
+        mean_s = statistics.fmean(seconds for _, seconds in samples)
+        per_byte = max(0.0, mean_s - latency_s) / nbytes if nbytes > 0 else 0.0
+        return LinkCost(min(latency_s, mean_s) if nbytes > 0 else mean_s, per_byte)
+
+
+MAX_MEASURED_NUMEL = 1 << 28  # elements of one timed buffer at most (1 GiB of float32)
+MAX_REPEATS = 1000
+
+
+def _check_repeats(repeats: object, what: str) -> None:
+    if (
+        isinstance(repeats, bool)
+        or not isinstance(repeats, int)
+        or not (1 <= repeats <= MAX_REPEATS)
+    ):
+        raise ValueError(
+            f"{what}: repeats is {quoted(repeats)}; expected an int in [1, {MAX_REPEATS}]"
+        )
+
+
+def measure_compressor(
+    spec: str, sizes: Sequence[int], repeats: int = 5, seed: int = 0
+) -> CompressorCost:
+    """Time compress + decompress of the real compressor `spec` on this machine and fit a line.
+
+    For each size (at least two distinct, each in [1, MAX_MEASURED_NUMEL]): one untimed warm-up,
+    then the median of `repeats` timed round trips of a standard-normal tensor through
+    `parse_spec(spec).compress` and `.decompress`.
+    """
+    what = f"measure_compressor({quoted(spec)})"
+    _check_repeats(repeats, what)
+    for size in sizes:
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, int)
+            or not (1 <= size <= MAX_MEASURED_NUMEL)
+        ):
+            raise ValueError(
+                f"{what}: size {quoted(size)}; expected ints in [1, {MAX_MEASURED_NUMEL}]"
+            )
+    compressor = parse_spec(spec)
+    generator = torch.Generator().manual_seed(seed)
+    timings: list[float] = []
+    for index, size in enumerate(sizes):
+        tensor = torch.randn(size, generator=generator)
+        ctx = CompressionContext(seed=seed, sender=0, receiver=1, round=0, tensor_index=index)
+        runs = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            compressor.decompress(compressor.compress(tensor, ctx), ctx)
+            runs.append(time.perf_counter() - start)
+        timings.append(statistics.median(runs[1:]))
+    fixed, per_element = fit_line(sizes, timings, what)
+    return CompressorCost(fixed, per_element)
+
+
+def measure_seconds(step: Callable[[], object], repeats: int = 5) -> float:
+    """Median seconds of `repeats` calls of `step` after one untimed warm-up call: a peer's
+    local compute per round (one training step), or any other per-round cost."""
+    _check_repeats(repeats, "measure_seconds")
+    step()
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What a plan costs on one peer: compressor costs by spec, the link, compute, and the mode.
+
+    `compressors` maps compressor specs to their costs; a plan may only use specs listed here.
+    `compute_s` is the forward + backward (gossip: local step) seconds of one iteration.
+    """
+
+    compressors: Mapping[str, CompressorCost]
+    link: LinkCost
+    compute_s: float
+    mode: Mode = "gossip"
+    _by_spec: dict[str, tuple[CompressorCost, WireSize]] = field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        _non_negative("CostModel", compute_s=self.compute_s)
+        if self.mode not in MODES:
+            raise ValueError(f"CostModel: mode is {quoted(self.mode)}; expected one of {MODES}")
+        if not self.compressors:
+            raise ValueError("CostModel: no compressor costs; expected at least one spec")
+        by_spec = {}
+        for spec, cost in self.compressors.items():
+            entry = (cost, WireSize.of(spec))
+            by_spec[spec] = entry
+            by_spec[parse_spec(spec).spec] = entry
+        object.__setattr__(self, "_by_spec", by_spec)
+
+    def costs_of(self, spec: str) -> tuple[CompressorCost, WireSize]:
+        """The compression cost and wire size of `spec`; ValueError if the model lacks it."""
+        entry = self._by_spec.get(spec)
+        if entry is None:
+            entry = self._by_spec.get(parse_spec(spec).spec)
+        if entry is None:
+            known = ", ".join(sorted(map(str, self.compressors)))
+            raise ValueError(
+                f"cost model has no costs for compressor {quoted(spec)}; measured: {known}"
+            )
+        return entry
+
+
+def predict_iteration(
+    tensors: Sequence[TensorInfo], groups: Sequence[TensorGroup], costs: CostModel
+) -> float:
+    """Predicted seconds of one iteration of plan `groups` under `costs`.
+
+    With m_g the elements of group g, c_g its compression cost and b_g its wire bytes:
+
+    gossip:    T = compute_s + sum_g c_g(m_g) + alpha + beta * sum_g b_g(m_g)
+               (every group compressed after the local step, then one envelope per neighbour).
+    allreduce: groups in the order they become ready (r_g = latest ready_at of its tensors);
+               one communication worker runs each group's compression then its collective:
+               end_g = max(r_g, end_{g-1}) + c_g(m_g) + alpha + beta * b_g(m_g), end_0 = 0;
+               T = max(compute_s, end_last).
+    """
+    check_cover(groups, [t.name for t in tensors])
+    info = {t.name: t for t in tensors}
+    parts = []
+    for group in groups:
+        compression, wire = costs.costs_of(group.compressor)
+        numel = sum(info[name].numel for name in group.names)
+        ready = max(info[name].ready_at for name in group.names)
+        parts.append((ready, compression.seconds(numel), wire.bytes(numel)))
+    link = costs.link
+    if costs.mode == "gossip":
+        total_bytes = sum(nbytes for _, _, nbytes in parts)
+        return costs.compute_s + sum(c for _, c, _ in parts) + link.seconds(total_bytes)
+    end = 0.0
+    for ready, compression_s, nbytes in sorted(parts, key=lambda part: part[0]):
+        end = max(ready, end) + compression_s + link.seconds(nbytes)
+    return max(costs.compute_s, end)

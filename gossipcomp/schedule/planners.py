@@ -1,0 +1,449 @@
+"""Planners: from tensors and a cost model to a plan (contiguous groups, a compressor each).
+
+Every planner implements `Planner.plan(tensors, costs, compressor)`; `PLANNERS` maps names to
+classes and `make_planner("strategy:candidates=identity|fp16|user")` builds one from a spec.
+
+- per-tensor / single: one group per tensor / one group of all (the two extremes).
+- mergecomp: MergeComp's goal, the contiguous partition with the smallest iteration time, in
+  two modes. Modelled (the default): exact dynamic programming over the last cut against
+  `predict_iteration`'s equations, every candidate cut of a prefix evaluated at once with numpy.
+  Measured (`MergeComp(measure=...)`, as MergeComp's reference does it): a callback times a
+  candidate plan (e.g. mean step time over a few real rounds); a memoised local search over
+  group boundaries, starting from the modelled optimum and equal-size splits, moves, removes
+  and adds boundaries while the measured time drops, within a budget of measurements.
+- mgwfbp: MG-WFBP's analytic merge rule against the backward timeline.
+- strategy: a compressor per group (ByteComp/Espresso's decision: exact, fp16 or a compressor),
+  see `Strategy`.
+
+Tensors are processed in the order they become ready: model order for gossip (all ready at 0),
+reverse model order for all-reduce, where ready_at must not increase along the model (backward
+runs from the last layer to the first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import numpy as np
+
+from gossipcomp.compress import parse_spec
+from gossipcomp.schedule.costs import CostModel
+from gossipcomp.schedule.groups import TensorGroup, TensorInfo, groups_from_cuts
+from gossipcomp.text import quoted
+
+USER = "user"  # in strategy candidates: the user's own compressor
+DEFAULT_CANDIDATES = ("identity", "fp16", USER)
+
+
+class Planner(Protocol):
+    """Decides a plan: contiguous groups covering `tensors` in model order, a compressor each."""
+
+    name: ClassVar[str]
+
+    def plan(
+        self, tensors: Sequence[TensorInfo], costs: CostModel, compressor: str
+    ) -> tuple[TensorGroup, ...]:
+        """Groups for `tensors` (model order) given the costs and the user's compressor spec."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Timeline:
+    """The tensors in processing order, with prefix sums of sizes and the backward ready times."""
+
+    order: np.ndarray  # model index of each processed tensor
+    prefix_numel: np.ndarray  # elements of the first k processed tensors, k = 0..n
+    ready: np.ndarray  # ready_at of each processed tensor (non-decreasing in allreduce mode)
+    backward: bool  # processed in reverse model order (all-reduce)
+
+    @classmethod
+    def of(cls, tensors: Sequence[TensorInfo], costs: CostModel) -> _Timeline:
+        if not tensors:
+            raise ValueError("nothing to plan: expected at least one tensor")
+        n = len(tensors)
+        backward = costs.mode == "allreduce"
+        order = np.arange(n - 1, -1, -1) if backward else np.arange(n)
+        numel = np.array([tensors[i].numel for i in order], dtype=float)
+        ready = np.array([tensors[i].ready_at for i in order], dtype=float)
+        if costs.mode == "allreduce" and np.any(np.diff(ready) < 0):
+            raise ValueError(
+                "all-reduce planning expects ready_at not to increase along the "
+                "model's parameter order (backward readies the last layer first)"
+            )
+        return cls(order, np.concatenate([[0.0], np.cumsum(numel)]), ready, backward)
+
+    def groups(
+        self, tensors: Sequence[TensorInfo], cuts: Sequence[int], specs: Sequence[str]
+    ) -> tuple[TensorGroup, ...]:
+        """Groups in model order from cuts (and a spec per group) in processing order."""
+        n = len(tensors)
+        if not self.backward:
+            return groups_from_cuts(tensors, cuts, specs)
+        model_cuts = [n - c for c in reversed(cuts)]
+        return groups_from_cuts(tensors, model_cuts, list(reversed(specs)))
+
+
+def _coefficients(costs: CostModel, specs: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(A, B) per spec: a group of m elements with that spec adds A + B * m seconds to its
+    stretch of the timeline, compression plus its bytes on the link, and (all-reduce: one
+    collective per group) the link's latency too."""
+    fixed, slope = [], []
+    link = costs.link
+    for spec in specs:
+        compression, wire = costs.costs_of(spec)
+        fixed.append(compression.fixed_s + link.seconds_per_byte * wire.fixed_bytes)
+        slope.append(compression.per_element_s + link.seconds_per_byte * wire.bytes_per_element)
+    a = np.array(fixed)
+    if costs.mode == "allreduce":
+        a = a + link.latency_s
+    return a, np.array(slope)
+
+
+def optimal_plan(
+    timeline: _Timeline, costs: CostModel, specs: Sequence[str]
+) -> tuple[list[int], list[int]]:
+    """Cuts (processing order) and a spec index per group of the plan minimising the predicted
+    time when each group may take any of `specs`. With d_c(s, e) the duration of tensors
+    [s, e) under spec c, f[e] = best finish of the first e tensors: gossip
+    f[e] = min_{s,c} f[s] + d_c(s, e); all-reduce f[e] = min_{s,c} max(ready[e-1], f[s]) +
+    d_c(s, e). Both are exact: the final time grows with f, and each step is non-decreasing in
+    f[s]. Ties go to the earlier spec, then the earlier cut."""
+    n = timeline.ready.size
+    fixed, slope = _coefficients(costs, specs)
+    fixed, slope = fixed[:, None], slope[:, None]
+    best = np.zeros(n + 1)
+    back = np.zeros(n + 1, dtype=int)
+    pick = np.zeros(n + 1, dtype=int)
+    prefix = timeline.prefix_numel
+    allreduce = costs.mode == "allreduce"
+    for end in range(1, n + 1):
+        starts = best[:end]
+        if allreduce:
+            starts = np.maximum(starts, timeline.ready[end - 1])
+        finish = starts + fixed + slope * (prefix[end] - prefix[:end])  # [spec, start]
+        spec, start = divmod(int(np.argmin(finish)), end)
+        back[end], pick[end], best[end] = start, spec, finish[spec, start]
+    cuts, chosen = [n], []
+    while cuts[-1] > 0:
+        chosen.append(int(pick[cuts[-1]]))
+        cuts.append(int(back[cuts[-1]]))
+    return cuts[::-1], chosen[::-1]
+
+
+class PerTensor:
+    """One group per tensor, all with the user's compressor: no merging at all."""
+
+    name: ClassVar[str] = "per-tensor"
+
+    def plan(
+        self, tensors: Sequence[TensorInfo], costs: CostModel, compressor: str
+    ) -> tuple[TensorGroup, ...]:
+        _Timeline.of(tensors, costs)  # the same input checks as every planner
+        return tuple(TensorGroup((t.name,), compressor) for t in tensors)
+
+
+class Single:
+    """One group of every tensor with the user's compressor: merge everything."""
+
+    name: ClassVar[str] = "single"
+
+    def plan(
+        self, tensors: Sequence[TensorInfo], costs: CostModel, compressor: str
+    ) -> tuple[TensorGroup, ...]:
+        _Timeline.of(tensors, costs)
+        return (TensorGroup(tuple(t.name for t in tensors), compressor),)
+
+
+Measure = Callable[[tuple[TensorGroup, ...]], float]
+DEFAULT_MEASUREMENTS = 40  # candidate plans a measured search times at most
+
+
+@dataclass(frozen=True)
+class MergeComp:
+    """The contiguous partition with the smallest iteration time for the user's compressor.
+
+    Without `measure`: the modelled optimum (`optimal_plan` with one spec). With `measure`
+    (seconds of one iteration under a plan, timed for real): a memoised local search over
+    group boundaries of at most `budget` measurements (see `measured_search`).
+    """
+
+    measure: Measure | None = None
+    budget: int = DEFAULT_MEASUREMENTS
+    name: ClassVar[str] = "mergecomp"
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.budget, bool)
+            or not isinstance(self.budget, int)
+            or not (1 <= self.budget <= 100_000)
+        ):
+            raise ValueError(
+                f"mergecomp: budget is {quoted(self.budget)}; expected an int "
+                "in [1, 100000] measurements"
+            )
+
+    def plan(
+        self, tensors: Sequence[TensorInfo], costs: CostModel, compressor: str
+    ) -> tuple[TensorGroup, ...]:
+        timeline = _Timeline.of(tensors, costs)
+        cuts, _ = optimal_plan(timeline, costs, [compressor])
+        if self.measure is None:
+            return timeline.groups(tensors, cuts, [compressor] * (len(cuts) - 1))
+        measure = self.measure
+
+        def timed(candidate: tuple[int, ...]) -> float:
+            groups = timeline.groups(tensors, candidate, [compressor] * (len(candidate) - 1))
+            return measure(groups)
+
+        starts = [tuple(cuts), *_equal_splits(timeline.prefix_numel, (1, 2, 4))]
+        best, _ = measured_search(len(tensors), timed, starts, self.budget)
+        return timeline.groups(tensors, best, [compressor] * (len(best) - 1))
+
+
+def _equal_splits(prefix: np.ndarray, counts: Sequence[int]) -> list[tuple[int, ...]]:
+    """Cuts into `count` groups of about equal elements, for each count (duplicates dropped)."""
+    n = prefix.size - 1
+    total = prefix[-1]
+    splits = []
+    for count in counts:
+        inner = np.searchsorted(prefix, total * np.arange(1, count) / count, side="left")
+        cuts = sorted({0, n, *(int(c) for c in inner if 0 < c < n)})
+        splits.append(tuple(cuts))
+    return list(dict.fromkeys(splits))
+
+
+def measured_search(
+    n: int,
+    measure: Callable[[tuple[int, ...]], float],
+    starts: Sequence[tuple[int, ...]],
+    budget: int,
+) -> tuple[tuple[int, ...], float]:
+    """Best cuts (0 < ... < n, processing order) found by timing candidates with `measure`.
+
+    Every start is timed; then from the best so far, neighbouring candidates are timed in turn:
+    each inner boundary moved by +-step (step from n/4 halving to 1, as MergeComp's search over
+    one split point does), removed, and each group split in its middle. A candidate that is
+    faster becomes the best and the scan goes on from it; the search ends when no neighbour at
+    step 1 is faster or `budget` measurements are spent. Each candidate is timed at most once
+    (memoised); a time that is not a finite number >= 0 is refused.
+    """
+    memo: dict[tuple[int, ...], float] = {}
+
+    def timed(cuts: tuple[int, ...]) -> float | None:
+        if cuts in memo:
+            return memo[cuts]
+        if len(memo) >= budget:
+            return None
+        seconds = measure(cuts)
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not (math.isfinite(seconds) and seconds >= 0)
+        ):
+            raise ValueError(
+                f"mergecomp: a measurement returned {quoted(seconds)}; expected finite seconds >= 0"
+            )
+        memo[cuts] = float(seconds)
+        return memo[cuts]
+
+    for start in starts:
+        timed(tuple(start))
+    best = min(memo, key=lambda c: (memo[c], len(c)))
+    step = max(1, n // 4)
+    while True:
+        improved = False
+        for candidate in _neighbours(best, n, step):
+            seconds = timed(candidate)
+            if seconds is None:
+                return best, memo[best]
+            if seconds < memo[best]:
+                best, improved = candidate, True
+                break
+        if not improved:
+            if step == 1:
+                return best, memo[best]
+            step //= 2
+
+
+def _neighbours(cuts: tuple[int, ...], n: int, step: int) -> list[tuple[int, ...]]:
+    """Plans one change away from `cuts`: a boundary moved by +-step, removed, or a group
+    split in its middle (deterministic order, no duplicates, `cuts` itself left out)."""
+    found: dict[tuple[int, ...], None] = {}
+    inner = cuts[1:-1]
+    for k, cut in enumerate(inner):
+        low, high = cuts[k], cuts[k + 2]
+        for moved in (cut - step, cut + step):
+            if low < moved < high:
+                found[(*cuts[: k + 1], moved, *cuts[k + 2 :])] = None
+        found[(*cuts[: k + 1], *cuts[k + 2 :])] = None
+    for start, stop in zip(cuts[:-1], cuts[1:], strict=True):
+        if stop - start >= 2:
+            middle = (start + stop) // 2
+            found[tuple(sorted((*cuts, middle)))] = None
+    found.pop(cuts, None)
+    return list(found)
+
+
+class MGWFBP:
+    """MG-WFBP's merge rule, scanning tensors in the order they become ready.
+
+    With tau_c the start of the current group's communication (max of its ready time and the end
+    of the previous group's), t_c its compression plus collective, a the link latency and r the
+    next tensor's ready time: merge the next tensor into the current group when
+    r < tau_c + t_c and (tau_c > r or r - tau_c < a), recomputing tau_c and t_c after a merge;
+    otherwise the current group is sent and the next starts a new one.
+    """
+
+    name: ClassVar[str] = "mgwfbp"
+
+    def plan(
+        self, tensors: Sequence[TensorInfo], costs: CostModel, compressor: str
+    ) -> tuple[TensorGroup, ...]:
+        timeline = _Timeline.of(tensors, costs)
+        latency = costs.link.latency_s
+        fixed, slope = (float(v[0]) for v in _coefficients(costs, [compressor]))
+        if costs.mode == "gossip":
+            fixed += latency  # the rule prices each group as its own transfer
+        ready = timeline.ready.tolist()
+        prefix = timeline.prefix_numel.tolist()
+        cuts = [0]
+        link_free = 0.0
+        for k in range(1, len(ready)):
+            t_c = fixed + slope * (prefix[k] - prefix[cuts[-1]])
+            tau_c = max(ready[k - 1], link_free)
+            if not (ready[k] < tau_c + t_c and (tau_c > ready[k] or ready[k] - tau_c < latency)):
+                cuts.append(k)
+                link_free = tau_c + t_c
+        cuts.append(len(ready))
+        return timeline.groups(tensors, cuts, [compressor] * (len(cuts) - 1))
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A compressor per group from `candidates` ("user": the user's compressor), on the
+    predicted timeline; ByteComp/Espresso's decision, searched in two stages.
+
+    1. Time: `optimal_plan` over (cut, candidate) jointly, the exact optimum of the cost
+       model's timeline. ByteComp searches greedily because its timeline (accelerator
+       contention, several collective kinds) has no exact recursion; ours has one, so the
+       greedy's few-percent loss is not needed (brute force confirms the optimum).
+    2. Fidelity, ByteComp's first rule: compression whose communication is hidden costs
+       accuracy for nothing. Groups, largest first, each take the least compressing candidate
+       (most wire bytes per element) that leaves the predicted time unchanged (up to a
+       relative 1e-9), judged on the timeline with the other groups as they stand.
+    """
+
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    name: ClassVar[str] = "strategy"
+
+    def __post_init__(self) -> None:
+        if not self.candidates:
+            raise ValueError("strategy: no candidates; expected compressor specs or 'user'")
+        if len(self.candidates) > MAX_CANDIDATES:
+            raise ValueError(
+                f"strategy: {len(self.candidates)} candidates; expected at most {MAX_CANDIDATES}"
+            )
+        for spec in self.candidates:
+            if spec != USER:
+                parse_spec(spec)
+
+    def plan(
+        self, tensors: Sequence[TensorInfo], costs: CostModel, compressor: str
+    ) -> tuple[TensorGroup, ...]:
+        timeline = _Timeline.of(tensors, costs)
+        specs = list(dict.fromkeys(compressor if c == USER else c for c in self.candidates))
+        # least compression first: most bytes per element (stable, so ties keep the given order)
+        specs.sort(key=lambda spec: -costs.costs_of(spec)[1].bytes_per_element)
+        cuts, choice = optimal_plan(timeline, costs, specs)
+        choice = _relax(timeline, costs, specs, cuts, choice)
+        return timeline.groups(tensors, cuts, [specs[c] for c in choice])
+
+
+_FIDELITY_TIE = 1e-9  # a less compressing choice may cost this much predicted time (relative)
+MAX_CANDIDATES = 16
+MAX_PLANNER_SPEC = 1000  # characters
+
+
+def _relax(
+    timeline: _Timeline, costs: CostModel, specs: list[str], cuts: list[int], choice: list[int]
+) -> list[int]:
+    """Stage 2 of `Strategy`: per group, largest first, the least compressing spec (lowest
+    index) whose predicted time is within _FIDELITY_TIE of the current one."""
+    prefix = timeline.prefix_numel
+    bounds = np.asarray(cuts)
+    numel = prefix[bounds[1:]] - prefix[bounds[:-1]]
+    fixed, slope = _coefficients(costs, specs)
+    options = fixed[:, None] + slope[:, None] * numel[None, :]  # [spec, group]
+    groups = np.arange(numel.size)
+    chosen = np.asarray(choice)
+    predict = _Predictor(costs, timeline.ready[bounds[1:] - 1])
+    for group in np.argsort(-numel, kind="stable"):
+        current = chosen[group]
+        if current == 0:
+            continue
+        trials = predict.trial(options[chosen, groups], int(group), options[:current, group])
+        limit = predict(options[chosen, groups]) * (1 + _FIDELITY_TIE)
+        allowed = np.flatnonzero(trials <= limit)
+        if allowed.size:
+            chosen[group] = int(allowed[0])
+    return chosen.tolist()
+
+
+class _Predictor:
+    """Iteration time from per-group durations (processing order), and O(groups) trials of
+    changing one group's duration.
+
+    gossip: T = compute + alpha + sum d. all-reduce: with S_k = d_k + ... + d_last (groups in
+    ready order), end_last = max_k (ready_k + S_k), so T = max(compute, that)."""
+
+    def __init__(self, costs: CostModel, ready: np.ndarray) -> None:
+        self.costs = costs
+        self.ready = ready
+
+    def __call__(self, durations: np.ndarray) -> float:
+        if self.costs.mode == "gossip":
+            return self.costs.compute_s + self.costs.link.latency_s + float(durations.sum())
+        suffix = np.cumsum(durations[::-1])[::-1]
+        return max(self.costs.compute_s, float(np.max(self.ready + suffix)))
+
+    def trial(self, durations: np.ndarray, group: int, options: np.ndarray) -> np.ndarray:
+        """Predicted time for each option of `group`'s duration, the others unchanged."""
+        delta = options - durations[group]
+        if self.costs.mode == "gossip":
+            return self(durations) + delta
+        suffix = np.cumsum(durations[::-1])[::-1]
+        finish = self.ready + suffix
+        up_to = float(np.max(finish[: group + 1]))  # these finish later by delta
+        after = float(np.max(finish[group + 1 :])) if group + 1 < finish.size else -np.inf
+        return np.maximum(self.costs.compute_s, np.maximum(up_to + delta, after))
+
+
+PLANNERS: dict[str, Callable[..., Planner]] = {
+    cls.name: cls for cls in (PerTensor, Single, MergeComp, MGWFBP, Strategy)
+}
+
+
+def make_planner(spec: str) -> Planner:
+    """A planner from "NAME" or "strategy:candidates=SPEC|SPEC|...", e.g.
+    "strategy:candidates=identity|fp16|user|topk:ratio=0.001" ("user": the user's compressor)."""
+    if not isinstance(spec, str) or len(spec) > MAX_PLANNER_SPEC:
+        raise ValueError(
+            f"planner spec {quoted(spec)}: expected a string of at most "
+            f"{MAX_PLANNER_SPEC} characters"
+        )
+    name, _, arguments = spec.strip().partition(":")
+    factory = PLANNERS.get(name.strip())
+    if factory is None:
+        raise ValueError(f"unknown planner {quoted(name)}; known: {', '.join(sorted(PLANNERS))}")
+    if not arguments.strip():
+        return factory()
+    key, equals, value = arguments.partition("=")
+    if factory is not Strategy or key.strip() != "candidates" or not equals:
+        raise ValueError(
+            f"planner spec {quoted(spec)}: only strategy takes an argument, "
+            "expected strategy:candidates=SPEC|SPEC|..."
+        )
+    return Strategy(tuple(part.strip() for part in value.split("|") if part.strip()))
