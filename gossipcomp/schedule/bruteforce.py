@@ -9,7 +9,7 @@ planning instances with sizes, costs and links spread over orders of magnitude.
 
 from __future__ import annotations
 
-import itertools
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +41,15 @@ def _compositions(n: int) -> list[list[int]]:
     return cuts
 
 
+@functools.lru_cache(maxsize=64)
+def _assignments(choices: int, groups: int) -> np.ndarray:
+    """Every assignment of one of `choices` to each of `groups` groups: [choices^groups, groups]
+    (read-only; cached, as every partition with this many groups uses the same one)."""
+    table = np.indices((choices,) * groups).reshape(groups, -1).T
+    table.setflags(write=False)
+    return table
+
+
 def brute_force(
     tensors: Sequence[TensorInfo], costs: CostModel, candidates: Sequence[str]
 ) -> Optimum:
@@ -69,7 +78,7 @@ def brute_force(
         group_ready = np.array([ready[a:b].max() for a, b in zip(cuts[:-1], cuts[1:], strict=True)])
         compress = np.stack([c.seconds(sizes) for c, _ in entries])  # [spec, group]
         wire = np.stack([w.bytes(sizes) for _, w in entries])
-        choice = np.array(list(itertools.product(range(len(specs)), repeat=groups)))
+        choice = _assignments(len(specs), groups)
         columns = np.arange(groups)
         c = compress[choice, columns]  # [assignment, group]
         b = wire[choice, columns]
