@@ -258,3 +258,17 @@ def test_check_cover_messages_stay_short_for_hostile_plans() -> None:
     message = str(caught.value)
     assert "10000 unknown tensor(s)" in message and f"and {10_000 - SHOWN_NAMES} more" in message
     assert len(message) < 1000
+
+
+def test_cost_model_and_tensors_refuse_hostile_specs_and_names() -> None:
+    with pytest.raises(ValueError, match="expected a string of 1 to 200") as caught:
+        _model().costs_of("sign" * 100_000)
+    assert len(str(caught.value)) < 300
+    with pytest.raises(ValueError, match="expected a CompressorCost"):
+        CostModel({"sign": (1e-4, 1e-9)}, LinkCost(0, 0), 0.0)  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="0 compressor costs"):
+        CostModel({}, LinkCost(0, 0), 0.0)
+    with pytest.raises(ValueError, match="tensor name"):
+        TensorInfo("", 3)
+    with pytest.raises(ValueError, match="tensor name"):
+        TensorInfo(7, 3)  # type: ignore[arg-type]

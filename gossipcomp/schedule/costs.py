@@ -324,6 +324,18 @@ def measure_seconds(step: Callable[[], object], repeats: int = 5) -> float:
     return statistics.median(runs)
 
 
+MAX_COMPRESSORS = 64  # compressor specs one cost model prices at most
+MAX_SPEC_CHARS = 200  # characters of one compressor spec at most
+
+
+def _check_spec(spec: object) -> None:
+    """A compressor spec is a short string: checked before parse_spec sees (and echoes) it."""
+    if not isinstance(spec, str) or not 0 < len(spec) <= MAX_SPEC_CHARS:
+        raise ValueError(
+            f"compressor spec {quoted(spec)}: expected a string of 1 to {MAX_SPEC_CHARS} characters"
+        )
+
+
 @dataclass(frozen=True)
 class CostModel:
     """What a plan costs on one peer: compressor costs by spec, the link, compute, and the mode.
@@ -344,10 +356,21 @@ class CostModel:
         _non_negative("CostModel", compute_s=self.compute_s)
         if self.mode not in MODES:
             raise ValueError(f"CostModel: mode is {quoted(self.mode)}; expected one of {MODES}")
-        if not self.compressors:
-            raise ValueError("CostModel: no compressor costs; expected at least one spec")
+        if not 1 <= len(self.compressors) <= MAX_COMPRESSORS:
+            raise ValueError(
+                f"CostModel: {len(self.compressors)} compressor costs; expected 1 "
+                f"to {MAX_COMPRESSORS} specs"
+            )
+        if not isinstance(self.link, LinkCost):
+            raise ValueError(f"CostModel: link is {quoted(self.link)}; expected a LinkCost")
         by_spec = {}
         for spec, cost in self.compressors.items():
+            _check_spec(spec)
+            if not isinstance(cost, CompressorCost):
+                raise ValueError(
+                    f"CostModel: cost of {quoted(spec)} is {quoted(cost)}; "
+                    "expected a CompressorCost"
+                )
             entry = (cost, WireSize.of(spec))
             by_spec[spec] = entry
             by_spec[parse_spec(spec).spec] = entry
@@ -355,6 +378,7 @@ class CostModel:
 
     def costs_of(self, spec: str) -> tuple[CompressorCost, WireSize]:
         """The compression cost and wire size of `spec`; ValueError if the model lacks it."""
+        _check_spec(spec)
         entry = self._by_spec.get(spec)
         if entry is None:
             entry = self._by_spec.get(parse_spec(spec).spec)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from gossipcomp.text import quoted
 
 SHOWN_NAMES = 5  # offending names listed in one error message at most
+MAX_NAME_CHARS = 4096  # characters of one tensor name at most
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,11 @@ class TensorInfo:
     ready_at: float = 0.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not 0 < len(self.name) <= MAX_NAME_CHARS:
+            raise ValueError(
+                f"tensor name {quoted(self.name)}: expected a string of 1 to "
+                f"{MAX_NAME_CHARS} characters"
+            )
         if isinstance(self.numel, bool) or not isinstance(self.numel, int) or self.numel < 0:
             raise ValueError(
                 f"tensor {quoted(self.name)}: numel is {quoted(self.numel)}; expected an int >= 0"
