@@ -131,13 +131,17 @@ class LinkMonitor:
         clock: Callable[[], float] = time.monotonic,
         on_resume: Callable[[int, int], None] = lambda neighbour, round: None,
         pace: RoundPace | None = None,
+        newest_epoch: Callable[[], int] = lambda: 0,
     ) -> None:
         """`on_resume(neighbour, round)` is called (under the lock, with the final round)
         whenever an edge is agreed to resume at a round: the peer lets that neighbour's
         envelopes for it in, however far ahead. `pace`: how fast this peer goes through rounds
-        (see `plausible_round`)."""
+        (see `plausible_round`). `newest_epoch`: the newest schedule epoch the peer has; a
+        probe answered by a neighbour with a newer one counts as unanswered (the edge resumes
+        once this peer has that schedule too)."""
         self.rank = rank
         self._on_resume = on_resume
+        self._newest_epoch = newest_epoch
         self.backoff = backoff or Backoff()
         self.pace = pace or RoundPace()
         self._clock = clock
@@ -393,6 +397,8 @@ class LinkMonitor:
         alone = not self.anchored()
         for j, finished in answered:
             if finished.exception() is not None:
+                self._probe_unanswered(j)
+            elif finished.result().schedule_epoch > self._newest_epoch():
                 self._probe_unanswered(j)
             elif not self.resume(j, finished.result(), round, alone):
                 with self._lock:

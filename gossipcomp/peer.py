@@ -3,7 +3,8 @@
 Build it from a model, a topology, a rank, a gossip algorithm and a transport; call `start()`
 once (handshake with neighbours), then `gossip()` after each optimizer step. It counts the bytes
 serialised per link, the rounds, and the time spent computing (between gossip calls) versus
-communicating (inside exchanges).
+communicating (inside exchanges). `apply(schedule)` stages a new schedule (tensor groups and
+their compressors) for the round it takes effect; every peer switches at that round.
 
     model = build_mlp(seed=0)
     with Peer.over_grpc(model, topology, rank, DPSGD()) as peer:
@@ -31,6 +32,7 @@ from gossipcomp.gossip.base import (
     LinkStats,
     NamedParams,
     Neighbourhood,
+    Regroupable,
     Resumable,
 )
 from gossipcomp.gossip.clipping import total_norm
@@ -38,12 +40,14 @@ from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.state import checked_tensors
 from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
 from gossipcomp.models import model_signature
+from gossipcomp.schedule.schedule import Schedule, ScheduleBook, ScheduleRefused
 from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
 from gossipcomp.transport.base import (
     MAX_WIRE_ROUND,
     HelloAnswer,
     Identity,
+    PayloadSpec,
     PeerNotReady,
     Transport,
 )
@@ -67,6 +71,8 @@ class PeerStats:
     failed_exchanges: dict[int, int]
     compute_seconds: float
     comm_seconds: float
+    mismatched_epoch_exchanges: int = 0  # exchanges refused: the two ends were in other epochs
+    schedule_epochs: tuple[Schedule, ...] = ()  # every schedule that took effect, in order
 
     @property
     def bytes_sent_total(self) -> int:
@@ -124,31 +130,98 @@ class Peer:
         self._in_step_since: float | None = None  # start of the last round heard by a neighbour
         self.alone = False  # the last round reached no neighbour
         neighbours = topology.neighbors(rank)
+        self.schedules = ScheduleBook([name for name, _ in self._params])
         self.links = LinkMonitor(
-            rank, neighbours, backoff, on_resume=transport.allow_round, pace=pace
+            rank,
+            neighbours,
+            backoff,
+            on_resume=transport.allow_round,
+            pace=pace,
+            newest_epoch=lambda: self.schedules.newest.epoch,
         )
         specs = algorithm.setup(self._params, rank, neighbours)
         specs.setdefault(RESUME_PHASE, ())  # an empty resume exchange confirms both ends are there
+        self._averager = DPSGD(phase=AVERAGE_PHASE)
+        specs.update(self._averager.setup(self._params, rank, neighbours))
+        self._specs = specs  # per phase, under the schedule with no groups (epoch 0)
         for phase, spec in specs.items():
             transport.expect(phase, spec)
         self._ready = threading.Event()
         if ready:
             self._ready.set()
         transport.set_hello_handler(self._answer_hello)
-        self._averager = DPSGD(phase=AVERAGE_PHASE)
-        for phase, spec in self._averager.setup(self._params, rank, neighbours).items():
-            transport.expect(phase, spec)
 
     def ready(self) -> None:
         """Start answering neighbours' handshakes (see `ready` in the constructor)."""
         self._ready.set()
 
     def _answer_hello(
-        self, sender: int, their_round: int, proposed: int, alone: bool
+        self, sender: int, their_round: int, proposed: int, alone: bool, epoch: int
     ) -> HelloAnswer:
         if not self._ready.is_set():
             raise PeerNotReady(f"peer {self.rank} is restoring its checkpoint")
-        return self.links.answer_hello(sender, their_round, proposed, alone, self.round)
+        newest = self.schedules.newest.epoch
+        if epoch > newest:  # the edge resumes once this peer has that schedule too
+            raise PeerNotReady(
+                f"peer {self.rank} has schedules up to epoch {newest}, not yet epoch {epoch}"
+            )
+        answer = self.links.answer_hello(sender, their_round, proposed, alone, self.round)
+        return dataclasses.replace(answer, schedule_epoch=newest)
+
+    def apply(self, schedule: Schedule) -> None:
+        """Stage `schedule` to take effect at its effective round (every peer switches then).
+
+        Raises ScheduleRefused, keeping the current schedule, when it does not cover every
+        parameter exactly once, names an unknown parameter or compressor, does not go forward
+        in epoch, or takes effect at or before this peer's round. Envelopes laid out by it are
+        accepted from now on (a neighbour may switch first); this peer uses it from its round.
+        Call it from the thread that calls `gossip()`.
+        """
+        specs = self._schedule_specs(schedule)
+        self.schedules.stage(schedule, self.round)
+        self._expect_epoch(schedule.epoch, specs)
+
+    def _schedule_specs(self, schedule: Schedule) -> dict[str, PayloadSpec]:
+        """Per phase, what neighbours' envelopes hold under `schedule`; ScheduleRefused when it
+        does not fit this peer's model or algorithm."""
+        schedule.check([name for name, _ in self._params])
+        specs = dict(self._specs)
+        if isinstance(self.algorithm, Regroupable):
+            try:
+                specs.update(self.algorithm.specs(self._params, schedule.groups or None))
+            except ValueError as error:
+                raise ScheduleRefused(f"schedule epoch {schedule.epoch}: {error}") from None
+        elif schedule.groups:
+            raise ScheduleRefused(
+                f"schedule epoch {schedule.epoch}: algorithm {self.algorithm.name!r} sends no "
+                "compressed groups; expected a schedule without groups"
+            )
+        return specs
+
+    def _expect_epoch(self, epoch: int, specs: dict[str, PayloadSpec]) -> None:
+        for phase, spec in specs.items():
+            self.transport.expect(phase, spec, epoch)
+        self.transport.schedule_epoch = max(self.transport.schedule_epoch, epoch)
+
+    def _switch_schedule(self) -> None:
+        """Put in force the schedule that takes effect at this round, if any. Envelopes of the
+        epoch before stay accepted, so a neighbour still in it is seen (and counted in
+        `mismatched_epoch_exchanges`) rather than refused at the door."""
+        previous = self.schedules.current.epoch
+        schedule = self.schedules.due(self.round)
+        if schedule is None:
+            return
+        if isinstance(self.algorithm, Regroupable):
+            self.algorithm.regroup(self._params, schedule.groups or None)
+        self.transport.forget_epochs_before(previous)
+        log.info(
+            "peer %d: schedule epoch %d (%s, %d groups) in force from round %d",
+            self.rank,
+            schedule.epoch,
+            schedule.planner,
+            len(schedule.groups) or len(self._params),
+            self.round,
+        )
 
     @classmethod
     def over_grpc(
@@ -215,7 +288,11 @@ class Peer:
             alone=restored,
         )
         for j, answer in answers.items():
-            if answer.resume_round > 0:
+            if answer.schedule_epoch > self.schedules.newest.epoch:
+                self.links.mark_down(
+                    j, self.round, f"runs schedule epoch {answer.schedule_epoch}, not yet here"
+                )
+            elif answer.resume_round > 0:
                 self.links.resume(j, answer, self.round, alone=restored)
         self._catch_up()  # at once: the neighbours reach the resume round within a few rounds
         self._last_mark = time.perf_counter()
@@ -271,6 +348,7 @@ class Peer:
             transport=self.transport,
             timeout=self.round_timeout,
             links=links,
+            schedule_epoch=self.schedules.current.epoch,
         )
 
     def _resume_edges(self) -> None:
@@ -316,6 +394,7 @@ class Peer:
             self.links.pace.record(now - self._in_step_since)
         self.links.poll_probes(self.round, self.transport.probe)
         self._catch_up()
+        self._switch_schedule()
         self._resume_edges()
         hood = self._neighbourhood(self._links, self.links.live())
         before = [p.detach().clone() for _, p in self._params]
@@ -400,6 +479,7 @@ class Peer:
             "down": self.links.not_up(),
             "saved_at": time.time(),  # with the pace: how far neighbours can be when restored
             "seconds_per_round": self.links.pace.seconds_per_round(),
+            "schedules": self.schedules.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -414,7 +494,7 @@ class Peer:
             "failures",
             "down",
         }
-        optional = {"saved_at", "seconds_per_round"}  # absent from older checkpoints
+        optional = {"saved_at", "seconds_per_round", "schedules"}  # absent from older ones
         if not isinstance(state, dict) or not expected <= set(state) <= expected | optional:
             keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
@@ -452,8 +532,24 @@ class Peer:
             raise ValueError(
                 f"peer checkpoint: down must list neighbours of {sorted(neighbours)}, got {quoted(down)}"
             )
+        schedules = ScheduleBook([name for name, _ in self._params])
+        if "schedules" in state:
+            schedules.load_state_dict(state["schedules"])
+            if schedules.current.effective_round > round:
+                raise ValueError(
+                    f"peer checkpoint: schedule epoch {schedules.current.epoch} in force from "
+                    f"round {schedules.current.effective_round}, after the checkpoint's {round}"
+                )
+        in_use = (schedules.current, *schedules.staged)
+        specs = {s.epoch: self._schedule_specs(s) for s in in_use}  # checks they fit
         self.algorithm.load_state_dict(state["algorithm"])  # checks everything, then assigns
         # everything below was checked above: nothing can fail half-way
+        if isinstance(self.algorithm, Regroupable):
+            self.algorithm.regroup(self._params, schedules.current.groups or None)
+        self.schedules = schedules
+        for epoch, epoch_specs in specs.items():
+            self._expect_epoch(epoch, epoch_specs)
+        self.transport.forget_epochs_before(schedules.current.epoch)
         self.model.load_state_dict(saved)
         self.round = round
         self._links.bytes_sent = counters["bytes_sent"]
@@ -476,6 +572,8 @@ class Peer:
             failed_exchanges=dict(self._links.failures),
             compute_seconds=self._compute_seconds,
             comm_seconds=self._comm_seconds,
+            mismatched_epoch_exchanges=self._links.epoch_mismatches,
+            schedule_epochs=tuple(self.schedules.history),
         )
 
     def close(self) -> None:

@@ -138,7 +138,7 @@ def greeted_peer():
 
     receiver = GrpcTransport(Identity(1, "t", "m"), [0, 2])
     monitor = LinkMonitor(1, [0, 2])
-    receiver.set_hello_handler(lambda s, r, p, a: monitor.answer_hello(s, r, p, a, 10))
+    receiver.set_hello_handler(lambda s, r, p, a, e: monitor.answer_hello(s, r, p, a, 10))
     channel = grpc.insecure_channel(receiver.address)
     hello = channel.unary_unary(f"/{SERVICE_NAME}/Hello")
     yield receiver, monitor, hello

@@ -224,8 +224,8 @@ def test_handshakes_from_neighbours_at_22_and_30_no_longer_livelock_a_peer_at_18
     between two rounds forever (after 300 gossip() calls it was at round 27)."""
     peer, _ = _lonely_peer(RoundPace(floor=1e-9))  # every claim here is plausible
     peer.round = 18
-    peer._answer_hello(0, 22, 0, False)
-    peer._answer_hello(2, 30, 0, False)
+    peer._answer_hello(0, 22, 0, False, 0)
+    peer._answer_hello(2, 30, 0, False, 0)
     rounds = []
     for _ in range(300):
         peer.gossip()
@@ -271,7 +271,7 @@ def test_any_sequence_of_handshakes_keeps_a_peer_progressing(start, events, plau
                     moves_back += 1
                 assert 0 <= peer.round < MAX_WIRE_ROUND
             their = max(0, peer.round + offset)
-            peer._answer_hello(sender, their, their + margin if margin else 0, alone)
+            peer._answer_hello(sender, their, their + margin if margin else 0, alone, 0)
     finally:
         logger.removeHandler(handler)
     assert moves_back <= len(events) + 1

@@ -294,6 +294,7 @@ def _state_of(trainer: PeerTrainer) -> list[torch.Tensor]:
     "algorithm,extra",
     [
         ("choco", {"compressor": "sign"}),
+        ("def", {"compressor": "ef+topk:ratio=0.1"}),  # error-feedback memories are saved
         ("powergossip", {}),
         ("def", {"compressor": "topk:ratio=0.1"}),
     ],

@@ -112,7 +112,7 @@ def test_handshake_mismatch_is_refused_naming_the_field_but_not_the_servers_valu
 
 
 @pytest.mark.parametrize("value", [-7, 2**53, 2**63 - 1, -(2**63)])
-@pytest.mark.parametrize("field", ["round", "proposed_resume_round"])
+@pytest.mark.parametrize("field", ["round", "proposed_resume_round", "schedule_epoch"])
 def test_handshake_rounds_out_of_range_are_invalid_argument_naming_the_field(field, value):
     """A round of 2^63-1 once failed the handler with UNKNOWN ('Value out of range') after the
     peer had already adopted it: now it is refused before anything is used."""

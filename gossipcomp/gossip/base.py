@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.transport.base import (
     RAW_CODEC,
     Envelope,
@@ -36,8 +37,10 @@ class LinkStats:
     bytes_sent: dict[int, int] = field(default_factory=dict)
     bytes_received: dict[int, int] = field(default_factory=dict)
     failures: dict[int, int] = field(default_factory=dict)
+    epoch_mismatches: int = 0  # exchanges refused: the neighbour sent under another epoch
 
     def add(self, result: ExchangeResult) -> None:
+        self.epoch_mismatches += len(result.epoch_mismatches)
         for j, n in result.bytes_sent.items():
             self.bytes_sent[j] = self.bytes_sent.get(j, 0) + n
         for j, n in result.bytes_received.items():
@@ -145,4 +148,22 @@ class Resumable(Protocol):
     def resume_edge(self, neighbour: int, envelope: Envelope | None, round: int) -> None:
         """Reset this peer's state for the edge to `neighbour` from what it sent (`envelope`),
         identically at both ends."""
+        ...
+
+
+@runtime_checkable
+class Regroupable(Protocol):
+    """An algorithm whose payload follows a schedule's tensor groups (Choco-SGD, DEF-ATC): each
+    group is fused into one buffer and compressed once with the group's compressor."""
+
+    def specs(
+        self, params: NamedParams, groups: Sequence[TensorGroup] | None
+    ) -> dict[str, PayloadSpec]:
+        """Per phase, what a neighbour's envelope holds under `groups` (None: one group per
+        parameter with the algorithm's compressor), without changing anything; ValueError
+        when the groups do not fit the model."""
+        ...
+
+    def regroup(self, params: NamedParams, groups: Sequence[TensorGroup] | None) -> None:
+        """Switch to `groups` at the round a schedule takes effect, keeping all state."""
         ...

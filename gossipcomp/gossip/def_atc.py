@@ -28,7 +28,6 @@ import torch
 from gossipcomp.compress.base import Compressor
 from gossipcomp.gossip.base import RESUME_PHASE, NamedParams, Neighbourhood
 from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
-from gossipcomp.gossip.grouping import GroupPlan
 from gossipcomp.gossip.merged import MergedCodec
 from gossipcomp.gossip.state import (
     checked_tensors,
@@ -39,6 +38,7 @@ from gossipcomp.gossip.state import (
     restored_tensors,
     save_edge_tensors,
 )
+from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
 
 PHASE = "def"
@@ -99,24 +99,24 @@ class DEFATC:
         return self.specs(params, None)
 
     def specs(
-        self, params: NamedParams, plans: Sequence[GroupPlan] | None
+        self, params: NamedParams, groups: Sequence[TensorGroup] | None
     ) -> dict[str, PayloadSpec]:
-        """Per phase, what a neighbour's envelope holds under the groups `plans` (the current
-        grouping when None), without changing anything."""
+        """Per phase, what a neighbour's envelope holds under `groups` (None or empty: one
+        group per parameter with this algorithm's compressor), without changing anything."""
         codec = self._require_codec()
-        grouping = None if plans is None else codec.regrouped(params, plans)
+        grouping = codec.regrouped(params, groups)
         return {
             PHASE: codec.spec(lambda round: round, grouping),
             RESUME_PHASE: raw_copy_spec(params),
         }
 
-    def regroup(self, params: NamedParams, plans: Sequence[GroupPlan]) -> None:
-        """Switch to the groups `plans` (a new schedule): state moves to the new buffers."""
+    def regroup(self, params: NamedParams, groups: Sequence[TensorGroup] | None) -> None:
+        """Switch to `groups` (a schedule taking effect): state moves to the new buffers."""
         codec = self._require_codec()
         reference, error = codec.per_parameter(self.reference), codec.per_parameter(self.error)
         tracked = {j: codec.per_parameter(t) for j, t in self.neighbour_references.items()}
         memories = codec.feedback_memories()
-        codec.use(codec.regrouped(params, plans))
+        codec.use(codec.regrouped(params, groups))
         codec.load_feedback_memories(memories)
         self.reference, self.error = codec.flats(reference), codec.flats(error)
         self.neighbour_references = {j: codec.flats(t) for j, t in tracked.items()}

@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
 
 import torch
 
@@ -28,20 +27,11 @@ from gossipcomp.compress import ErrorFeedback, parse_spec
 from gossipcomp.compress.base import Compressed, Compressor
 from gossipcomp.compress.flat import FlatLayout
 from gossipcomp.gossip.base import NamedParams
+from gossipcomp.schedule.groups import TensorGroup, check_cover
 from gossipcomp.text import quoted
 from gossipcomp.transport.base import PayloadSpec, TensorSpec, WireTensor
 
 BROADCAST = -1  # CompressionContext.receiver when one payload goes to every neighbour
-
-
-class GroupPlan(Protocol):
-    """One group of a schedule: parameter names fused into one buffer, and its compressor."""
-
-    @property
-    def names(self) -> tuple[str, ...]: ...
-
-    @property
-    def compressor(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -54,47 +44,25 @@ class Group:
     compressor: Compressor
 
 
-def check_cover(plans: Sequence[GroupPlan], names: Sequence[str]) -> None:
-    """Raise ValueError unless `plans` name every parameter in `names` exactly once and no
-    other name (errors quote at most a few names, each shortened)."""
-    known = set(names)
-    seen: set[str] = set()
-    for index, plan in enumerate(plans):
-        if not plan.names:
-            raise ValueError(f"group {index} is empty: every group needs at least one parameter")
-        for name in plan.names:
-            if name not in known:
-                raise ValueError(f"group {index} names unknown parameter {quoted(name)}")
-            if name in seen:
-                raise ValueError(f"parameter {quoted(name)} is in more than one group")
-            seen.add(name)
-    missing = [n for n in names if n not in seen]
-    if missing:
-        raise ValueError(
-            f"{len(missing)} parameters are in no group, e.g. {quoted(missing[:3])}: a schedule "
-            "must cover every parameter exactly once"
-        )
-
-
 class Grouping:
     """The groups of one schedule over a model's parameters (one group per parameter when no
-    plan is given), each with its own compressor instance."""
+    groups are given), each with its own compressor instance."""
 
     def __init__(
         self,
         params: NamedParams,
         default: Compressor,
-        plans: Sequence[GroupPlan] | None = None,
+        groups: Sequence[TensorGroup] | None = None,
     ) -> None:
         names = [name for name, _ in params]
         position = {name: i for i, name in enumerate(names)}
-        if plans is None:
+        if groups is None:
             members: list[tuple[int, ...]] = [(i,) for i in range(len(params))]
             specs = [default.spec] * len(params)
         else:
-            check_cover(plans, names)
-            members = [tuple(sorted(position[n] for n in plan.names)) for plan in plans]
-            specs = [plan.compressor for plan in plans]
+            check_cover(groups, names, contiguous=False)
+            members = [tuple(sorted(position[n] for n in group.names)) for group in groups]
+            specs = [group.compressor for group in groups]
         self.groups = [
             Group(
                 name=_group_name([names[i] for i in indices]),

@@ -15,7 +15,8 @@ import torch
 
 from gossipcomp.compress.base import Compressed, CompressionContext, Compressor
 from gossipcomp.gossip.base import NamedParams
-from gossipcomp.gossip.grouping import BROADCAST, Grouping, GroupPlan, to_wire
+from gossipcomp.gossip.grouping import BROADCAST, Grouping, to_wire
+from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
 
 
@@ -30,10 +31,11 @@ class MergedCodec:
         self.shapes = [tuple(p.shape) for _, p in params]
         self.grouping = Grouping(params, default)
 
-    def regrouped(self, params: NamedParams, plans: Sequence[GroupPlan]) -> Grouping:
-        """A grouping of the same parameters by `plans` (ValueError when they do not cover
-        every parameter exactly once or name an unknown compressor)."""
-        return Grouping(params, self.default, plans)
+    def regrouped(self, params: NamedParams, groups: Sequence[TensorGroup] | None) -> Grouping:
+        """A grouping of the same parameters by `groups` (None or empty: one per parameter;
+        ValueError when they do not cover every parameter exactly once or name an unknown
+        compressor)."""
+        return Grouping(params, self.default, groups or None)
 
     def use(self, grouping: Grouping) -> None:
         self.grouping = grouping

@@ -14,9 +14,10 @@ bytes, so it is the same for any implementation:
                per tensor (name, dtype, ndim, each dim, codec, nbytes), then the proof's key_id,
                timestamp_ms, nonce, content_sha256
     hello:     protocol_version, sender, receiver, topology_hash, model_signature, round,
-               proposed_resume_round, alone, key_id, timestamp_ms, nonce
+               proposed_resume_round, alone, schedule_epoch, key_id, timestamp_ms, nonce
     reply:     protocol_version, replier, requester, topology_hash, model_signature, round,
-               resume_round, alone, the request's nonce, key_id, timestamp_ms, nonce
+               resume_round, alone, schedule_epoch, the request's nonce, key_id,
+               timestamp_ms, nonce
 
 A receiver checks, in this order, and refuses with the code given: the proof's fields have their
 fixed sizes and an envelope header is within the size limits (before any string is built, so a
@@ -99,6 +100,7 @@ def _hello_string(request: pb.HelloRequest) -> bytes:
     string.number(request.sender, request.proof.receiver)
     string.blob(request.topology_hash, request.model_signature)
     string.number(request.round, request.proposed_resume_round, request.alone)
+    string.number(request.schedule_epoch)
     return string.proof(request.proof)
 
 
@@ -106,7 +108,7 @@ def _reply_string(reply: pb.HelloReply, request_nonce: bytes) -> bytes:
     string = _SigningString(_REPLY).unsigned(reply.protocol_version)
     string.number(reply.receiver, reply.proof.receiver)
     string.blob(reply.topology_hash, reply.model_signature)
-    string.number(reply.round, reply.resume_round, reply.alone)
+    string.number(reply.round, reply.resume_round, reply.alone, reply.schedule_epoch)
     return string.blob(request_nonce).proof(reply.proof)
 
 

@@ -138,14 +138,15 @@ class HelloAnswer:
     round: int
     resume_round: int
     alone: bool = False  # the answering peer has no live edge: it adopts the asker's round
+    schedule_epoch: int = 0  # the newest schedule epoch the answering peer has
 
 
-HelloHandler = Callable[[int, int, int, bool], HelloAnswer]
+HelloHandler = Callable[[int, int, int, bool, int], HelloAnswer]
 """Answers an incoming handshake: (sender, sender's round, proposed resume round, whether the
-sender is alone) -> answer."""
+sender is alone, the sender's newest schedule epoch) -> answer."""
 
 
-def no_rejoin(sender: int, round: int, proposed: int, alone: bool) -> HelloAnswer:
+def no_rejoin(sender: int, round: int, proposed: int, alone: bool, epoch: int) -> HelloAnswer:
     """The handler of a transport whose peer never resumes edges (plain handshake only)."""
     return HelloAnswer(0, 0)
 
@@ -158,15 +159,36 @@ class ExchangeResult:
     failed: dict[int, str] = field(default_factory=dict)
     bytes_sent: dict[int, int] = field(default_factory=dict)
     bytes_received: dict[int, int] = field(default_factory=dict)
+    # neighbours whose envelope was sent under another schedule epoch (also in `failed`)
+    epoch_mismatches: list[int] = field(default_factory=list)
+
+
+def epoch_mismatch(round: int, theirs: int, mine: int) -> str:
+    """Why an exchange with a neighbour failed when its envelope came under another epoch."""
+    return (
+        f"round {round}: the neighbour sent under schedule epoch {theirs}, this peer uses "
+        f"epoch {mine} (schedules not applied at the same round)"
+    )
 
 
 class Transport(Protocol):
     """Moves one payload per neighbour per (round, phase) and returns what the neighbours sent."""
 
     rank: int
+    schedule_epoch: int  # the newest schedule epoch the peer has: told in every handshake
 
-    def expect(self, phase: str, specs: Mapping[int, PayloadSpec] | PayloadSpec) -> None:
-        """Declare what envelopes of `phase` must contain (per sender, or one spec for all)."""
+    def expect(
+        self,
+        phase: str,
+        specs: Mapping[int, PayloadSpec] | PayloadSpec,
+        schedule_epoch: int = 0,
+    ) -> None:
+        """Declare what envelopes of (`schedule_epoch`, `phase`) must contain (per sender, or
+        one spec for all)."""
+        ...
+
+    def forget_epochs_before(self, schedule_epoch: int) -> None:
+        """Stop accepting envelopes of schedule epochs older than `schedule_epoch`."""
         ...
 
     def open_round(self, round: int) -> None:
@@ -215,7 +237,9 @@ class Transport(Protocol):
         timeout: float,
         schedule_epoch: int = 0,
     ) -> ExchangeResult:
-        """Send outgoing[j] to each neighbour j and wait, until the deadline, for j's payload."""
+        """Send outgoing[j] to each neighbour j and wait, until the deadline, for j's payload.
+        Envelopes carry `schedule_epoch`; one a neighbour sent under another epoch fails that
+        neighbour's exchange (and is listed in `epoch_mismatches`): none is ever used."""
         ...
 
     def close(self) -> None:

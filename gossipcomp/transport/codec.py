@@ -94,7 +94,7 @@ def validate_header(
     phase: str,
     tensors: tuple[WireTensor, ...] | list[TensorSpec],
     neighbours: Collection[int],
-    specs: Mapping[str, Mapping[int, PayloadSpec]],
+    specs: Mapping[tuple[int, str], Mapping[int, PayloadSpec]],
     max_envelope_bytes: int,
     round: int = 0,
     schedule_epoch: int = 0,
@@ -124,11 +124,18 @@ def validate_header(
             RejectCode.PERMISSION_DENIED,
             f"sender: peer {sender} is not a neighbour (expected one of {sorted(neighbours)})",
         )
-    by_sender = specs.get(phase)
+    by_sender = specs.get((schedule_epoch, phase))
     if by_sender is None:
+        phases = sorted({p for _, p in specs})
+        if phase in phases:
+            raise EnvelopeRejected(
+                RejectCode.FAILED_PRECONDITION,
+                f"schedule_epoch: {schedule_epoch} is not a schedule this peer has for phase "
+                f"{quoted(phase)} (a schedule not yet received, or one long replaced)",
+            )
         raise EnvelopeRejected(
             RejectCode.INVALID_ARGUMENT,
-            f"phase: expected one of {sorted(specs)}, got {quoted(phase)}",
+            f"phase: expected one of {phases}, got {quoted(phase)}",
         )
     expected = by_sender[sender]
     declared_total = sum(t.nbytes for t in tensors)

@@ -44,6 +44,7 @@ from gossipcomp.security.tls import TlsFiles, channel_credentials, server_creden
 from gossipcomp.text import quoted
 from gossipcomp.transport.authentication import DEFAULT_CLOCK_TOLERANCE, Authenticator
 from gossipcomp.transport.base import (
+    MAX_SCHEDULE_EPOCH,
     MAX_WIRE_ROUND,
     Envelope,
     EnvelopeRejected,
@@ -57,6 +58,7 @@ from gossipcomp.transport.base import (
     PeerNotReady,
     PeerUnreachableError,
     RejectCode,
+    epoch_mismatch,
     no_rejoin,
 )
 from gossipcomp.transport.inbox import Inbox
@@ -194,6 +196,7 @@ class _GossipService:
             round=answer.round,
             resume_round=answer.resume_round,
             alone=answer.alone,
+            schedule_epoch=answer.schedule_epoch,
         )
         if self._auth is not None:
             self._auth.prove_reply(reply, request)
@@ -224,14 +227,15 @@ class _GossipService:
                 f"sender: peer {request.sender} is not a neighbour of peer {mine.rank} "
                 f"(expected one of {sorted(self._inbox.neighbours)})",
             )
-        for field, value in (
-            ("round", request.round),
-            ("proposed_resume_round", request.proposed_resume_round),
+        for field, value, limit, shown in (
+            ("round", request.round, MAX_WIRE_ROUND, "2^53"),
+            ("proposed_resume_round", request.proposed_resume_round, MAX_WIRE_ROUND, "2^53"),
+            ("schedule_epoch", request.schedule_epoch, MAX_SCHEDULE_EPOCH + 1, "2^31"),
         ):
-            if not 0 <= value < MAX_WIRE_ROUND:
+            if not 0 <= value < limit:
                 raise EnvelopeRejected(
                     RejectCode.INVALID_ARGUMENT,
-                    f"{field}: expected 0 <= {field} < 2^53, got {value}",
+                    f"{field}: expected 0 <= {field} < {shown}, got {value}",
                 )
         if request.proposed_resume_round and request.proposed_resume_round <= request.round:
             raise EnvelopeRejected(
@@ -240,7 +244,11 @@ class _GossipService:
                 f"got {request.proposed_resume_round}",
             )
         return self.on_hello(
-            request.sender, request.round, request.proposed_resume_round, request.alone
+            request.sender,
+            request.round,
+            request.proposed_resume_round,
+            request.alone,
+            request.schedule_epoch,
         )
 
     async def Push(
@@ -390,6 +398,7 @@ class GrpcTransport:
         options: GrpcOptions | None = None,
     ) -> None:
         self.rank = identity.rank
+        self.schedule_epoch = 0
         self._identity = identity
         self._neighbours = sorted(neighbours)
         self._options = options or GrpcOptions()
@@ -458,8 +467,16 @@ class GrpcTransport:
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace=0.5)
 
-    def expect(self, phase: str, specs: Mapping[int, PayloadSpec] | PayloadSpec) -> None:
-        self._inbox.expect(phase, specs)
+    def expect(
+        self,
+        phase: str,
+        specs: Mapping[int, PayloadSpec] | PayloadSpec,
+        schedule_epoch: int = 0,
+    ) -> None:
+        self._inbox.expect(phase, specs, schedule_epoch)
+
+    def forget_epochs_before(self, schedule_epoch: int) -> None:
+        self._inbox.forget_epochs_before(schedule_epoch)
 
     def open_round(self, round: int) -> None:
         self._inbox.mailbox.open_round(round)
@@ -568,6 +585,7 @@ class GrpcTransport:
             round=round,
             proposed_resume_round=proposed,
             alone=alone,
+            schedule_epoch=self.schedule_epoch,
         )
         if self._auth is not None:
             self._auth.prove_hello(request, neighbour)
@@ -580,7 +598,13 @@ class GrpcTransport:
         raises EnvelopeRejected when it is not from that neighbour or not for this request."""
         if self._auth is not None:
             self._auth.check_reply(reply, request, neighbour)
-        return HelloAnswer(reply.round, reply.resume_round, reply.alone)
+        if not 0 <= reply.schedule_epoch <= MAX_SCHEDULE_EPOCH:
+            raise EnvelopeRejected(
+                RejectCode.INVALID_ARGUMENT,
+                f"reply schedule_epoch: expected 0..{MAX_SCHEDULE_EPOCH}, got "
+                f"{reply.schedule_epoch}",
+            )
+        return HelloAnswer(reply.round, reply.resume_round, reply.alone, reply.schedule_epoch)
 
     def probe(
         self, neighbour: int, round: int, proposed: int, alone: bool
@@ -663,7 +687,9 @@ class GrpcTransport:
                 pushes[j] = self._pool.submit(self._send_chunks, j, chunks, deadline)
             # a refused push means the neighbour has moved on or gone: stop waiting for it
             pushes[j].add_done_callback(_abandon_on_failure(mailbox, round, phase, j))
-        arrived = self._inbox.mailbox.collect(round, phase, outgoing.keys(), deadline)
+        arrived, mismatched = self._inbox.collect(
+            round, phase, outgoing.keys(), deadline, schedule_epoch
+        )
         result = ExchangeResult()
         for j, push in pushes.items():
             try:
@@ -676,6 +702,10 @@ class GrpcTransport:
                 result.failed[j] = f"push not finished within {timeout:g} s"
         for j in outgoing:
             if j in result.failed:
+                continue
+            if j in mismatched:
+                result.failed[j] = epoch_mismatch(round, mismatched[j], schedule_epoch)
+                result.epoch_mismatches.append(j)
                 continue
             if j not in arrived:
                 result.failed[j] = f"no envelope for round {round} phase {phase!r} in {timeout:g} s"

@@ -28,6 +28,7 @@ from gossipcomp.transport.base import (
     PayloadSpec,
     PeerNotReady,
     PeerUnreachableError,
+    epoch_mismatch,
     no_rejoin,
 )
 from gossipcomp.transport.inbox import Inbox
@@ -101,6 +102,7 @@ class InMemoryTransport:
         max_envelope_bytes: int = 1 << 30,
     ) -> None:
         self.rank = identity.rank
+        self.schedule_epoch = 0
         self.identity = identity
         self._neighbours = sorted(neighbours)
         self._hub = hub
@@ -108,8 +110,16 @@ class InMemoryTransport:
         self._on_hello: HelloHandler = no_rejoin
         hub.register(self)
 
-    def expect(self, phase: str, specs: Mapping[int, PayloadSpec] | PayloadSpec) -> None:
-        self._inbox.expect(phase, specs)
+    def expect(
+        self,
+        phase: str,
+        specs: Mapping[int, PayloadSpec] | PayloadSpec,
+        schedule_epoch: int = 0,
+    ) -> None:
+        self._inbox.expect(phase, specs, schedule_epoch)
+
+    def forget_epochs_before(self, schedule_epoch: int) -> None:
+        self._inbox.forget_epochs_before(schedule_epoch)
 
     def open_round(self, round: int) -> None:
         self._inbox.mailbox.open_round(round)
@@ -130,9 +140,11 @@ class InMemoryTransport:
     def set_hello_handler(self, handler: HelloHandler) -> None:
         self._on_hello = handler
 
-    def hello(self, sender: int, round: int, proposed: int, alone: bool) -> HelloAnswer:
+    def hello(
+        self, sender: int, round: int, proposed: int, alone: bool, schedule_epoch: int
+    ) -> HelloAnswer:
         """A neighbour's handshake arriving here (the in-process Hello)."""
-        return self._on_hello(sender, round, proposed, alone)
+        return self._on_hello(sender, round, proposed, alone, schedule_epoch)
 
     def probe(self, neighbour: int, round: int, proposed: int, alone: bool) -> Future[HelloAnswer]:
         answer: Future[HelloAnswer] = Future()
@@ -145,7 +157,7 @@ class InMemoryTransport:
             answer.set_exception(PeerUnreachableError(f"peer {neighbour} cannot be reached"))
             return answer
         try:
-            reply = target.hello(self.rank, round, proposed, alone)
+            reply = target.hello(self.rank, round, proposed, alone, self.schedule_epoch)
         except PeerNotReady as error:
             answer.set_exception(error)
             return answer
@@ -191,7 +203,8 @@ class InMemoryTransport:
         for j in self._neighbours:
             other = self._hub.lookup(j)
             if other is not None:
-                answers[j] = other.hello(self.rank, round, (proposals or {}).get(j, 0), alone)
+                proposed = (proposals or {}).get(j, 0)
+                answers[j] = other.hello(self.rank, round, proposed, alone, self.schedule_epoch)
         return answers
 
     def exchange(
@@ -222,9 +235,15 @@ class InMemoryTransport:
                 result.failed[j] = f"push failed: {error}"
             if j in result.failed:  # it has moved on or gone: do not wait for its envelope
                 self._inbox.mailbox.abandon(round, phase, j)
-        arrived = self._inbox.mailbox.collect(round, phase, outgoing.keys(), deadline)
+        arrived, mismatched = self._inbox.collect(
+            round, phase, outgoing.keys(), deadline, schedule_epoch
+        )
         for j in outgoing:
             if j in result.failed:
+                continue
+            if j in mismatched:
+                result.failed[j] = epoch_mismatch(round, mismatched[j], schedule_epoch)
+                result.epoch_mismatches.append(j)
                 continue
             if j not in arrived:
                 result.failed[j] = f"no envelope for round {round} phase {phase!r} in {timeout:g} s"

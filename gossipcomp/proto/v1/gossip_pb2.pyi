@@ -69,7 +69,7 @@ class PushReply(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
-    __slots__ = ("protocol_version", "sender", "topology_hash", "model_signature", "proof", "round", "proposed_resume_round", "alone")
+    __slots__ = ("protocol_version", "sender", "topology_hash", "model_signature", "proof", "round", "proposed_resume_round", "alone", "schedule_epoch")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class HelloRequest(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_RESUME_ROUND_FIELD_NUMBER: _ClassVar[int]
     ALONE_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     sender: int
     topology_hash: str
@@ -86,10 +87,11 @@ class HelloRequest(_message.Message):
     round: int
     proposed_resume_round: int
     alone: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., proof: _Optional[_Union[SenderProof, _Mapping]] = ..., round: _Optional[int] = ..., proposed_resume_round: _Optional[int] = ..., alone: _Optional[bool] = ...) -> None: ...
+    schedule_epoch: int
+    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., proof: _Optional[_Union[SenderProof, _Mapping]] = ..., round: _Optional[int] = ..., proposed_resume_round: _Optional[int] = ..., alone: _Optional[bool] = ..., schedule_epoch: _Optional[int] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("protocol_version", "receiver", "topology_hash", "model_signature", "proof", "round", "resume_round", "alone")
+    __slots__ = ("protocol_version", "receiver", "topology_hash", "model_signature", "proof", "round", "resume_round", "alone", "schedule_epoch")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +100,7 @@ class HelloReply(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RESUME_ROUND_FIELD_NUMBER: _ClassVar[int]
     ALONE_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     receiver: int
     topology_hash: str
@@ -106,4 +109,5 @@ class HelloReply(_message.Message):
     round: int
     resume_round: int
     alone: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., receiver: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., proof: _Optional[_Union[SenderProof, _Mapping]] = ..., round: _Optional[int] = ..., resume_round: _Optional[int] = ..., alone: _Optional[bool] = ...) -> None: ...
+    schedule_epoch: int
+    def __init__(self, protocol_version: _Optional[int] = ..., receiver: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., proof: _Optional[_Union[SenderProof, _Mapping]] = ..., round: _Optional[int] = ..., resume_round: _Optional[int] = ..., alone: _Optional[bool] = ..., schedule_epoch: _Optional[int] = ...) -> None: ...

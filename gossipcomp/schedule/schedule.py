@@ -1,0 +1,222 @@
+"""Versioned schedules: which tensors travel merged, how each group is compressed, from when.
+
+A `Schedule` is a plan with a version (`epoch`) and the round from which it holds
+(`effective_round`). Every peer applies the same schedule at the same round, so both ends of an
+edge always lay out and decode envelopes alike; envelopes carry the epoch and a receiver uses
+only those sent under the epoch it is in (transport/inbox.py).
+
+`ScheduleBook` is one peer's view: the schedule in force and those staged for later rounds.
+Staging checks a schedule completely (it covers every parameter exactly once, names only known
+parameters and compressors, goes forward in epoch, and takes effect in the future) and refuses
+it with a `ScheduleRefused` naming what is wrong, leaving the book unchanged: a schedule may
+come from the network (the coordinator), so it is hostile until checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gossipcomp.compress import parse_spec
+from gossipcomp.schedule.groups import TensorGroup, check_cover
+from gossipcomp.text import quoted
+
+MAX_EPOCH = 2**31 - 1  # epochs travel as int64 but are bounded like the envelope field
+MAX_ROUND = 2**53 - 1  # rounds on the wire lie below 2^53
+MAX_STAGED = 4  # schedules waiting for their round at one peer; more is refused
+MAX_GROUPS = 1 << 16  # groups in one schedule: far above any model's parameter count
+MAX_PLANNER_NAME = 64  # characters of the planner label kept in reports
+DEFAULT_PLANNER = "per-tensor"
+
+
+class ScheduleRefused(ValueError):
+    """A schedule a peer will not apply; the message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A versioned plan: `groups` of parameter names, each fused into one buffer and compressed
+    with its compressor spec, from `effective_round` on. No groups: one group per parameter
+    with the algorithm's own compressor (what a peer runs before any schedule arrives)."""
+
+    epoch: int
+    effective_round: int
+    groups: tuple[TensorGroup, ...] = ()
+    planner: str = DEFAULT_PLANNER  # what made it, for reports
+
+    def __post_init__(self) -> None:
+        _integer("epoch", self.epoch, MAX_EPOCH)
+        _integer("effective_round", self.effective_round, MAX_ROUND)
+        if not isinstance(self.planner, str) or not 0 < len(self.planner) <= MAX_PLANNER_NAME:
+            raise ScheduleRefused(
+                f"schedule planner: expected a name of 1 to {MAX_PLANNER_NAME} characters, "
+                f"got {quoted(self.planner)}"
+            )
+        if len(self.groups) > MAX_GROUPS:
+            raise ScheduleRefused(
+                f"schedule epoch {self.epoch}: {len(self.groups)} groups, at most {MAX_GROUPS}"
+            )
+
+    def check(self, names: Sequence[str]) -> None:
+        """Raise ScheduleRefused unless the groups cover `names` (the model's parameters)
+        exactly once and every compressor spec is one this peer can build."""
+        if not self.groups:
+            return
+        try:
+            check_cover(self.groups, names, contiguous=False)
+        except ValueError as error:
+            raise ScheduleRefused(f"schedule epoch {self.epoch}: {error}") from None
+        for index, group in enumerate(self.groups):
+            try:
+                parse_spec(group.compressor)
+            except (ValueError, TypeError) as error:
+                raise ScheduleRefused(
+                    f"schedule epoch {self.epoch}, group {index}: compressor "
+                    f"{quoted(group.compressor)}: {error}"
+                ) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (checkpoints, reports, the coordinator's messages)."""
+        return {
+            "epoch": self.epoch,
+            "effective_round": self.effective_round,
+            "planner": self.planner,
+            "groups": [{"names": list(g.names), "compressor": g.compressor} for g in self.groups],
+        }
+
+    @classmethod
+    def from_dict(cls, value: Any) -> Schedule:
+        """The inverse of `to_dict`; ScheduleRefused naming the field when malformed."""
+        if not isinstance(value, Mapping) or set(value) != {
+            "epoch",
+            "effective_round",
+            "planner",
+            "groups",
+        }:
+            found = sorted(map(str, value)) if isinstance(value, Mapping) else type(value).__name__
+            raise ScheduleRefused(
+                "schedule: expected keys ['effective_round', 'epoch', 'groups', 'planner'], "
+                f"got {quoted(found)}"
+            )
+        groups = value["groups"]
+        if not isinstance(groups, list) or len(groups) > MAX_GROUPS:
+            raise ScheduleRefused(f"schedule groups: expected a list of at most {MAX_GROUPS}")
+        parsed = []
+        for index, group in enumerate(groups):
+            if (
+                not isinstance(group, Mapping)
+                or set(group) != {"names", "compressor"}
+                or not isinstance(group["names"], list)
+                or not all(isinstance(n, str) for n in group["names"])
+                or not isinstance(group["compressor"], str)
+            ):
+                raise ScheduleRefused(
+                    f"schedule group {index}: expected {{names: [str, ...], compressor: str}}, "
+                    f"got {quoted(group)}"
+                )
+            parsed.append(TensorGroup(tuple(group["names"]), group["compressor"]))
+        return cls(value["epoch"], value["effective_round"], tuple(parsed), value["planner"])
+
+
+def _integer(field: str, value: Any, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+        raise ScheduleRefused(
+            f"schedule {field}: expected an integer in [0, {high}], got {quoted(value)}"
+        )
+
+
+class ScheduleBook:
+    """One peer's schedules: the one in force and those staged for later rounds (at most
+    MAX_STAGED), in order of epoch and effective round."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self._names = list(names)
+        self.current = Schedule(0, 0)
+        self.history: list[Schedule] = [self.current]  # every schedule that took effect
+        self._staged: list[Schedule] = []
+
+    @property
+    def newest(self) -> Schedule:
+        """The newest schedule this peer has, in force or staged."""
+        return self._staged[-1] if self._staged else self.current
+
+    @property
+    def staged(self) -> tuple[Schedule, ...]:
+        return tuple(self._staged)
+
+    def stage(self, schedule: Schedule, round: int) -> None:
+        """Accept `schedule` to take effect at its round; ScheduleRefused (nothing changed)
+        when it does not cover the model, goes back in epoch, or takes effect at or before
+        `round` (the peer's current round: it may already have exchanged under the old one)."""
+        newest = self.newest
+        if schedule.epoch <= newest.epoch:
+            raise ScheduleRefused(
+                f"schedule epoch {schedule.epoch}: expected an epoch after {newest.epoch}, the "
+                "newest this peer has (schedules only go forward)"
+            )
+        if schedule.effective_round <= max(round, newest.effective_round):
+            raise ScheduleRefused(
+                f"schedule epoch {schedule.epoch}: takes effect at round "
+                f"{schedule.effective_round}, expected a round after "
+                f"{max(round, newest.effective_round)} (this peer's round, or the newest "
+                "schedule's): a schedule cannot take effect in the past"
+            )
+        if len(self._staged) >= MAX_STAGED:
+            raise ScheduleRefused(
+                f"schedule epoch {schedule.epoch}: {MAX_STAGED} schedules already wait for "
+                "their round at this peer"
+            )
+        schedule.check(self._names)
+        self._staged.append(schedule)
+
+    def due(self, round: int) -> Schedule | None:
+        """The schedule that takes effect by `round`, now in force (None when the one in force
+        stays). A peer that jumped over several effective rounds goes to the latest one."""
+        ready = [s for s in self._staged if s.effective_round <= round]
+        if not ready:
+            return None
+        self._staged = [s for s in self._staged if s.effective_round > round]
+        self.current = ready[-1]
+        self.history.append(self.current)
+        return self.current
+
+    def epoch_at(self, round: int) -> int:
+        """The epoch in force at `round` by what this peer has now."""
+        epoch = self.current.epoch
+        for schedule in self._staged:
+            if schedule.effective_round <= round:
+                epoch = schedule.epoch
+        return epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "current": self.current.to_dict(),
+            "staged": [s.to_dict() for s in self._staged],
+            "history": [s.to_dict() for s in self.history],
+        }
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore what `state_dict` returned; ScheduleRefused (nothing changed) when any part
+        is malformed, does not cover the model, or is out of order."""
+        if not isinstance(state, Mapping) or set(state) != {"current", "staged", "history"}:
+            raise ScheduleRefused("schedules: expected keys ['current', 'history', 'staged']")
+        current = Schedule.from_dict(state["current"])
+        current.check(self._names)
+        lists = []
+        for key, limit in (("staged", MAX_STAGED), ("history", MAX_EPOCH)):
+            items = state[key]
+            if not isinstance(items, list) or len(items) > limit:
+                raise ScheduleRefused(f"schedules {key}: expected a list of at most {limit}")
+            lists.append([Schedule.from_dict(item) for item in items])
+        staged, history = lists
+        chain = [current, *staged]
+        for before, after in zip(chain, chain[1:], strict=False):
+            if after.epoch <= before.epoch or after.effective_round <= before.effective_round:
+                raise ScheduleRefused(
+                    f"schedules: staged epoch {after.epoch} does not follow epoch {before.epoch}"
+                )
+        for schedule in staged:
+            schedule.check(self._names)
+        self.current, self._staged = current, staged
+        self.history = history or [current]
