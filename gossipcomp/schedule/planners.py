@@ -371,54 +371,42 @@ def _relax(
     timeline: _Timeline, costs: CostModel, specs: list[str], cuts: list[int], choice: list[int]
 ) -> list[int]:
     """Stage 2 of `Strategy`: per group, largest first, the least compressing spec (lowest
-    index) whose predicted time is within _FIDELITY_TIE of the current one."""
+    index) that keeps the predicted time within _FIDELITY_TIE of the plan's from stage 1.
+
+    Durations d_g in processing order. gossip: T = compute + alpha + sum d. all-reduce: with
+    finish_g = ready_g + d_g + ... + d_last, T = max(compute, max_g finish_g); changing d_g by
+    delta moves finish_0..finish_g by delta, so each trial costs two maxima."""
     prefix = timeline.prefix_numel
     bounds = np.asarray(cuts)
     numel = prefix[bounds[1:]] - prefix[bounds[:-1]]
     fixed, slope = _coefficients(costs, specs)
     options = fixed[:, None] + slope[:, None] * numel[None, :]  # [spec, group]
-    groups = np.arange(numel.size)
     chosen = np.asarray(choice)
-    predict = _Predictor(costs, timeline.ready[bounds[1:] - 1])
-    for group in np.argsort(-numel, kind="stable"):
-        current = chosen[group]
+    durations = options[chosen, np.arange(numel.size)]
+    if costs.mode == "gossip":
+        finish = np.array([costs.link.latency_s + durations.sum()])
+    else:
+        finish = timeline.ready[bounds[1:] - 1] + np.cumsum(durations[::-1])[::-1]
+    limit = max(costs.compute_s, float(finish.max())) * (1 + _FIDELITY_TIE)
+    for group in np.argsort(-numel, kind="stable").tolist():
+        current = int(chosen[group])
         if current == 0:
             continue
-        trials = predict.trial(options[chosen, groups], int(group), options[:current, group])
-        limit = predict(options[chosen, groups]) * (1 + _FIDELITY_TIE)
+        delta = options[:current, group] - durations[group]
+        if costs.mode == "gossip":
+            trials = costs.compute_s + finish[0] + delta
+            moved = slice(0, 1)
+        else:
+            moved = slice(0, group + 1)
+            after = float(finish[group + 1 :].max()) if group + 1 < finish.size else -np.inf
+            trials = np.maximum(costs.compute_s, np.maximum(finish[moved].max() + delta, after))
         allowed = np.flatnonzero(trials <= limit)
         if allowed.size:
-            chosen[group] = int(allowed[0])
+            pick = int(allowed[0])
+            finish[moved] += delta[pick]
+            durations[group] = options[pick, group]
+            chosen[group] = pick
     return chosen.tolist()
-
-
-class _Predictor:
-    """Iteration time from per-group durations (processing order), and O(groups) trials of
-    changing one group's duration.
-
-    gossip: T = compute + alpha + sum d. all-reduce: with S_k = d_k + ... + d_last (groups in
-    ready order), end_last = max_k (ready_k + S_k), so T = max(compute, that)."""
-
-    def __init__(self, costs: CostModel, ready: np.ndarray) -> None:
-        self.costs = costs
-        self.ready = ready
-
-    def __call__(self, durations: np.ndarray) -> float:
-        if self.costs.mode == "gossip":
-            return self.costs.compute_s + self.costs.link.latency_s + float(durations.sum())
-        suffix = np.cumsum(durations[::-1])[::-1]
-        return max(self.costs.compute_s, float(np.max(self.ready + suffix)))
-
-    def trial(self, durations: np.ndarray, group: int, options: np.ndarray) -> np.ndarray:
-        """Predicted time for each option of `group`'s duration, the others unchanged."""
-        delta = options - durations[group]
-        if self.costs.mode == "gossip":
-            return self(durations) + delta
-        suffix = np.cumsum(durations[::-1])[::-1]
-        finish = self.ready + suffix
-        up_to = float(np.max(finish[: group + 1]))  # these finish later by delta
-        after = float(np.max(finish[group + 1 :])) if group + 1 < finish.size else -np.inf
-        return np.maximum(self.costs.compute_s, np.maximum(up_to + delta, after))
 
 
 PLANNERS: dict[str, Callable[..., Planner]] = {
