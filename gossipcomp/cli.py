@@ -42,10 +42,11 @@ from gossipcomp.experiment import (
 )
 from gossipcomp.gossip import ALGORITHMS, ATTACKS, parse_clip
 from gossipcomp.gossip.powergossip import largest_useful_rank
-from gossipcomp.models import build_mlp
+from gossipcomp.models import MODELS, build_model
 from gossipcomp.peer import MAX_ROUND_TIMEOUT
 from gossipcomp.presentation import format_topology
 from gossipcomp.report import Report
+from gossipcomp.schedule import PLANNERS, make_planner
 from gossipcomp.security import CA_CERT_NAME, CA_KEY_NAME, TlsFiles, new_ca, new_peer_certificate
 from gossipcomp.security.signing_keys import (
     public_key_text,
@@ -144,6 +145,14 @@ def _clip_spec(text: str) -> str:
     return text
 
 
+def _planner_spec(text: str) -> str:
+    try:
+        make_planner(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) -> None:
     """Training flags shared by simulate and peer. `--low-rank` is PowerGossip's rank; simulate
     also takes it as `--rank`, which for `peer` is the peer's own rank."""
@@ -151,6 +160,17 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
     g = parser.add_argument_group("training")
     g.add_argument(
         "--algorithm", default=d.algorithm, choices=sorted(ALGORITHMS), help="gossip algorithm"
+    )
+    g.add_argument(
+        "--model", default=d.model, choices=sorted(MODELS), help="model trained on digits"
+    )
+    g.add_argument(
+        "--schedule",
+        type=_planner_spec,
+        default=d.schedule,
+        help="choco and def: how parameters are merged into compressed groups: per-tensor, "
+        f"single, or a planner ({', '.join(sorted(PLANNERS))}) run on a reference cost model, "
+        "the same plan on every peer",
     )
     g.add_argument(
         "--rounds",
@@ -353,6 +373,8 @@ def _keys_new(args: argparse.Namespace, console: Console) -> None:
 def _config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         algorithm=args.algorithm,
+        model=args.model,
+        schedule=args.schedule,
         rounds=args.rounds,
         lr=args.lr,
         momentum=args.momentum,
@@ -579,7 +601,7 @@ def _check_low_rank(config: TrainConfig, flag: str) -> None:
     rank changes nothing and is a typing mistake (--rank 100000 ran as 256)."""
     if config.algorithm != "powergossip":
         return
-    limit = largest_useful_rank(build_mlp(config.seed).parameters())
+    limit = largest_useful_rank(build_model(config.model, config.seed).parameters())
     if config.rank > limit:
         raise ValueError(
             f"{flag} {config.rank}: no weight matrix of the model can use a rank above {limit} "

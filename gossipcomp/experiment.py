@@ -27,13 +27,17 @@ from gossipcomp.gossip import (
     Byzantine,
     Choco,
     GossipAlgorithm,
+    NamedParams,
     PowerGossip,
     make_attack,
     parse_clip,
 )
 from gossipcomp.gossip.byzantine import DEFAULT_SCALE
 from gossipcomp.gossip.clipping import AdaptiveRadius, ClipRadius
+from gossipcomp.models import MODELS
 from gossipcomp.peer import MAX_ROUND_TIMEOUT, Peer, PeerStats
+from gossipcomp.schedule import CompressorCost, CostModel, LinkCost, TensorInfo, make_planner
+from gossipcomp.schedule.schedule import Schedule
 from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
 from gossipcomp.training import (
@@ -59,6 +63,14 @@ MAX_SEED = 2**32 - 1  # the data split's seed (scikit-learn, numpy) must fit 32 
 # generator state and the archive's own records (a few kB for a 600-round run)
 _PAYLOAD_SLACK = 16 * 2**20
 _HISTORY_ENTRY_BYTES = 128  # a pickled Evaluation takes about 40; at most one per round
+# Static schedules (--schedule without a coordinator) are planned from one reference cost model,
+# the same on every peer, so every peer computes the same plan without a word exchanged: a
+# compressor call costs 60 us plus 2 ns an element, a loopback envelope 0.4 ms plus 1 ns a
+# byte (the order measured on this project's 2-core machine, docs/benchmarks.md). A
+# coordinator plans from what the peers measured instead.
+REFERENCE_COMPRESSION = CompressorCost(fixed_s=60e-6, per_element_s=2e-9)
+REFERENCE_LINK = LinkCost(latency_s=4e-4, seconds_per_byte=1e-9)
+GROUPED_ALGORITHMS = ("choco", "def")  # the algorithms whose payload follows tensor groups
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,7 @@ class TrainConfig:
     """Everything that decides a training run (the same on every peer)."""
 
     algorithm: str = "powergossip"  # a name from gossipcomp.gossip.ALGORITHMS
+    model: str = "mlp"  # a name from gossipcomp.models.MODELS
     rounds: int = 600  # local steps, each followed by one gossip round
     lr: float = DEFAULT_LR  # SGD learning rate
     momentum: float = DEFAULT_MOMENTUM  # SGD momentum (each peer keeps its own buffer)
@@ -84,6 +97,8 @@ class TrainConfig:
     byzantine: tuple[int, ...] = ()  # ranks that lie (robustness experiments)
     attack: str = "sign_flip"  # what they send: a name from gossipcomp.gossip.ATTACKS
     attack_scale: float = DEFAULT_SCALE  # sign_flip sends -scale x, scale sends scale x
+    # tensor groups for choco and def: "per-tensor", "single" or a planner spec (static plan)
+    schedule: str = "per-tensor"
 
     def __post_init__(self) -> None:
         """Refuse any setting that could not train, naming it, before anything runs."""
@@ -119,6 +134,14 @@ class TrainConfig:
         if len(set(self.byzantine)) != len(self.byzantine):
             raise ValueError(f"byzantine ranks must differ, got {self.byzantine!r}")
         make_attack(self.attack, self.attack_scale)
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {quoted(self.model)}; known: {sorted(MODELS)}")
+        make_planner(self.schedule)  # fails naming the planners that exist
+        if self.schedule != "per-tensor" and self.algorithm not in GROUPED_ALGORITHMS:
+            raise ValueError(
+                f"schedule {quoted(self.schedule)}: only {' and '.join(GROUPED_ALGORITHMS)} "
+                f"send tensor groups; {self.algorithm} takes schedule 'per-tensor'"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -223,6 +246,22 @@ def _honest_algorithm(
     raise ValueError(f"unknown algorithm {config.algorithm!r}; known: {sorted(ALGORITHMS)}")
 
 
+def static_schedule(config: TrainConfig, params: NamedParams) -> Schedule | None:
+    """The schedule `config.schedule` names, planned from the reference cost model and in
+    force from round 1 (None for 'per-tensor', what a peer runs without a schedule)."""
+    if config.schedule == "per-tensor" or config.compressor is None:
+        return None
+    spec = parse_spec(config.compressor).spec
+    costs = CostModel(
+        {s: REFERENCE_COMPRESSION for s in {spec, "identity", "fp16"}},
+        REFERENCE_LINK,
+        compute_s=0.0,
+    )
+    tensors = [TensorInfo(name, p.numel()) for name, p in params]
+    groups = make_planner(config.schedule).plan(tensors, costs, spec)
+    return Schedule(1, 1, tuple(groups), planner=config.schedule)
+
+
 def _spectral_step(step: float | str | None, topology: Topology) -> float:
     """A given step, or (None / "auto") gamma* = 2 / (2 - lambda_2 - lambda_min) of W."""
     return topology.optimal_consensus_step if step in (None, "auto") else float(step)
@@ -306,6 +345,9 @@ class PeerTrainer:
         self.stream = BatchStream(x, y, config.batch_size, config.seed, peer.rank)
         self.optimizer = make_optimizer(peer.model, config.lr, config.momentum)
         self.history: list[Evaluation] = []
+        schedule = static_schedule(config, list(peer.model.named_parameters()))
+        if schedule is not None and peer.round < schedule.effective_round:
+            peer.apply(schedule)  # a restored checkpoint brings its own schedules back
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -10,10 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+
+from gossipcomp.text import quoted
 
 
 def build_mlp(
@@ -127,3 +129,15 @@ def parameter_vector(model: nn.Module, dtype: torch.dtype = torch.float64) -> to
     if not params:
         return torch.empty(0, dtype=dtype)
     return torch.cat(params)
+
+
+MODELS: dict[str, Callable[[int], nn.Module]] = {"mlp": build_mlp, "resmlp": build_resmlp}
+
+
+def build_model(name: str, seed: int) -> nn.Module:
+    """A registered model for digits (8x8 images, 10 classes), initialised only from `seed`."""
+    try:
+        factory = MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {quoted(name)}; known: {sorted(MODELS)}") from None
+    return factory(seed)

@@ -26,6 +26,9 @@ class PeerReport:
     comm_seconds: float
     failed_exchanges: int
     consensus_distance: float  # squared distance of this peer's model to the network average
+    mismatched_epoch_exchanges: int  # exchanges refused: the ends were in other schedule epochs
+    # every schedule in force during the run: {epoch, effective_round, planner}
+    schedule_epochs: list[dict[str, Any]]
     byzantine: bool = False  # this peer lied to its neighbours (a robustness experiment)
 
 
@@ -60,11 +63,20 @@ class Report:
     # Byzantine `peer` process); the same as final/min_test_accuracy when no peer is Byzantine
     honest_test_accuracy: float | None = field(init=False)
     honest_min_test_accuracy: float | None = field(init=False)
+    # exchanges refused, over all peers, because the two ends were in different schedule
+    # epochs (0 when every peer switched schedules at the same round)
+    mismatched_epoch_exchanges: int = field(init=False)
+    # the schedules in force during the run, as the first peer reported saw them
+    schedule_epochs: list[dict[str, Any]] = field(init=False)
 
     def __post_init__(self) -> None:
         mean, minimum = honest_accuracy(self.per_peer)
         object.__setattr__(self, "honest_test_accuracy", mean)
         object.__setattr__(self, "honest_min_test_accuracy", minimum)
+        mismatched = sum(p.mismatched_epoch_exchanges for p in self.per_peer)
+        object.__setattr__(self, "mismatched_epoch_exchanges", mismatched)
+        epochs = self.per_peer[0].schedule_epochs if self.per_peer else []
+        object.__setattr__(self, "schedule_epochs", epochs)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,6 +158,11 @@ def peer_reports(
             comm_seconds=o.stats.comm_seconds,
             failed_exchanges=sum(o.stats.failed_exchanges.values()),
             consensus_distance=d,
+            mismatched_epoch_exchanges=o.stats.mismatched_epoch_exchanges,
+            schedule_epochs=[
+                {"epoch": s.epoch, "effective_round": s.effective_round, "planner": s.planner}
+                for s in o.stats.schedule_epochs
+            ],
             byzantine=o.rank in byzantine,
         )
         for o, d in zip(outcomes, distances, strict=True)

@@ -30,7 +30,7 @@ from gossipcomp.experiment import (
     TrainingAborted,
     build_algorithm,
 )
-from gossipcomp.models import build_mlp
+from gossipcomp.models import build_model
 from gossipcomp.peer import Peer
 from gossipcomp.report import Report, flat, merge_history, peer_reports
 from gossipcomp.security import TlsFiles, throwaway_certificates
@@ -73,7 +73,7 @@ def _trainer(
 def _average_model_accuracy(
     average: Sequence[torch.Tensor], config: TrainConfig, data: DigitsSplit
 ) -> float:
-    model = build_mlp(config.seed)
+    model = build_model(config.model, config.seed)
     with torch.no_grad():
         for p, value in zip(model.parameters(), average, strict=True):
             p.copy_(value)
@@ -134,7 +134,7 @@ def run_simulation(
             for rank in range(topology.n):
                 peers.append(
                     Peer.over_grpc(
-                        build_mlp(config.seed),
+                        build_model(config.model, config.seed),
                         topology,
                         rank,
                         build_algorithm(config, topology, rank),
@@ -263,7 +263,7 @@ def run_peer(
     start = time.perf_counter()
     data = load_digits_split(seed=config.seed)
     with Peer.over_grpc(
-        build_mlp(config.seed),
+        build_model(config.model, config.seed),
         topology,
         rank,
         build_algorithm(config, topology, rank),

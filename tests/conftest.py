@@ -13,7 +13,7 @@ from gossipcomp.checkpoint import CheckpointStore
 from gossipcomp.data import load_digits_split
 from gossipcomp.experiment import PeerTrainer, TrainConfig, build_algorithm
 from gossipcomp.gossip import GossipAlgorithm
-from gossipcomp.models import build_mlp, model_signature
+from gossipcomp.models import build_model, model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.topology import Topology
 from gossipcomp.transport.base import Identity
@@ -129,7 +129,7 @@ def in_memory_trainers(
     data = load_digits_split(seed=config.seed)
     trainers = []
     for rank in range(topology.n):
-        model = build_mlp(config.seed)
+        model = build_model(config.model, config.seed)
         transport = InMemoryTransport(
             Identity(rank, topology.hash, model_signature(model)), topology.neighbors(rank), hub
         )

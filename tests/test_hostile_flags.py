@@ -77,6 +77,8 @@ PEER = ["peer", "--topology", "ring4", "--rank", "0", "--quiet"]
         (["--seed", "-1"], "--seed", "in [0, 4294967295]"),
         (["--seed", str(2**32)], "--seed", "in [0, 4294967295]"),
         (["--byzantine", "-1"], "--byzantine", ">= 0"),
+        (["--schedule", "fastest"], "--schedule", "known: mergecomp, mgwfbp, per-tensor"),
+        (["--model", "gpt"], "--model", "invalid choice"),
     ],
 )
 def test_out_of_range_flag_values_are_refused_as_parsed(argv, flag, expected, capsys):
@@ -97,6 +99,11 @@ def test_out_of_range_flag_values_are_refused_as_parsed(argv, flag, expected, ca
 def test_peer_flags_are_refused_before_any_server_starts(argv, fragments, capsys):
     assert cli.main([*PEER, *argv]) == 2
     _assert_one_line_error(capsys.readouterr().err, *fragments)
+
+
+def test_groups_for_an_algorithm_without_compressed_groups_are_refused(capsys):
+    assert cli.main([*SIMULATE, "--algorithm", "dpsgd", "--schedule", "single"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "schedule 'single'", "only choco and def")
 
 
 def test_a_rank_from_the_environment_outside_the_topology_is_named(capsys, monkeypatch):
@@ -191,7 +198,7 @@ def test_internal_errors_keep_their_traceback(capsys, monkeypatch):
 
 def _report(byzantine: tuple[bool, ...]) -> Report:
     rows = [
-        PeerReport(r, 0.5 + r / 10, 1, 1, 0.0, 0.0, 0, 0.0, byzantine=lied)
+        PeerReport(r, 0.5 + r / 10, 1, 1, 0.0, 0.0, 0, 0.0, 0, [], byzantine=lied)
         for r, lied in enumerate(byzantine)
     ]
     return Report("simulate", "dpsgd", "ring", 1, 0.6, 0.5, 0.0, 0.6, 1.0, 4, 1.0, rows)
