@@ -1,0 +1,376 @@
+"""DDP communication hooks built from gossipcomp's compressors, and PowerSGD.
+
+`register(ddp, "topk:ratio=0.01")` installs a hook on a DistributedDataParallel model and
+returns its state. For every bucket the hook compresses (gradient + error memory) into one
+payload of exactly `wire_bytes` bytes (compress.device, so it stays on the accelerator) and:
+- summable payloads (identity, fp16, bf16, random-k with indices shared through the context)
+  go through one all-reduce: each rank encodes its input divided by the world size, the summed
+  payload decodes to the mean;
+- the others (top-k, DGC, QSGD, TernGrad, sign, one-bit) go through one all-gather of the
+  fixed-size payloads (no size exchange): every rank decodes all of them and averages.
+Error feedback (on by default): memory <- input - what this rank's payload decodes to.
+
+`register(ddp, "powersgd:rank=R")` installs PowerSGD (Vogels et al. 2019): per bucket, matrices
+M (a parameter viewed as [shape[0], -1], worth compressing when (n + m) r * 2 < n m, as torch's
+min_compression_rate 2) are approximated by P Q^T: P = M Q summed over ranks, orthonormalised
+(Gram-Schmidt, eps 1e-8), Q = M^T P summed and divided by the world size; other tensors are
+averaged whole, in the same all-reduce as the Ps (two collectives a bucket; torch's hook issues
+three, the whole tensors on their own). Q starts from a random draw shared through the seed, then (warm start)
+continues from the previous step. Error feedback: memory <- input - the averaged approximation.
+
+State is keyed by parameter names (memory.py), so it survives DDP's bucket rebuild after the
+first iteration and goes into checkpoints (`state_dict` / `load_state_dict`). All collectives
+run on one communication thread in the order DDP calls the hook (bucket order, the same on every
+rank), never chained from future callbacks: any number of buckets is safe.
+`half_wrapper(hook)` makes any hook receive a float16 (or bfloat16) bucket, as torch's
+fp16_compress_wrapper does; PowerSGD then sends P and Q in that type.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from gossipcomp.allreduce.comm import Communicator, torch_future
+from gossipcomp.allreduce.memory import Names, ParameterMemory
+from gossipcomp.compress import CompressionContext, ErrorFeedback, parse_spec
+from gossipcomp.compress.codec import Codec
+from gossipcomp.compress.device import decode, encode, summable_view
+
+POWERSGD = "powersgd"
+MIN_COMPRESSION_RATE = 2.0  # torch's default: compress a matrix only if it shrinks 2x or more
+ORTHOGONALIZATION_EPS = 1e-8
+
+Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+@dataclass
+class _Bucket:
+    """What a hook needs of a GradBucket, read on the calling thread."""
+
+    buffer: torch.Tensor
+    names: Names
+    shapes: tuple[tuple[int, ...], ...]
+    first_index: int
+    round: int
+
+    @property
+    def numels(self) -> list[int]:
+        return [math.prod(shape) for shape in self.shapes]
+
+
+@dataclass
+class HookState:
+    """What every hook keeps: names of the parameters, the communicator, the iteration."""
+
+    names: dict[int, str]  # id(parameter) -> name
+    order: dict[str, int]  # name -> position in the model's parameter list
+    communicator: Communicator
+    seed: int = 0
+    round: int = 0  # iterations completed (the last bucket of each ends one)
+    memory: ParameterMemory = field(default_factory=ParameterMemory)
+
+    def bucket(self, bucket: dist.GradBucket) -> _Bucket:
+        parameters = bucket.parameters()
+        names = tuple(self.names[id(p)] for p in parameters)
+        shapes = tuple(tuple(p.shape) for p in parameters)
+        buffer = bucket.buffer()
+        if buffer.numel() != sum(math.prod(s) for s in shapes):
+            raise ValueError(
+                f"bucket {bucket.index()}: buffer of {buffer.numel()} elements does not match "
+                "its parameters"
+            )
+        view = _Bucket(buffer, names, shapes, min(self.order[n] for n in names), self.round)
+        if bucket.is_last():
+            self.round += 1
+        return view
+
+    def submit(self, work: Callable[[], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
+        return torch_future(self.communicator.submit(work))
+
+    def base_state_dict(self) -> dict[str, Any]:
+        return {"round": self.round, "memory": self.memory.state_dict()}
+
+    def load_base_state_dict(self, state: dict[str, Any]) -> None:
+        round_ = state["round"]
+        if not isinstance(round_, int) or round_ < 0:
+            raise ValueError(f"hook state round: expected an integer >= 0, got {round_!r}")
+        self.memory.load_state_dict(state["memory"])
+        self.round = round_
+
+
+@dataclass
+class CompressedState(HookState):
+    """State of `compressed_hook`: the compressor and whether error feedback is on."""
+
+    compressor: Codec = field(default_factory=lambda: parse_spec("identity"))  # type: ignore[arg-type]
+    error_feedback: bool = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.base_state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_base_state_dict(state)
+
+    def sync(self, bucket: _Bucket) -> torch.Tensor:
+        """Average the bucket's gradients through its compressed payloads (module docstring)."""
+        x = bucket.buffer.to(torch.float32, copy=True)
+        mean = self.average(x, bucket.names, bucket.numels, bucket.first_index, bucket.round)
+        bucket.buffer.copy_(mean)
+        return bucket.buffer
+
+    def average(
+        self, x: torch.Tensor, names: Names, numels: Sequence[int], first_index: int, round_: int
+    ) -> torch.Tensor:
+        """The mean over ranks of the flat float32 `x` (this rank's gradients of `names`, which
+        may be overwritten) through compressed payloads, with error feedback."""
+        comm, compressor = self.communicator, self.compressor
+        memory = None
+        if self.error_feedback:
+            memory = self.memory.flat(names, numels, x.device)
+            x += memory
+        if compressor.summable:
+            ctx = CompressionContext(self.seed, -1, -1, round_, first_index)
+            x /= comm.world
+            payload = encode(compressor, x, ctx)
+            if memory is not None:
+                sent = decode(compressor, payload, x.shape, ctx)
+                torch.sub(x, sent, out=memory).mul_(comm.world)
+            comm.all_reduce_sum(summable_view(compressor, payload))
+            return decode(compressor, payload, x.shape, ctx)
+        ctx = CompressionContext(self.seed, comm.rank, -1, round_, first_index)
+        parts = comm.all_gather(encode(compressor, x, ctx))
+        mean = torch.zeros_like(x)
+        for sender, part in enumerate(parts):
+            sender_ctx = CompressionContext(self.seed, sender, -1, round_, first_index)
+            decoded = decode(compressor, part, x.shape, sender_ctx)
+            mean += decoded
+            if memory is not None and sender == comm.rank:
+                torch.sub(x, decoded, out=memory)
+        return mean.div_(comm.world)
+
+
+def compressed_hook(
+    state: CompressedState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP hook: the bucket's mean gradient through compressed payloads (module docstring)."""
+    view = state.bucket(bucket)
+    return state.submit(lambda: state.sync(view))
+
+
+@dataclass
+class PowerSGDState(HookState):
+    """State of `powersgd_hook`: rank, options, and the Q of every compressed matrix by name."""
+
+    rank: int = 1
+    error_feedback: bool = True
+    warm_start: bool = True
+    min_compression_rate: float = MIN_COMPRESSION_RATE
+    q: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.base_state_dict(), "q": {n: t.clone() for n, t in self.q.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_base_state_dict(state)
+        self.q = {name: tensor.detach().clone() for name, tensor in state["q"].items()}
+
+    def compressed(self, shape: Sequence[int]) -> tuple[int, int, int] | None:
+        """(n, m, r) when a tensor of `shape` is approximated, None when it goes whole."""
+        if len(shape) < 2:
+            return None
+        n, m = shape[0], math.prod(shape[1:])
+        r = min(self.rank, n, m)
+        return (n, m, r) if (n + m) * r * self.min_compression_rate < n * m else None
+
+    def sync(self, bucket: _Bucket) -> torch.Tensor:
+        comm, dtype = self.communicator, bucket.buffer.dtype
+        x = bucket.buffer.to(torch.float32, copy=True)
+        memory = None
+        if self.error_feedback:
+            memory = self.memory.flat(bucket.names, bucket.numels, x.device)
+            x += memory
+        views = x.split(bucket.numels)
+        result = torch.empty_like(x)
+        outputs = result.split(bucket.numels)
+        plans = [self.compressed(shape) for shape in bucket.shapes]
+        whole = [i for i, plan in enumerate(plans) if plan is None]
+        matrices = {i: plan for i, plan in enumerate(plans) if plan is not None}
+        ms = {i: views[i].view(n, m) for i, (n, m, _) in matrices.items()}
+        # one all-reduce carries the whole tensors and every P, a second every Q
+        first = [views[i] for i in whole]
+        first += [
+            (ms[i] @ self._start_q(bucket, i, plan)).reshape(-1) for i, plan in matrices.items()
+        ]
+        summed = comm.all_reduce_sum(torch.cat(first).to(dtype)).to(torch.float32)
+        sizes = [bucket.numels[i] for i in whole] + [n * r for n, _, r in matrices.values()]
+        parts = summed.split(sizes)
+        for i, part in zip(whole, parts, strict=False):
+            torch.div(part, comm.world, out=outputs[i].view(-1))
+        ps = {
+            i: orthonormalise(part.view(n, r))
+            for (i, (n, _, r)), part in zip(matrices.items(), parts[len(whole) :], strict=True)
+        }
+        if not matrices:
+            return self._finish(bucket, x, result, memory)
+        q_all = torch.cat([(ms[i].T @ ps[i]).reshape(-1) for i in matrices]).to(dtype)
+        q_all = comm.all_reduce_sum(q_all).to(torch.float32).div_(comm.world)
+        q_parts = q_all.split([m * r for _, m, r in matrices.values()])
+        for (i, (_, m, r)), q in zip(matrices.items(), q_parts, strict=True):
+            q = q.view(m, r)
+            torch.mm(ps[i], q.T, out=outputs[i].view(ms[i].shape))
+            if self.warm_start:
+                self.q[bucket.names[i]] = q.clone()
+        return self._finish(bucket, x, result, memory)
+
+    def _finish(
+        self,
+        bucket: _Bucket,
+        x: torch.Tensor,
+        result: torch.Tensor,
+        memory: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if memory is not None:
+            torch.sub(x, result, out=memory)
+        bucket.buffer.copy_(result)
+        return bucket.buffer
+
+    def _start_q(self, bucket: _Bucket, i: int, plan: tuple[int, int, int]) -> torch.Tensor:
+        _, m, r = plan
+        name = bucket.names[i]
+        previous = self.q.get(name) if self.warm_start else None
+        if previous is not None and previous.shape == (m, r):
+            return previous.to(bucket.buffer.device)
+        round_ = 0 if self.warm_start else bucket.round
+        ctx = CompressionContext(self.seed, -1, -1, round_, self.order[name])
+        return torch.randn(m, r, generator=ctx.generator("cpu")).to(bucket.buffer.device)
+
+
+def orthonormalise(matrix: torch.Tensor, eps: float = ORTHOGONALIZATION_EPS) -> torch.Tensor:
+    """Gram-Schmidt on the columns of `matrix` (a new tensor): each column minus its
+    projections on the earlier ones, divided by its norm + eps. Works on the transposed copy,
+    where the columns are contiguous rows (strided column updates cost ten times more)."""
+    rows = matrix.T.contiguous()
+    for j in range(rows.shape[0]):
+        if j:
+            earlier = rows[:j]
+            rows[j] -= earlier.T @ (earlier @ rows[j])
+        rows[j] /= torch.linalg.vector_norm(rows[j]) + eps
+    return rows.T
+
+
+def powersgd_hook(
+    state: PowerSGDState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP hook: PowerSGD on the bucket (module docstring)."""
+    view = state.bucket(bucket)
+    return state.submit(lambda: state.sync(view))
+
+
+def half_wrapper(hook: Hook, dtype: torch.dtype = torch.float16) -> Hook:
+    """`hook` run on the bucket cast to `dtype` (float16 or bfloat16); the result is cast back."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"half_wrapper casts to float16 or bfloat16, got {dtype}")
+
+    def wrapped(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        full = bucket.buffer()
+        bucket.set_buffer(full.to(dtype))
+        future = hook(state, bucket)
+
+        def widen(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            value = done.value()
+            full.copy_(value[0] if isinstance(value, list) else value)
+            return full
+
+        return future.then(widen)
+
+    return wrapped
+
+
+def parse_hook_spec(spec: str) -> tuple[str, dict[str, str]]:
+    name, _, arguments = spec.strip().partition(":")
+    values = {}
+    for item in filter(None, (part.strip() for part in arguments.split(","))):
+        key, equals, raw = (piece.strip() for piece in item.partition("="))
+        if not equals:
+            raise ValueError(f"hook spec {spec!r}: expected key=value, got {item!r}")
+        values[key] = raw
+    return name.strip(), values
+
+
+def make_state(
+    spec: str,
+    names: dict[int, str],
+    order: dict[str, int],
+    communicator: Communicator,
+    seed: int = 0,
+    error_feedback: bool = True,
+) -> tuple[HookState, Hook]:
+    """A hook and its state from a spec: "powersgd:rank=R[,warm_start=false]" or any
+    compressor spec (an "ef+" prefix is the same as error_feedback=True)."""
+    name, values = parse_hook_spec(spec)
+    if name == POWERSGD:
+        known = {"rank", "warm_start"}
+        if set(values) - known:
+            raise ValueError(f"powersgd takes {sorted(known)}, got {sorted(values)}")
+        try:
+            rank = int(values.get("rank", "1"))
+        except ValueError:
+            raise ValueError(
+                f"powersgd rank: expected an integer, got {values['rank']!r}"
+            ) from None
+        if rank < 1:
+            raise ValueError(f"powersgd rank: expected >= 1, got {rank}")
+        warm = values.get("warm_start", "true").lower()
+        if warm not in ("true", "false"):
+            raise ValueError(f"powersgd warm_start: expected true or false, got {warm!r}")
+        state: HookState = PowerSGDState(
+            names,
+            order,
+            communicator,
+            seed,
+            rank=rank,
+            error_feedback=error_feedback,
+            warm_start=warm == "true",
+        )
+        return state, powersgd_hook  # type: ignore[return-value]
+    compressor = parse_spec(spec)
+    if isinstance(compressor, ErrorFeedback):
+        compressor, error_feedback = compressor.inner, True
+    assert isinstance(compressor, Codec)
+    exact = compressor.name == "identity"
+    state = CompressedState(
+        names,
+        order,
+        communicator,
+        seed,
+        compressor=compressor,
+        error_feedback=error_feedback and not exact,
+    )
+    return state, compressed_hook  # type: ignore[return-value]
+
+
+def register(
+    ddp: DistributedDataParallel,
+    spec: str,
+    *,
+    seed: int = 0,
+    error_feedback: bool = True,
+    half: torch.dtype | None = None,
+    communicator: Communicator | None = None,
+) -> HookState:
+    """Install the hook of `spec` (see make_state) on `ddp`, once; returns its state.
+
+    `half` (torch.float16 or torch.bfloat16) wraps it in `half_wrapper`.
+    """
+    named = list(ddp.module.named_parameters())
+    names = {id(p): name for name, p in named}
+    order = {name: index for index, (name, _) in enumerate(named)}
+    comm = communicator or Communicator(ddp.process_group)
+    state, hook = make_state(spec, names, order, comm, seed, error_feedback)
+    ddp.register_comm_hook(state, half_wrapper(hook, half) if half is not None else hook)
+    return state

@@ -1,0 +1,264 @@
+"""Merged, overlapped gradient synchronisation without DDP's buckets (MergeComp, MG-WFBP).
+
+The model's parameters are cut into planned groups (contiguous runs in model order, a compressor
+each: gossipcomp.schedule's planners, or `threshold_groups`). A gradient-ready hook on every
+parameter counts down its group; once a group is complete its synchronisation (pack into one
+flat buffer, compress, one collective, decode, average, unpack into .grad) is queued on the
+communication thread while backward goes on. Groups are queued strictly in the order backward
+completes them under the plan (last group first); a group that completes early waits for the
+ones before it, so every rank issues the same collectives in the same order. `synchronize()`
+(call it between backward and optimizer.step) waits for all of them; a group whose parameters got
+no gradient this step is synchronised with zeros then.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gossipcomp.allreduce.comm import Communicator
+from gossipcomp.allreduce.hooks import CompressedState
+from gossipcomp.compress import ErrorFeedback, parse_spec
+from gossipcomp.compress.codec import Codec
+from gossipcomp.compress.flat import FlatLayout
+from gossipcomp.schedule import (
+    CostModel,
+    TensorGroup,
+    TensorInfo,
+    check_cover,
+    fit_link,
+    make_planner,
+    measure_compressor,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_THRESHOLD_BYTES = 1 << 20  # groups of about 1 MiB of float32 when no planner is used
+
+
+class _Group:
+    def __init__(self, index: int, params: list[nn.Parameter], names: tuple[str, ...]) -> None:
+        self.index = index
+        self.params = params
+        self.names = names
+        self.layout = FlatLayout.of(params)
+        self.waiting = len(params)
+
+
+class MergedSync:
+    """Per-parameter ready hooks filling planned groups, synchronised as they complete."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: Sequence[TensorGroup],
+        communicator: Communicator,
+        *,
+        seed: int = 0,
+        error_feedback: bool = True,
+    ) -> None:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        check_cover(groups, [n for n, _ in named])
+        by_name = dict(named)
+        self.order = {name: index for index, (name, _) in enumerate(named)}
+        self.communicator = communicator
+        self._groups = [
+            _Group(i, [by_name[n] for n in g.names], g.names) for i, g in enumerate(groups)
+        ]
+        self._states: dict[str, CompressedState] = {}
+        self._state_of = [self._state(g.compressor, seed, error_feedback) for g in groups]
+        self._group_of = {id(p): group for group in self._groups for p in group.params}
+        self._queue = list(reversed(self._groups))  # backward completes the last group first
+        self._next = 0
+        self._futures: list[concurrent.futures.Future[None]] = []
+        self.round = 0
+        self.wait_seconds = 0.0  # time synchronize() spent waiting for communication
+        self._handles = [p.register_post_accumulate_grad_hook(self._ready) for _, p in named]
+
+    def _state(self, spec: str, seed: int, error_feedback: bool) -> CompressedState:
+        state = self._states.get(spec)
+        if state is None:
+            compressor = parse_spec(spec)
+            if isinstance(compressor, ErrorFeedback):
+                compressor, error_feedback = compressor.inner, True
+            assert isinstance(compressor, Codec)
+            state = CompressedState(
+                {},
+                self.order,
+                self.communicator,
+                seed,
+                compressor=compressor,
+                error_feedback=error_feedback and compressor.name != "identity",
+            )
+            self._states[spec] = state
+        return state
+
+    @property
+    def groups(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(g.names for g in self._groups)
+
+    def _ready(self, param: torch.Tensor) -> None:
+        group = self._group_of[id(param)]
+        group.waiting -= 1
+        while self._next < len(self._queue) and self._queue[self._next].waiting <= 0:
+            self._launch(self._queue[self._next])
+            self._next += 1
+
+    def _launch(self, group: _Group) -> None:
+        state, round_ = self._state_of[group.index], self.round
+        self._futures.append(self.communicator.submit(lambda: self._sync(group, state, round_)))
+
+    def _sync(self, group: _Group, state: CompressedState, round_: int) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group.params]
+        flat = group.layout.pack(grads)
+        first = self.order[group.names[0]]
+        mean = state.average(flat, group.names, group.layout.numels, first, round_)
+        for p, view in zip(group.params, group.layout.views(mean), strict=True):
+            if p.grad is None:
+                p.grad = view.to(p.dtype).clone()
+            else:
+                p.grad.copy_(view)
+
+    def synchronize(self) -> None:
+        """Wait until every group is averaged into .grad (launching any still incomplete)."""
+        start = time.perf_counter()
+        while self._next < len(self._queue):
+            self._launch(self._queue[self._next])
+            self._next += 1
+        try:
+            for future in self._futures:
+                future.result()
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+            self._futures.clear()
+            self._next = 0
+            for group in self._groups:
+                group.waiting = len(group.params)
+            self.round += 1
+
+    def state_dict(self) -> dict[str, object]:
+        """Error memories by parameter name (per compressor spec) and the round."""
+        return {
+            "round": self.round,
+            "memory": {spec: s.memory.state_dict() for spec, s in self._states.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        memories = state["memory"]
+        assert isinstance(memories, Mapping)
+        for spec, memory in memories.items():
+            self._states[spec].memory.load_state_dict(memory)
+        round_ = state["round"]
+        if not isinstance(round_, int) or round_ < 0:
+            raise ValueError(f"merged sync round: expected an integer >= 0, got {round_!r}")
+        self.round = round_
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def threshold_groups(
+    tensors: Sequence[TensorInfo], compressor: str, threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
+) -> tuple[TensorGroup, ...]:
+    """Groups of about `threshold_bytes` of float32, filled in backward (reverse model) order."""
+    groups: list[list[str]] = []
+    size = threshold_bytes
+    for info in reversed(tensors):
+        if size >= threshold_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(info.name)
+        size += 4 * info.numel
+    return tuple(TensorGroup(tuple(reversed(names)), compressor) for names in reversed(groups))
+
+
+def ready_times(model: nn.Module, run_backward: Callable[[], None]) -> list[TensorInfo]:
+    """Each parameter with the seconds into one measured backward pass when its gradient was
+    ready, made non-increasing along model order (backward readies the last layer first)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    stamps: dict[str, float] = {}
+    handles = [
+        p.register_post_accumulate_grad_hook(
+            lambda _p, name=name: stamps.setdefault(name, time.perf_counter())
+        )
+        for name, p in named
+    ]
+    start = time.perf_counter()
+    try:
+        run_backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    times = [stamps.get(name, time.perf_counter()) - start for name, _ in named]
+    for i in range(len(times) - 2, -1, -1):  # a reading out of order: the later one wins
+        times[i] = max(times[i], times[i + 1])
+    return [
+        TensorInfo(name, p.numel(), max(0.0, t)) for (name, p), t in zip(named, times, strict=True)
+    ]
+
+
+def measure_link(
+    communicator: Communicator, summable: bool, sizes: Sequence[int]
+) -> list[tuple[int, float]]:
+    """(bytes, seconds) of real collectives of each size (all ranks take part, in step)."""
+    samples = []
+    for size in sizes:
+        buffer = (
+            torch.zeros(max(1, size // 4)) if summable else torch.zeros(size, dtype=torch.uint8)
+        )
+        for repeat in range(3):
+            start = time.perf_counter()
+            if summable:
+                communicator.all_reduce_sum(buffer)
+            else:
+                communicator.all_gather(buffer)
+            if repeat:
+                samples.append((size, time.perf_counter() - start))
+    return samples
+
+
+def plan_groups(
+    planner: str,
+    tensors: Sequence[TensorInfo],
+    compressor: str,
+    communicator: Communicator,
+    compute_s: float,
+) -> tuple[TensorGroup, ...]:
+    """Groups from a gossipcomp.schedule planner on costs measured here: the compressor timed on
+    this machine, the collective timed between the ranks. Every rank must call it (the link is
+    measured together); rank 0's plan is broadcast so all ranks agree. Falls back to
+    `threshold_groups` (with a warning) when the planner cannot plan."""
+    summable = parse_spec(compressor).summable
+    link = measure_link(communicator, summable, [1 << 10, 1 << 14, 1 << 18])
+    groups: tuple[TensorGroup, ...] | None = None
+    if communicator.rank == 0:
+        try:
+            sizes = sorted({1 << 10, 1 << 14, 1 << 17})
+            costs = CostModel(
+                {compressor: measure_compressor(compressor, sizes, repeats=3)},
+                fit_link(link),
+                compute_s,
+                mode="allreduce",
+            )
+            groups = make_planner(planner).plan(tensors, costs, compressor)
+            check_cover(groups, [t.name for t in tensors])
+        except (ValueError, TypeError, ArithmeticError) as error:
+            log.warning(
+                "planner %s could not plan (%s); groups of %d bytes instead",
+                planner,
+                error,
+                DEFAULT_THRESHOLD_BYTES,
+            )
+            groups = threshold_groups(tensors, compressor)
+    box: list[object] = [groups]
+    dist.broadcast_object_list(box, src=0, group=communicator.group)
+    plan = box[0]
+    assert isinstance(plan, tuple)
+    return plan

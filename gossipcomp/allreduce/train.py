@@ -1,0 +1,221 @@
+"""One rank's training on digits in all-reduce mode: what `gossipcomp allreduce` and the
+benchmarks run, with every synchroniser of the package.
+
+sync:
+- ddp-hook: DistributedDataParallel with the hook of `compressor` (hooks.make_state: any
+  compressor spec or "powersgd:rank=R"; or torch's own "torch:allreduce", "torch:fp16",
+  "torch:powersgd:rank=R" from reference.py);
+- merged: MergedSync with groups from `planner` (per-tensor, single, mgwfbp, mergecomp, strategy,
+  or "threshold");
+- marsit: MarsitSync (the compressor is Marsit's sign ring);
+- ssd: SSDSGD over plain all-reduce, k = ssd_k, warm-up ssd_warmup steps.
+Every rank builds the same model from the seed and trains on its share of the data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gossipcomp.allreduce import reference
+from gossipcomp.allreduce.comm import Communicator, Traffic
+from gossipcomp.allreduce.hooks import register
+from gossipcomp.allreduce.launch import Session
+from gossipcomp.allreduce.marsit import MarsitSync
+from gossipcomp.allreduce.merged import MergedSync, plan_groups, ready_times, threshold_groups
+from gossipcomp.allreduce.ssd import SSDSGD
+from gossipcomp.data import load_digits_split, parse_partition, partition_indices
+from gossipcomp.models import build_mlp, build_resmlp
+from gossipcomp.training import BatchStream, evaluate_accuracy, make_optimizer
+
+SYNCS = ("ddp-hook", "merged", "marsit", "ssd")
+MODELS: dict[str, Callable[[int], nn.Module]] = {"mlp": build_mlp, "resmlp": build_resmlp}
+THRESHOLD = "threshold"
+TIMED_AFTER = 5  # steps left out of the step-time median (start-up, DDP's bucket rebuild)
+
+
+@dataclass(frozen=True)
+class AllreduceConfig:
+    """One all-reduce training run (module docstring for sync)."""
+
+    sync: str = "ddp-hook"
+    compressor: str = "identity"
+    planner: str = "mergecomp"  # merged: a gossipcomp.schedule planner, or "threshold"
+    steps: int = 300
+    lr: float = 0.1
+    momentum: float = 0.9
+    batch_size: int = 32
+    seed: int = 0
+    partition: str = "iid"
+    eval_every: int = 0  # steps between accuracy checkpoints (0: only at the end)
+    timeout_s: float = 30.0  # every collective; a dead rank is named within about this
+    ssd_k: int = 5
+    ssd_warmup: int = 50
+    bucket_cap_mb: float = 25.0  # DDP bucket size
+    model: str = "mlp"  # mlp (digits MLP) or resmlp (102 parameter tensors)
+    error_feedback: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sync not in SYNCS:
+            raise ValueError(f"sync {self.sync!r}: expected one of {', '.join(SYNCS)}")
+        if self.model not in MODELS:
+            raise ValueError(f"model {self.model!r}: expected one of {', '.join(MODELS)}")
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError("steps and batch size must be >= 1")
+        parse_partition(self.partition)
+
+
+@dataclass
+class RankResult:
+    """What one rank reports after training."""
+
+    rank: int
+    test_accuracy: float
+    average_model_test_accuracy: float
+    average_model_norm: float
+    consensus_distance: float
+    traffic: Traffic
+    steps: int
+    compute_seconds: float
+    comm_seconds: float
+    step_seconds: float  # median wall time of a step after the first TIMED_AFTER
+    groups: int  # collectives' groups (DDP buckets, planned groups, 1)
+    history: list[tuple[int, float, float]] = field(default_factory=list)  # step, acc, link bytes
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _data(
+    config: AllreduceConfig, rank: int, world: int
+) -> tuple[BatchStream, torch.Tensor, torch.Tensor]:
+    split = load_digits_split(config.seed)
+    parts = partition_indices(
+        split.y_train.numpy(), world, parse_partition(config.partition), config.seed
+    )
+    index = torch.from_numpy(parts[rank])
+    stream = BatchStream(
+        split.x_train[index], split.y_train[index], config.batch_size, config.seed, rank
+    )
+    return stream, split.x_test, split.y_test
+
+
+def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
+    """Train on this rank (module docstring); every rank of the job calls it."""
+    rank, world = session.rank, session.world
+    model = MODELS[config.model](config.seed)
+    stream, x_test, y_test = _data(config, rank, world)
+    optimizer = make_optimizer(model, config.lr, config.momentum)
+    comm = Communicator()
+    forward: nn.Module = model
+    after_backward: Callable[[], None] = lambda: None  # noqa: E731
+    step: Callable[[], None] = optimizer.step
+    waited: Callable[[], float] = lambda: 0.0  # noqa: E731
+    counting: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    groups = 1
+    if config.sync == "ddp-hook":
+        ddp = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
+        forward = ddp
+        if config.compressor.startswith("torch:"):
+            reference.register_reference(ddp, config.compressor)
+            counting = reference.counted(comm.traffic, world)
+        else:
+            register(
+                ddp,
+                config.compressor,
+                seed=config.seed,
+                error_feedback=config.error_feedback,
+                communicator=comm,
+            )
+    elif config.sync == "merged":
+        merged = _merged(model, config, comm, stream)
+        groups = len(merged.groups)
+        after_backward, waited = merged.synchronize, lambda: merged.wait_seconds
+    elif config.sync == "marsit":
+        marsit = MarsitSync(model, comm, config.seed)
+        after_backward, waited = marsit.synchronize, lambda: marsit.wait_seconds
+    else:
+        ssd = SSDSGD(model, optimizer, comm, config.ssd_k, config.ssd_warmup)
+        step, waited = ssd.step, lambda: ssd.wait_seconds
+    history: list[tuple[int, float, float]] = []
+    durations: list[float] = []
+    with counting:
+        for number in range(1, config.steps + 1):
+            start = time.perf_counter()
+            x, y = stream.next_batch()
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(forward(x), y).backward()
+            after_backward()
+            step()
+            durations.append(time.perf_counter() - start)
+            if config.eval_every and number % config.eval_every == 0:
+                accuracy = evaluate_accuracy(model, x_test, y_test)
+                history.append((number, accuracy, comm.traffic.link_bytes))
+    if config.sync == "ssd":
+        ssd.pull()
+    comm.close()
+    total = sum(durations)
+    comm_s = min(total, waited())
+    mean_model = _mean_model(model, world)
+    params = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    distance = float(((params - mean_model) ** 2).sum())
+    average = MODELS[config.model](config.seed)
+    with torch.no_grad():
+        offset = 0
+        for p in average.parameters():
+            p.copy_(mean_model[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+    if config.sync == "ddp-hook":
+        groups = max(1, comm.traffic.collectives // max(1, config.steps))
+    timed = durations[TIMED_AFTER:] or durations
+    return RankResult(
+        rank=rank,
+        test_accuracy=evaluate_accuracy(model, x_test, y_test),
+        average_model_test_accuracy=evaluate_accuracy(average, x_test, y_test),
+        average_model_norm=float(mean_model.norm()),
+        consensus_distance=distance,
+        traffic=comm.traffic.copy(),
+        steps=config.steps,
+        compute_seconds=total - comm_s,
+        comm_seconds=comm_s,
+        step_seconds=statistics.median(timed),
+        groups=groups,
+        history=history,
+    )
+
+
+def _mean_model(model: nn.Module, world: int) -> torch.Tensor:
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    dist.all_reduce(flat)
+    return flat / world
+
+
+def _merged(
+    model: nn.Module, config: AllreduceConfig, comm: Communicator, stream: BatchStream
+) -> MergedSync:
+    x, y = stream.next_batch()
+
+    def backward() -> None:
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+
+    start = time.perf_counter()
+    tensors = ready_times(model, backward)
+    compute_s = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    if config.planner == THRESHOLD:
+        groups = threshold_groups(tensors, config.compressor)
+    else:
+        groups = plan_groups(config.planner, tensors, config.compressor, comm, compute_s)
+    comm.traffic = Traffic()  # the link measurements are not training traffic
+    return MergedSync(model, groups, comm, seed=config.seed, error_feedback=config.error_feedback)
