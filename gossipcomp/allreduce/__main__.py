@@ -1,0 +1,16 @@
+"""`python -m gossipcomp.allreduce ...`: the `gossipcomp allreduce` command on its own."""
+
+import argparse
+import sys
+
+from gossipcomp.allreduce.command import add_arguments, run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="gossipcomp allreduce", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

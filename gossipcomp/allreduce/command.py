@@ -1,0 +1,301 @@
+"""`gossipcomp allreduce`: train digits in all-reduce mode and report like `simulate`.
+
+`gossipcomp allreduce --nproc N [--compressor SPEC] [--sync ddp-hook|merged|marsit|ssd]
+[--report PATH]` starts N local processes (gloo on CPU; the launching process hosts the
+rendezvous store). Without --nproc it is one rank of a job started by torchrun (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT; NCCL when CUDA is available) and rank 0 writes the report.
+Exit status: 0 done; 2 the command cannot run as given (one line on stderr); 1 training failed
+(a rank died: the message names it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch.distributed as dist
+
+from gossipcomp.allreduce.launch import LaunchError, Session, init_from_env, spawn
+from gossipcomp.allreduce.liveness import RankFailure
+from gossipcomp.allreduce.train import MODELS, SYNCS, AllreduceConfig, RankResult, train_rank
+from gossipcomp.report import HistoryPoint, PeerReport, Report
+
+MAX_NPROC = 64
+MAX_STEPS = 1_000_000
+MAX_TIMEOUT_S = 3600.0
+
+
+def _integer(what: str, low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{what}: expected an integer, got {text[:40]!r}"
+            ) from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{what}: expected {low} to {high}, got {value}")
+        return value
+
+    return parse
+
+
+def _number(what: str, low: float, high: float, low_open: bool = True) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{what}: expected a number, got {text[:40]!r}"
+            ) from None
+        above = value > low if low_open else value >= low
+        if not (math.isfinite(value) and above and value <= high):
+            side = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(
+                f"{what}: expected a number in {side}{low}, {high}], got {text[:40]}"
+            )
+        return value
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `gossipcomp allreduce`."""
+    d = AllreduceConfig()
+    parser.add_argument(
+        "--nproc",
+        type=_integer("nproc", 1, MAX_NPROC),
+        help="start this many local processes (default: be one rank of a torchrun job)",
+    )
+    parser.add_argument("--sync", default=d.sync, choices=SYNCS, help="how gradients are averaged")
+    parser.add_argument(
+        "--compressor",
+        default=d.compressor,
+        help="ddp-hook, merged: compressor spec (topk:ratio=0.01, sign, fp16, ...); ddp-hook "
+        "also powersgd:rank=R and torch's own torch:allreduce, torch:fp16, torch:powersgd:rank=R",
+    )
+    parser.add_argument(
+        "--planner",
+        default=d.planner,
+        help="merged: per-tensor, single, mgwfbp, mergecomp, strategy[:candidates=...], threshold",
+    )
+    parser.add_argument("--steps", type=_integer("steps", 1, MAX_STEPS), default=d.steps)
+    parser.add_argument("--lr", type=_number("learning rate", 0.0, 10.0), default=d.lr)
+    parser.add_argument(
+        "--momentum", type=_number("momentum", 0.0, 0.999, low_open=False), default=d.momentum
+    )
+    parser.add_argument(
+        "--batch-size", type=_integer("batch size", 1, 1 << 16), default=d.batch_size
+    )
+    parser.add_argument("--partition", default=d.partition, help="iid | by-label | dirichlet:ALPHA")
+    parser.add_argument("--seed", type=_integer("seed", 0, 2**62), default=d.seed)
+    parser.add_argument(
+        "--eval-every",
+        type=_integer("eval every", 0, MAX_STEPS),
+        default=d.eval_every,
+        help="steps between accuracy checkpoints (0: only at the end)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_number("timeout (seconds)", 0.0, MAX_TIMEOUT_S),
+        default=d.timeout_s,
+        help="seconds a collective may take; a dead rank is named within about this",
+    )
+    parser.add_argument(
+        "--ssd-k",
+        type=_integer("ssd k", 1, MAX_STEPS),
+        default=d.ssd_k,
+        help="ssd: steps between pulls of the global model",
+    )
+    parser.add_argument(
+        "--ssd-warmup",
+        type=_integer("ssd warmup", 0, MAX_STEPS),
+        default=d.ssd_warmup,
+        help="ssd: synchronous steps first",
+    )
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=_number("bucket cap (MB)", 0.0, 1024.0),
+        default=d.bucket_cap_mb,
+        help="ddp-hook: DDP bucket size",
+    )
+    parser.add_argument("--model", default=d.model, choices=sorted(MODELS))
+    parser.add_argument(
+        "--no-error-feedback",
+        action="store_true",
+        help="ddp-hook, merged: send the compressed gradient without memory",
+    )
+    parser.add_argument("--report", type=Path, help="write the JSON report here")
+    parser.add_argument("--quiet", action="store_true", help="no summary table")
+
+
+def config_of(args: argparse.Namespace) -> AllreduceConfig:
+    return AllreduceConfig(
+        sync=args.sync,
+        compressor=args.compressor,
+        planner=args.planner,
+        steps=args.steps,
+        lr=args.lr,
+        momentum=args.momentum,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        partition=args.partition,
+        eval_every=args.eval_every,
+        timeout_s=args.timeout,
+        ssd_k=args.ssd_k,
+        ssd_warmup=args.ssd_warmup,
+        bucket_cap_mb=args.bucket_cap_mb,
+        model=args.model,
+        error_feedback=not args.no_error_feedback,
+    )
+
+
+def check_config(config: AllreduceConfig) -> None:
+    """Refuse a compressor or planner that cannot run, before any process starts."""
+    from gossipcomp.allreduce.hooks import POWERSGD, parse_hook_spec
+    from gossipcomp.allreduce.reference import REFERENCES
+    from gossipcomp.compress import parse_spec
+    from gossipcomp.schedule import make_planner
+
+    name, _ = parse_hook_spec(config.compressor)
+    if config.sync in ("ddp-hook", "merged") and not name.startswith("torch:"):
+        if name != POWERSGD:
+            parse_spec(config.compressor)
+        elif config.sync == "merged":
+            raise ValueError("--sync merged takes a compressor spec; powersgd is a ddp-hook")
+    if name.startswith("torch:") and (config.sync != "ddp-hook" or name not in REFERENCES):
+        raise ValueError(
+            f"--compressor {config.compressor[:60]!r}: torch's hooks are {', '.join(REFERENCES)}"
+            " with --sync ddp-hook"
+        )
+    if config.sync == "merged" and config.planner != "threshold":
+        make_planner(config.planner)
+
+
+def build_report(config: AllreduceConfig, results: Sequence[RankResult], wall: float) -> Report:
+    """The report of a run, with simulate's fields (peers are ranks)."""
+    schedules = (
+        [{"epoch": 0, "effective_round": 1, "planner": config.planner}]
+        if config.sync == "merged"
+        else []
+    )
+    per_peer = [
+        PeerReport(
+            rank=r.rank,
+            test_accuracy=r.test_accuracy,
+            bytes_sent=int(round(r.traffic.link_bytes)),
+            bytes_received=int(round(r.traffic.link_bytes)),  # a ring receives what it sends
+            compute_seconds=r.compute_seconds,
+            comm_seconds=r.comm_seconds,
+            failed_exchanges=0,
+            consensus_distance=r.consensus_distance,
+            mismatched_epoch_exchanges=0,  # one plan, fixed before the first step
+            schedule_epochs=schedules,
+        )
+        for r in results
+    ]
+    history = [
+        HistoryPoint(
+            round=points[0][0],
+            mean_test_accuracy=statistics.fmean(p[1] for p in points),
+            min_test_accuracy=min(p[1] for p in points),
+            bytes_sent_total=int(round(sum(p[2] for p in points))),
+        )
+        for points in zip(*(r.history for r in results), strict=True)
+    ]
+    accuracies = [r.test_accuracy for r in results]
+    first = results[0]
+    extra = {
+        "nproc": len(results),
+        "payload_bytes_per_step": first.traffic.payload_bytes / first.steps,
+        "link_bytes_per_step": first.traffic.link_bytes / first.steps,
+        "step_seconds": statistics.median(r.step_seconds for r in results),
+        "groups": first.groups,
+    }
+    label = config.compressor if config.sync in ("ddp-hook", "merged") else config.sync
+    return Report(
+        mode="allreduce",
+        algorithm=f"{config.sync} {label}" if label != config.sync else config.sync,
+        topology=f"all-reduce over {len(results)} ranks",
+        rounds=config.steps,
+        final_test_accuracy=statistics.fmean(accuracies),
+        min_test_accuracy=min(accuracies),
+        consensus_distance=statistics.fmean(r.consensus_distance for r in results),
+        average_model_test_accuracy=first.average_model_test_accuracy,
+        average_model_norm=first.average_model_norm,
+        bytes_sent_total=sum(p.bytes_sent for p in per_peer),
+        wall_seconds=wall,
+        per_peer=per_peer,
+        history=history,
+        config={**asdict(config), **extra},
+    )
+
+
+def _torchrun_rank(config: AllreduceConfig) -> tuple[Session, list[RankResult]]:
+    session = init_from_env(config.timeout_s)
+    try:
+        with session.guard():
+            result = train_rank(session, config)
+            gathered: list[object] = [None] * session.world
+            dist.all_gather_object(gathered, result)
+    except BaseException:
+        session.close()
+        raise
+    return session, [r for r in gathered if isinstance(r, RankResult)]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command; the exit status (module docstring)."""
+    prog = "gossipcomp allreduce"
+    try:
+        config = config_of(args)
+        check_config(config)
+        if args.report is not None and args.report.is_dir():
+            raise ValueError(f"--report {args.report}: is a directory; expected a file path")
+    except ValueError as error:
+        _error(prog, error)
+        return 2
+    start = time.perf_counter()
+    session = None
+    try:
+        if args.nproc is not None:
+            results = spawn(
+                train_rank,
+                args.nproc,
+                (config,),
+                timeout_s=config.timeout_s,
+                deadline_s=MAX_TIMEOUT_S * 24,
+            )
+        else:
+            session, results = _torchrun_rank(config)
+    except ValueError as error:
+        _error(prog, error)
+        return 2
+    except (LaunchError, RankFailure) as error:
+        _error(prog, error)
+        return 1
+    try:
+        if session is not None and session.rank != 0:
+            return 0
+        report = build_report(config, results, time.perf_counter() - start)
+        if not args.quiet:
+            from rich.console import Console
+
+            Console(stderr=True).print(report.summary_table())
+        if args.report is not None:
+            report.write_json(args.report)
+    finally:
+        if session is not None:
+            session.close()
+    return 0
+
+
+def _error(prog: str, message: object) -> None:
+    text = " ".join(str(message).split())
+    sys.stderr.write(f"{prog}: error: {text}\n")
