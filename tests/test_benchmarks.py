@@ -173,3 +173,37 @@ def test_security_benchmark_compares_plaintext_tls_and_signed(tmp_path: Path) ->
         assert ratios["signed_vs_plaintext"] == pytest.approx(
             seconds["tls+signed"] / seconds["plaintext"]
         )
+
+
+def test_engine_benchmark_sets_simulate_against_the_work_done_back_to_back(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "engine.json"
+    _run("engine.py", "--peers", "4", "6", "--rounds", "5", "--warmup", "1", "--json", str(out),
+         timeout=120)  # fmt: skip
+    report = _json(out)
+    assert report["rounds"] == 5 and report["warmup_rounds"] == 1 and report["timed_rounds"] == 3
+    cores = len(os.sched_getaffinity(0))
+    assert report["cores"] == cores
+    assert [row["peers"] for row in report["sizes"]] == [4, 6]
+    for row in report["sizes"]:
+        for field in ("simulate_round_s", "simulate_cpu_round_s", "back_to_back_round_s"):
+            assert row[field] > 0
+        assert row["efficiency"] == pytest.approx(
+            row["back_to_back_round_s"] / (row["simulate_round_s"] * cores)
+        )
+        assert row["back_to_back_per_peer_ms"] == pytest.approx(
+            1e3 * row["back_to_back_round_s"] / row["peers"]
+        )
+    assert report["efficiency"] == {str(r["peers"]): r["efficiency"] for r in report["sizes"]}
+
+
+def test_engine_benchmark_refuses_a_warmup_that_leaves_no_round_to_time(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "engine.py"), "--rounds", "5", "--warmup", "4"],
+        cwd=ROOT,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "--warmup must be in [1, --rounds - 2], got 4" in done.stderr
