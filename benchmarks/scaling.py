@@ -1,5 +1,6 @@
-"""Predicted scaling of gossip and ring all-reduce from 8 to 1024 peers, and the simulator's
-error against measured runs.
+"""Predicted scaling from 8 to 1024 peers, and the timeline simulator's error against runs.
+
+Gossip on a ring, a torus and an exponential graph, and ring all-reduce.
 
 Run: python benchmarks/scaling.py --json docs/scaling.json --plot docs/scaling.png
 
@@ -18,7 +19,8 @@ interpreter lock on a shared CPU. A round's time is measured as the difference o
 times of two runs with different round counts (start-up cancels), divided by the difference in
 rounds. Each measured ring (`--validate`, default 4, 8, 16 peers) is paired with a calibration
 ring of another size (`--calibrate`, default 6) run alongside it (short runs, then long runs in
-the opposite order), so that other work on this shared machine weighs on both alike. The
+the opposite order), so that other work on this shared machine weighs on both alike; the
+pairs are repeated `--repeats` times (sizes interleaved) and averaged. The mean
 calibration's wall time per round over its peers is the per-peer cost, split by the report's
 compute share into the local step and two per-neighbour decodes; the simulator runs the ring
 with cores=1 (the peers' CPU tasks served one at a time) and no link time (loopback transfers
@@ -204,27 +206,38 @@ def shared_cpu_costs(calibration: dict) -> PeerCosts:
     )
 
 
-def validation(peers: list[int], low: int, peer_rounds: int, calibrate: int) -> dict:
-    """For each ring of `peers`: measure it alongside the calibration ring, calibrate the
-    per-peer costs on the latter, predict the former."""
-    rows, calibrations = [], []
+def validation(peers: list[int], low: int, peer_rounds: int, calibrate: int, repeats: int) -> dict:
+    """For each ring of `peers`, `repeats` times (sizes interleaved): measure it alongside the
+    calibration ring. Per size, the mean calibration gives the per-peer costs, whose prediction
+    is compared with the mean measured round time."""
+    pairs: dict[int, list[tuple[dict, dict]]] = {n: [] for n in peers}
     with tempfile.TemporaryDirectory(prefix="scaling-") as name:
-        for n in peers:
-            measured, calibration = measured_pair(n, calibrate, low, peer_rounds, Path(name))
-            costs = shared_cpu_costs(calibration)
-            predicted = simulate("ring", n, costs, LinkCost(0.0, 0.0), rounds=30, cores=1)
-            calibrations.append({**calibration, "shared_cpu_costs": costs.__dict__})
-            rows.append(
-                {
-                    "peers": n,
-                    "predicted_round_s": predicted.round_s,
-                    "measured_round_s": measured["round_s"],
-                    "relative_error": predicted.round_s / measured["round_s"] - 1,
-                    "rounds": measured["rounds"],
-                    "cpu_per_wall": measured["cpu_per_wall"],
-                    "calibration_round_s": calibration["round_s"],
-                }
-            )
+        for _ in range(repeats):
+            for n in peers:
+                pairs[n].append(measured_pair(n, calibrate, low, peer_rounds, Path(name)))
+    rows, calibrations = [], []
+    for n, measured in pairs.items():
+        ring_s = statistics.fmean(ring["round_s"] for ring, _ in measured)
+        calibration = {
+            "peers": calibrate,
+            "round_s": statistics.fmean(cal["round_s"] for _, cal in measured),
+            "compute_share": statistics.fmean(cal["compute_share"] for _, cal in measured),
+        }
+        costs = shared_cpu_costs(calibration)
+        predicted = simulate("ring", n, costs, LinkCost(0.0, 0.0), rounds=30, cores=1)
+        calibrations.append({**calibration, "shared_cpu_costs": costs.__dict__, "for_peers": n})
+        rows.append(
+            {
+                "peers": n,
+                "predicted_round_s": predicted.round_s,
+                "measured_round_s": ring_s,
+                "relative_error": predicted.round_s / ring_s - 1,
+                "measured_each_s": [ring["round_s"] for ring, _ in measured],
+                "calibration_each_s": [cal["round_s"] for _, cal in measured],
+                "rounds": measured[0][0]["rounds"],
+                "cpu_per_wall": statistics.fmean(ring["cpu_per_wall"] for ring, _ in measured),
+            }
+        )
     return {
         "calibrations": calibrations,
         "validation": rows,
@@ -281,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--low-rounds", type=int, default=20, help="rounds of the short run")
     parser.add_argument(
+        "--repeats", type=int, default=2, help="measured pairs per ring size (averaged)"
+    )
+    parser.add_argument(
         "--peer-rounds",
         type=int,
         default=2000,
@@ -290,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args(argv)
-    if args.low_rounds < 1 or args.peer_rounds < 1 or args.calibrate < 3:
-        parser.error("expected --low-rounds >= 1, --peer-rounds >= 1, --calibrate >= 3")
+    if min(args.low_rounds, args.peer_rounds, args.repeats) < 1 or args.calibrate < 3:
+        parser.error("expected --low-rounds, --peer-rounds, --repeats >= 1, --calibrate >= 3")
     if args.rounds < 3 or args.steps < 8 or min(args.peers) < 3:
         parser.error("expected --rounds >= 3, --steps >= 8, --peers >= 3")
 
@@ -303,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, slowest = scaling_table(costs, args.peers, args.rounds, args.seed)
     checked = None
     if args.validate:
-        checked = validation(args.validate, args.low_rounds, args.peer_rounds, args.calibrate)
+        checked = validation(
+            args.validate, args.low_rounds, args.peer_rounds, args.calibrate, args.repeats
+        )
 
     table = Table(title=f"predicted scaling efficiency (compute / round), {args.rounds} rounds")
     for column in ("link", "compressor", "layout", *map(str, args.peers)):

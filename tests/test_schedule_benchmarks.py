@@ -52,6 +52,7 @@ def test_scaling_benchmark_reports_the_table_plot_and_validation(tmp_path: Path)
         "scaling.py",
         *("--peers", "8", "16", "--rounds", "5", "--steps", "16"),
         *("--validate", "4", "--calibrate", "4", "--low-rounds", "2", "--peer-rounds", "200"),
+        *("--repeats", "1"),
         *("--json", str(out), "--plot", str(picture)),
         timeout=300,
     )
