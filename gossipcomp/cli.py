@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.experiment import (
     MAX_GOSSIP_STEPS,
     MAX_LR,
@@ -57,6 +58,7 @@ from gossipcomp.simulation import CheckpointPolicy, run_peer, run_simulation
 from gossipcomp.text import quoted
 from gossipcomp.topology import Topology, TopologyError, load_topology
 from gossipcomp.transport.base import HandshakeError, PeerUnreachableError
+from gossipcomp.transport.grpc_transport import is_loopback
 
 DEFAULT_TOPOLOGY = "ring8"
 MAX_STARTUP_TIMEOUT = 86400.0  # seconds: waiting a day for neighbours is a typing mistake
@@ -151,6 +153,45 @@ def _planner_spec(text: str) -> str:
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text
+
+
+def _add_tls_flags(parser: argparse.ArgumentParser, who: str) -> None:
+    tls = parser.add_argument_group(
+        "mutual TLS", "all three, or none for plaintext; make them with `gossipcomp keys new`"
+    )
+    tls.add_argument(
+        "--tls-cert", type=Path, metavar="FILE", help=f"this {who}'s certificate (PEM)"
+    )
+    tls.add_argument("--tls-key", type=Path, metavar="FILE", help=f"this {who}'s private key (PEM)")
+    tls.add_argument("--tls-ca", type=Path, metavar="FILE", help="the network's CA certificate")
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve plaintext on an address other than loopback. Without TLS anyone who reaches "
+        "the port is trusted: any process that can connect can pose as a peer. Only for a "
+        "network no one else can reach; otherwise use --tls-*",
+    )
+
+
+def _add_coordinator_flags(group: argparse._ActionsContainer) -> None:
+    group.add_argument(
+        "--planner",
+        type=_planner_spec,
+        default="mergecomp",
+        help=f"the coordinator's planner: {', '.join(sorted(PLANNERS))}",
+    )
+    group.add_argument(
+        "--report-every",
+        type=_integer("report interval (rounds)", 1, 10**6),
+        default=10,
+        help="rounds between each peer's reports to the coordinator",
+    )
+    group.add_argument(
+        "--replan-every",
+        type=_integer("replanning interval (rounds)", 1, 10**6),
+        default=200,
+        help="rounds between the coordinator's plans (it publishes only a plan that differs)",
+    )
 
 
 def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) -> None:
@@ -439,6 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="peers sign every message with throwaway keys and check each other's (needs --tls)",
     )
+    coord = sim.add_argument_group("coordinator")
+    coord.add_argument(
+        "--coordinator",
+        action="store_true",
+        help="run a coordinator in this process: peers report measurements to it and switch to "
+        "the schedules it plans (choco, def)",
+    )
+    _add_coordinator_flags(coord)
     _add_training_flags(sim, rank_is_low_rank=True)
 
     peer = sub.add_parser(
@@ -460,18 +509,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="seconds to wait for neighbours to come up before giving up",
     )
-    tls = peer.add_argument_group(
-        "mutual TLS", "all three, or none for plaintext; make them with `gossipcomp keys new`"
-    )
-    tls.add_argument("--tls-cert", type=Path, metavar="FILE", help="this peer's certificate (PEM)")
-    tls.add_argument("--tls-key", type=Path, metavar="FILE", help="this peer's private key (PEM)")
-    tls.add_argument("--tls-ca", type=Path, metavar="FILE", help="the network's CA certificate")
+    _add_tls_flags(peer, "peer")
     peer.add_argument(
-        "--insecure",
-        action="store_true",
-        help="serve plaintext on an address other than loopback. Without TLS a peer trusts "
-        "whoever reaches its port: any process that can connect can pose as a neighbour and "
-        "poison the model. Only for a network no one else can reach; otherwise use --tls-*",
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="report measurements to the coordinator there and take its schedules (over the "
+        "peer's TLS when given); without one the peer runs its static --schedule",
+    )
+    peer.add_argument(
+        "--report-every",
+        type=_integer("report interval (rounds)", 1, 10**6),
+        default=10,
+        help="rounds between reports to the coordinator",
     )
     peer.add_argument(
         "--key",
@@ -481,6 +530,20 @@ def build_parser() -> argparse.ArgumentParser:
         "keys the topology lists (needs TLS; required when the topology lists public keys)",
     )
     _add_training_flags(peer, rank_is_low_rank=False)
+
+    coordinator = sub.add_parser(
+        "coordinator",
+        help="plan merged compression from the peers' measurements and publish schedules",
+        formatter_class=_HelpWithDefaults,
+    )
+    coordinator.add_argument(
+        "--topology", required=True, help="topology YAML file (or shipped name)"
+    )
+    coordinator.add_argument(
+        "--address", default="127.0.0.1:50099", help="address to listen on (HOST:PORT)"
+    )
+    _add_coordinator_flags(coordinator)
+    _add_tls_flags(coordinator, "coordinator")
 
     topo = sub.add_parser("topology", help="inspect topology files")
     topo_sub = topo.add_subparsers(dest="topology_command", required=True)
@@ -664,6 +727,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if args.command == "keys":
         _keys_new(args, Console(highlight=False))
         return 0
+    if args.command == "coordinator":
+        return _serve_coordinator(args, console)
     tls = _tls_files(args) if args.command == "peer" else None
     config = _config(args)
     checkpoints = _checkpoints(args)
@@ -682,6 +747,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                 checkpoints=checkpoints,
                 tls=args.tls,
                 authenticate=args.authenticate,
+                coordinator=_coordinator(args, topology) if args.coordinator else None,
+                report_every=args.report_every,
             )
     else:
         label = f"peer {rank}: {config.algorithm} on {topology.name}"
@@ -697,8 +764,40 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                 tls=tls,
                 signing_key=args.key,
                 insecure=args.insecure,
+                coordinator=args.coordinator,
+                report_every=args.report_every,
             )
     _finish(report, args, console)
+    return 0
+
+
+def _coordinator(args: argparse.Namespace, topology: Topology) -> Coordinator:
+    return Coordinator(
+        topology,
+        planner=args.planner,
+        report_every=args.report_every,
+        replan_every=args.replan_every,
+    )
+
+
+def _serve_coordinator(args: argparse.Namespace, console: Console) -> int:
+    """Serve until interrupted (status 130) or terminated."""
+    tls = _tls_files(args)
+    if tls is None and not args.insecure and not is_loopback(args.address):
+        raise ValueError(
+            f"--address {args.address}: plaintext on an address other than loopback lets anyone "
+            "who reaches it pose as a peer; expected --tls-cert/--tls-key/--tls-ca, or --insecure"
+        )
+    topology = resolve_topology(args.topology)
+    server = CoordinatorServer(_coordinator(args, topology), args.address, tls)
+    console.print(
+        f"coordinator for {topology.name} ({topology.n} peers) at {server.address}, "
+        f"planner {args.planner}; peers join with --coordinator {server.address}"
+    )
+    try:
+        server.wait()
+    finally:
+        server.stop()
     return 0
 
 

@@ -19,6 +19,7 @@ import torch
 
 from gossipcomp.checkpoint import CheckpointError, CheckpointStore, LoadedCheckpoint
 from gossipcomp.compress import parse_spec
+from gossipcomp.coordinator_client import CoordinatorClient
 from gossipcomp.data import DigitsSplit, parse_partition, partition_indices
 from gossipcomp.gossip import (
     ALGORITHMS,
@@ -331,7 +332,9 @@ class PeerTrainer:
         config: TrainConfig,
         store: CheckpointStore | None = None,
         checkpoint_every: int = 0,
+        coordinator: CoordinatorClient | None = None,
     ) -> None:
+        """`coordinator`: reports after every round and stages the schedules it sends."""
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
         if checkpoint_every and store is None:
@@ -341,6 +344,7 @@ class PeerTrainer:
         self.config = config
         self.store = store
         self.checkpoint_every = checkpoint_every
+        self.coordinator = coordinator
         x, y = peer_examples(data, peer.topology, peer.rank, config)
         self.stream = BatchStream(x, y, config.batch_size, config.seed, peer.rank)
         self.optimizer = make_optimizer(peer.model, config.lr, config.momentum)
@@ -459,6 +463,8 @@ class PeerTrainer:
             # itself overflowed to is caught after the next local step
             _check_finite(peer, before + 1, "after the local step")
             peer.gossip()
+            if self.coordinator is not None:
+                self.coordinator.after_round()
             r = peer.round  # usually before + 1; more after catching up with the neighbours
             if _crossed(before, r, config.eval_every) or r >= config.rounds:
                 accuracy = evaluate_accuracy(peer.model, self.data.x_test, self.data.y_test)

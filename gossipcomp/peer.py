@@ -40,6 +40,7 @@ from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.state import checked_tensors
 from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
 from gossipcomp.models import model_signature
+from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.schedule import Schedule, ScheduleBook, ScheduleRefused
 from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
@@ -561,6 +562,11 @@ class Peer:
         self.links.restored(round, 0.0 if saved_at is None else time.time() - saved_at)
         if seconds_per_round is not None:
             self.links.pace.assume(seconds_per_round)
+
+    @property
+    def transfers(self) -> TransferLog:
+        """The last transfers of each link (bytes both ways, seconds per exchange)."""
+        return self._links.transfers
 
     @property
     def stats(self) -> PeerStats:

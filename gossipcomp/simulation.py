@@ -22,6 +22,8 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gossipcomp.checkpoint import CheckpointStore
+from gossipcomp.coordinator import Coordinator, CoordinatorServer
+from gossipcomp.coordinator_client import CoordinatorClient
 from gossipcomp.data import DigitsSplit, load_digits_split
 from gossipcomp.experiment import (
     PeerOutcome,
@@ -63,11 +65,17 @@ class CheckpointPolicy:
 
 
 def _trainer(
-    peer: Peer, data: DigitsSplit, config: TrainConfig, checkpoints: CheckpointPolicy | None
+    peer: Peer,
+    data: DigitsSplit,
+    config: TrainConfig,
+    checkpoints: CheckpointPolicy | None,
+    coordinator: CoordinatorClient | None = None,
 ) -> PeerTrainer:
     if checkpoints is None:
-        return PeerTrainer(peer, data, config)
-    return checkpoints.trainer(peer, data, config)
+        return PeerTrainer(peer, data, config, coordinator=coordinator)
+    trainer = checkpoints.trainer(peer, data, config)
+    trainer.coordinator = coordinator
+    return trainer
 
 
 def _average_model_accuracy(
@@ -119,18 +127,26 @@ def run_simulation(
     checkpoints: CheckpointPolicy | None = None,
     tls: bool = False,
     authenticate: bool = False,
+    coordinator: Coordinator | None = None,
+    report_every: int = 10,
 ) -> Report:
     """Train every peer of `topology` in this process over gRPC on loopback; with `tls`, over
     mutual TLS with a throwaway CA and per-peer certificates (deleted when training ends); with
-    `authenticate` as well, every message signed by a throwaway per-peer key."""
+    `authenticate` as well, every message signed by a throwaway per-peer key. With
+    `coordinator`, it is served on loopback too (over the same TLS) and every peer reports to
+    it every `report_every` rounds and takes the schedules it publishes."""
     if authenticate and not tls:
         raise ValueError(f"--authenticate needs --tls: {WHY_AUTHENTICATION_NEEDS_TLS}")
     start = time.perf_counter()
     data = load_digits_split(seed=config.seed)
     peers: list[Peer] = []
     keys = _throwaway_keys(topology.n) if authenticate else [None] * topology.n
-    with _simulation_tls(topology.n, tls) as tls_files:
+    with _simulation_tls(topology.n, tls) as (tls_files, coordinator_tls):
+        server = None
+        clients: list[CoordinatorClient] = []
         try:
+            if coordinator is not None:
+                server = CoordinatorServer(coordinator, "127.0.0.1:0", coordinator_tls)
             for rank in range(topology.n):
                 peers.append(
                     Peer.over_grpc(
@@ -144,7 +160,21 @@ def run_simulation(
                         ready=checkpoints is None,
                     )
                 )
-            trainers = [_trainer(peer, data, config, checkpoints) for peer in peers]
+            if server is not None:
+                clients = [
+                    CoordinatorClient(
+                        server.address,
+                        peer,
+                        config.compressor,
+                        report_every=report_every,
+                        tls=tls_files[peer.rank],
+                    )
+                    for peer in peers
+                ]
+            trainers = [
+                _trainer(peer, data, config, checkpoints, clients[i] if clients else None)
+                for i, peer in enumerate(peers)
+            ]
             addresses = {p.rank: p.address for p in peers}
             for peer in peers:
                 peer.start(startup_timeout, addresses)
@@ -164,18 +194,26 @@ def run_simulation(
                 time.perf_counter() - start,
             )
         finally:
+            for client in clients:
+                client.close()
             for peer in peers:
                 peer.close()
+            if server is not None:
+                server.stop()
 
 
 @contextmanager
-def _simulation_tls(n: int, enabled: bool) -> Iterator[list[TlsFiles | None]]:
-    """Per rank: its TLS files (existing while the context lasts), or None for plaintext."""
+def _simulation_tls(
+    n: int, enabled: bool
+) -> Iterator[tuple[list[TlsFiles | None], TlsFiles | None]]:
+    """Per rank its TLS files, and the coordinator's (existing while the context lasts), or
+    None for plaintext."""
     if not enabled:
-        yield [None] * n
+        yield [None] * n, None
         return
-    with throwaway_certificates([f"peer{rank}" for rank in range(n)]) as files:
-        yield [files[f"peer{rank}"] for rank in range(n)]
+    names = [f"peer{rank}" for rank in range(n)]
+    with throwaway_certificates([*names, "coordinator"]) as files:
+        yield [files[name] for name in names], files["coordinator"]
 
 
 def _throwaway_keys(n: int) -> list[PeerKeys | None]:
@@ -247,13 +285,17 @@ def run_peer(
     tls: TlsFiles | None = None,
     signing_key: Path | None = None,
     insecure: bool = False,
+    coordinator: str | None = None,
+    report_every: int = 10,
 ) -> Report:
     """Train one peer of `topology` at its address; its neighbours run elsewhere. With
     `checkpoints`, it continues from its newest valid checkpoint and keeps writing them; with
     `tls`, it talks to its neighbours over mutual TLS only; with `signing_key` (required when
     the topology lists public keys, and only with `tls`), it signs every message and accepts
     only messages signed by its neighbours' keys. Without `tls` it serves only on loopback
-    unless `insecure` (GrpcOptions.insecure: plaintext trusts whoever reaches the port)."""
+    unless `insecure` (GrpcOptions.insecure: plaintext trusts whoever reaches the port). With
+    `coordinator` (HOST:PORT), it reports there every `report_every` rounds (over `tls` when
+    given) and takes the schedules published there."""
     if signing_key is not None and tls is None:
         raise ValueError(
             "peer authentication (--key) needs mutual TLS (--tls-cert, --tls-key, --tls-ca): "
@@ -272,9 +314,20 @@ def run_peer(
         round_timeout=config.round_timeout,
         ready=checkpoints is None,
     ) as peer:
-        trainer = _trainer(peer, data, config, checkpoints)
-        peer.start(startup_timeout)
-        outcome = trainer.run(on_round=(lambda r: progress(rank, r)) if progress else None)
+        client = (
+            None
+            if coordinator is None
+            else CoordinatorClient(
+                coordinator, peer, config.compressor, report_every=report_every, tls=tls
+            )
+        )
+        try:
+            trainer = _trainer(peer, data, config, checkpoints, client)
+            peer.start(startup_timeout)
+            outcome = trainer.run(on_round=(lambda r: progress(rank, r)) if progress else None)
+        finally:
+            if client is not None:
+                client.close()
         average = peer.network_average()
         own = [p.detach() for p in peer.model.parameters()]
         distance = float((flat(own) - flat(average)).pow(2).sum())

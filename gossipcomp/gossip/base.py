@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.transport.base import (
     RAW_CODEC,
@@ -38,9 +39,17 @@ class LinkStats:
     bytes_received: dict[int, int] = field(default_factory=dict)
     failures: dict[int, int] = field(default_factory=dict)
     epoch_mismatches: int = 0  # exchanges refused: the neighbour sent under another epoch
+    # the last transfers of each link, (bytes both ways, seconds), for the cost model
+    transfers: TransferLog = field(default_factory=lambda: TransferLog(per_link=64))
 
-    def add(self, result: ExchangeResult) -> None:
+    def add(self, result: ExchangeResult, seconds: float) -> None:
+        """Count an exchange that took `seconds` (recorded as a transfer of every neighbour
+        that answered)."""
         self.epoch_mismatches += len(result.epoch_mismatches)
+        for j, received in result.bytes_received.items():
+            sent = result.bytes_sent.get(j)
+            if sent is not None:
+                self.transfers.record(j, sent + received, seconds)
         for j, n in result.bytes_sent.items():
             self.bytes_sent[j] = self.bytes_sent.get(j, 0) + n
         for j, n in result.bytes_received.items():
@@ -86,9 +95,10 @@ class Neighbourhood:
         result = self.transport.exchange(
             self.round, phase, per_peer, self.timeout, self.schedule_epoch
         )
-        self.comm_seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.comm_seconds += elapsed
         self.exchanges += 1
-        self.links.add(result)
+        self.links.add(result, elapsed)
         self.failed.update(result.failed)
         for j, envelope in result.received.items():
             self.received.setdefault(j, []).append(envelope)

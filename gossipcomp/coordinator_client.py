@@ -1,0 +1,137 @@
+"""A peer's side of the coordinator: report every few rounds, stage the schedules it sends.
+
+Nothing here blocks training: a report is sent as a gRPC future after a round, and its reply is
+looked at after a later round. A coordinator that cannot be reached costs a warning (once until
+it answers again) and the peer trains on with the schedules it has; one that sends a schedule
+the peer refuses (`ScheduleRefused`) costs an error naming why, and the peer keeps its current
+schedule. Schedules are staged from the training thread, as `Peer.apply` requires.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from gossipcomp.coordinator import schedule_from_proto
+from gossipcomp.models import model_signature
+from gossipcomp.peer import Peer
+from gossipcomp.proto.v1 import coordinator_pb2 as cpb
+from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
+from gossipcomp.schedule import CompressorCost, measure_compressor
+from gossipcomp.schedule.schedule import ScheduleRefused
+from gossipcomp.security.tls import TlsFiles, channel_credentials
+from gossipcomp.transport.base import PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
+
+REPORT_TIMEOUT = 5.0  # seconds a report may take before it counts as unanswered
+SAMPLES_SENT = 16  # newest transfers of each link sent in one report
+MEASURED_SIZES = (1 << 10, 1 << 14, 1 << 17)  # buffer sizes timed for the compressor's cost
+# a coordinator that comes back is found within two seconds (gRPC's default backoff grows
+# to two minutes)
+RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+class CoordinatorClient:
+    """Reports `peer`'s measurements every `report_every` rounds and stages what comes back."""
+
+    def __init__(
+        self,
+        address: str,
+        peer: Peer,
+        compressor: str | None,
+        *,
+        report_every: int = 10,
+        tls: TlsFiles | None = None,
+    ) -> None:
+        if isinstance(report_every, bool) or not 1 <= report_every <= 10**6:
+            raise ValueError(f"report_every: expected an integer in [1, 10^6], got {report_every}")
+        self.peer = peer
+        self.report_every = report_every
+        self.compressor = compressor or ""
+        self._cost = (
+            measure_compressor(self.compressor, list(MEASURED_SIZES), repeats=3)
+            if compressor
+            else CompressorCost(0.0, 0.0)
+        )
+        self._channel = (
+            grpc.insecure_channel(address, options=RECONNECT)
+            if tls is None
+            else grpc.secure_channel(address, channel_credentials(tls), options=RECONNECT)
+        )
+        self._report = cpb_grpc.CoordinatorStub(self._channel).Report
+        self._signature = model_signature(peer.model)
+        self._pending: grpc.Future | None = None
+        self._unreachable = False
+        self.refused: list[str] = []  # why schedules were refused (for reports and tests)
+
+    def after_round(self) -> None:
+        """Look at an answered report, then send the next one when it is due."""
+        pending = self._pending
+        if pending is not None and pending.done():
+            self._pending = None
+            self._take(pending)
+        if self._pending is None and self.peer.round % self.report_every == 0:
+            self._pending = self._report.future(self._request(), timeout=REPORT_TIMEOUT)
+
+    def _take(self, answered: grpc.Future) -> None:
+        try:
+            reply = answered.result()
+        except grpc.RpcError as error:
+            if not self._unreachable:
+                log.warning(
+                    "peer %d: coordinator not answering (%s); training on with schedule epoch %d",
+                    self.peer.rank,
+                    error.code().name,
+                    self.peer.schedules.newest.epoch,
+                )
+            self._unreachable = True
+            return
+        if self._unreachable:
+            log.warning("peer %d: coordinator answering again", self.peer.rank)
+        self._unreachable = False
+        if not reply.has_schedule:
+            return
+        try:
+            self.peer.apply(schedule_from_proto(reply.schedule))
+        except ScheduleRefused as refused:
+            self.refused.append(str(refused))
+            log.error("peer %d: refused the coordinator's schedule: %s", self.peer.rank, refused)
+
+    def _request(self) -> cpb.PeerReport:
+        peer = self.peer
+        stats = peer.stats
+        links = []
+        for neighbour in peer.topology.neighbors(peer.rank):
+            samples = peer.transfers.samples(neighbour)[-SAMPLES_SENT:]
+            if samples:
+                links.append(
+                    cpb.LinkSamples(
+                        neighbour=neighbour,
+                        bytes=[b for b, _ in samples],
+                        seconds=[s for _, s in samples],
+                    )
+                )
+        return cpb.PeerReport(
+            protocol_version=PROTOCOL_VERSION,
+            sender=peer.rank,
+            topology_hash=peer.topology.hash,
+            model_signature=self._signature,
+            round=peer.round,
+            schedule_epoch=peer.schedules.newest.epoch,
+            compute_seconds=stats.compute_seconds / max(1, stats.rounds),
+            compressor_fixed_seconds=self._cost.fixed_s,
+            compressor_element_seconds=self._cost.per_element_s,
+            compressor=self.compressor,
+            tensors=[
+                cpb.TensorSize(name=name, numel=p.numel())
+                for name, p in peer.model.named_parameters()
+            ],
+            links=links,
+        )
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+        self._channel.close()

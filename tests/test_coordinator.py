@@ -1,0 +1,249 @@
+"""The coordinator over real gRPC: plans from reports, publishes, peers switch together; it dies
+and comes back; hostile reports are refused naming the field."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from conftest import build_network, run_in_threads
+from torch import nn
+
+from gossipcomp.compress import parse_spec
+from gossipcomp.coordinator import Coordinator, CoordinatorServer
+from gossipcomp.coordinator_client import CoordinatorClient
+from gossipcomp.experiment import TrainConfig
+from gossipcomp.gossip import Choco
+from gossipcomp.models import model_signature
+from gossipcomp.proto.v1 import coordinator_pb2 as cpb
+from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
+from gossipcomp.schedule.groups import TensorGroup
+from gossipcomp.simulation import run_simulation
+from gossipcomp.topology import build_topology
+from gossipcomp.transport.base import PROTOCOL_VERSION
+
+RING4 = build_topology("ring", n=4)
+
+
+def _models(n: int) -> list[nn.Module]:
+    models = []
+    for rank in range(n):
+        torch.manual_seed(rank)
+        models.append(nn.Sequential(nn.Linear(9, 6), nn.ReLU(), nn.Linear(6, 3)))
+    return models
+
+
+def _rounds(peers, clients, count: int) -> None:
+    def one(peer, client) -> None:
+        for _ in range(count):
+            peer.gossip()
+            client.after_round()
+
+    run_in_threads([lambda p=p, c=c: one(p, c) for p, c in zip(peers, clients, strict=True)])
+
+
+def test_published_schedules_reach_every_peer_and_switch_at_one_round():
+    """Four peers report every 2 rounds to a coordinator over gRPC; it plans once (merging all
+    tensors), then the test publishes two more schedules mid-run: every peer holds all three,
+    switched at the same rounds, and no exchange of the run failed or mismatched epochs."""
+    models = _models(4)
+    peers = build_network(
+        RING4, models, lambda: Choco(parse_spec("sign"), consensus_step=0.4), "grpc"
+    )
+    coordinator = Coordinator(RING4, planner="single", report_every=2, replan_every=10**6)
+    server = CoordinatorServer(coordinator, "127.0.0.1:0")
+    clients = [CoordinatorClient(server.address, p, "sign", report_every=2) for p in peers]
+    try:
+        _rounds(peers, clients, 12)
+        names = [name for name, _ in models[0].named_parameters()]
+        coordinator.publish(
+            [TensorGroup(tuple(names[:2]), "sign"), TensorGroup(tuple(names[2:]), "fp16")], "hand"
+        )
+        _rounds(peers, clients, 12)
+        coordinator.publish([], "per-tensor")
+        _rounds(peers, clients, 14)
+        published = [(s.epoch, s.effective_round) for s in coordinator.published]
+        assert [e for e, _ in published] == [1, 2, 3]
+        for peer, client in zip(peers, clients, strict=True):
+            stats = peer.stats
+            assert [(s.epoch, s.effective_round) for s in stats.schedule_epochs] == [
+                (0, 0),
+                *published,
+            ]
+            assert stats.mismatched_epoch_exchanges == 0
+            assert stats.failed_exchanges == {}
+            assert client.refused == []
+    finally:
+        for client in clients:
+            client.close()
+        server.stop()
+        for peer in peers:
+            peer.close()
+
+
+def test_peers_train_on_when_the_coordinator_dies_and_a_new_one_continues_the_epochs():
+    models = _models(4)
+    peers = build_network(
+        RING4, models, lambda: Choco(parse_spec("sign"), consensus_step=0.4), "grpc"
+    )
+    first = Coordinator(RING4, planner="single", report_every=2)
+    server = CoordinatorServer(first, "127.0.0.1:0")
+    address = server.address
+    clients = [CoordinatorClient(address, p, "sign", report_every=2) for p in peers]
+    try:
+        _rounds(peers, clients, 14)
+        assert all(p.schedules.current.epoch == 1 for p in peers)
+        server.stop()
+        _rounds(peers, clients, 8)  # nobody answers: training goes on
+        assert all(p.stats.failed_exchanges == {} for p in peers)
+        second = Coordinator(RING4, planner="per-tensor", report_every=2)
+        server = CoordinatorServer(second, address)
+        for _ in range(60):  # the clients reconnect within seconds
+            _rounds(peers, clients, 4)
+            if all(p.schedules.current.epoch == 2 for p in peers):
+                break
+        assert [s.epoch for s in second.published] == [2]  # above what the peers held
+        assert all(p.schedules.current.epoch == 2 for p in peers)
+        assert all(p.stats.mismatched_epoch_exchanges == 0 for p in peers)
+    finally:
+        for client in clients:
+            client.close()
+        server.stop()
+        for peer in peers:
+            peer.close()
+
+
+def _report(**fields) -> cpb.PeerReport:
+    base = dict(
+        protocol_version=PROTOCOL_VERSION,
+        sender=1,
+        topology_hash=RING4.hash,
+        model_signature=model_signature(_models(1)[0]),
+        round=3,
+        compute_seconds=0.01,
+        compressor="sign",
+        tensors=[cpb.TensorSize(name="w", numel=10)],
+    )
+    return cpb.PeerReport(**{**base, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields,code,fragment",
+    [
+        ({"sender": 9}, grpc.StatusCode.PERMISSION_DENIED, "not in the topology"),
+        ({"topology_hash": "x" * 5000}, grpc.StatusCode.FAILED_PRECONDITION, "topology_hash"),
+        ({"protocol_version": 7}, grpc.StatusCode.FAILED_PRECONDITION, "protocol_version"),
+        ({"round": -1}, grpc.StatusCode.INVALID_ARGUMENT, "round"),
+        ({"round": 2**62}, grpc.StatusCode.INVALID_ARGUMENT, "round"),
+        ({"schedule_epoch": 2**40}, grpc.StatusCode.INVALID_ARGUMENT, "schedule_epoch"),
+        ({"compute_seconds": float("nan")}, grpc.StatusCode.INVALID_ARGUMENT, "compute_seconds"),
+        ({"compressor_element_seconds": 1e300}, grpc.StatusCode.INVALID_ARGUMENT, "element"),
+        ({"compressor": "zip:level=9"}, grpc.StatusCode.INVALID_ARGUMENT, "compressor"),
+        ({"tensors": [cpb.TensorSize(name="", numel=1)]}, grpc.StatusCode.INVALID_ARGUMENT, "name"),
+        (
+            {"tensors": [cpb.TensorSize(name="w", numel=-5)]},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "numel",
+        ),
+        (
+            {"links": [cpb.LinkSamples(neighbour=3, bytes=[1], seconds=[0.1])]},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "not a neighbour",
+        ),
+        (
+            {"links": [cpb.LinkSamples(neighbour=0, bytes=[1] * 65, seconds=[0.1] * 65)]},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "at most 64",
+        ),
+        (
+            {"links": [cpb.LinkSamples(neighbour=0, bytes=[1], seconds=[-1.0])]},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "seconds",
+        ),
+    ],
+)
+def test_hostile_reports_are_refused_naming_the_field_and_change_nothing(fields, code, fragment):
+    coordinator = Coordinator(RING4, report_every=2)
+    server = CoordinatorServer(coordinator, "127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            report = cpb_grpc.CoordinatorStub(channel).Report
+            with pytest.raises(grpc.RpcError) as caught:
+                report(_report(**fields), timeout=5)
+            assert caught.value.code() == code
+            assert fragment in caught.value.details()
+            assert len(caught.value.details()) < 400  # echoes are shortened
+            assert coordinator._members == {}
+            report(_report(), timeout=5)  # and it still serves honest peers
+            assert set(coordinator._members) == {1}
+    finally:
+        server.stop()
+
+
+def test_a_report_from_another_model_is_refused_once_the_model_is_known():
+    coordinator = Coordinator(RING4)
+    coordinator.receive(_report())
+    with pytest.raises(ValueError, match="model_signature"):
+        coordinator.receive(_report(sender=2, model_signature="another"))
+
+
+def test_simulate_with_a_coordinator_plans_merged_groups_and_reaches_accuracy():
+    """ring4 Choco sign on digits with an in-process coordinator (over TLS): the coordinator's
+    plan merges groups, every peer switches at the same round with no mismatched exchange, and
+    training reaches the accuracy of a run without it."""
+    config = TrainConfig(algorithm="choco", compressor="sign", rounds=120, eval_every=0)
+    coordinator = Coordinator(RING4, planner="mergecomp", report_every=5)
+    report = run_simulation(config, RING4, coordinator=coordinator, report_every=5, tls=True)
+    assert [s["epoch"] for s in report.schedule_epochs] == [0, 1]
+    assert report.schedule_epochs[1]["planner"] == "mergecomp"
+    assert len(coordinator.published[0].groups) < 6  # merged: the MLP has 6 tensors
+    assert report.mismatched_epoch_exchanges == 0
+    assert report.final_test_accuracy > 0.85
+
+
+def test_peer_processes_join_a_coordinator_process_and_switch_together(tmp_path):
+    """`gossipcomp coordinator` and four `gossipcomp peer --coordinator` processes on a 4-ring:
+    every peer reports the same schedules (the coordinator's merged plan from the same round)
+    and no exchange under two epochs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_cli_and_processes import _free_ports, _peer_command, _ring_file
+
+    topology = _ring_file(tmp_path, 4)
+    address = f"127.0.0.1:{_free_ports(1)[0]}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "500"}
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "gossipcomp", "coordinator", "--topology", str(topology)]
+        + ["--address", address, "--report-every", "5", "--planner", "single"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    flags = ["--algorithm", "choco", "--compressor", "sign", "--rounds", "150"]
+    flags += ["--eval-every", "0", "--coordinator", address, "--report-every", "5"]
+    peers = [
+        subprocess.Popen(
+            [*_peer_command(topology, tmp_path / f"peer{r}.json", "--rank", str(r)), *flags],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(4)
+    ]
+    try:
+        for process in peers:
+            _, stderr = process.communicate(timeout=240)
+            assert process.returncode == 0, stderr
+    finally:
+        coordinator.terminate()
+        coordinator.communicate(timeout=30)
+    reports = [json.loads((tmp_path / f"peer{r}.json").read_text()) for r in range(4)]
+    epochs = [r["schedule_epochs"] for r in reports]
+    assert all(e == epochs[0] for e in epochs), epochs
+    assert [s["epoch"] for s in epochs[0]] == [0, 1]
+    assert epochs[0][1]["planner"] == "single"
+    assert all(r["mismatched_epoch_exchanges"] == 0 for r in reports)
+    assert all(r["final_test_accuracy"] > 0.8 for r in reports)
