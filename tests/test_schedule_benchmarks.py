@@ -37,7 +37,8 @@ def test_planner_benchmark_reports_decision_times_and_gaps(tmp_path: Path) -> No
             times = report["decision_ms"][planner][mode]
             assert set(times) == {"20", "50"} and all(ms > 0 for ms in times.values())
         assert report["gap_vs_bruteforce"][planner]["max"] >= -1e-9
-    assert set(report["decision_ms_max_at_size"]) == {"20", "50"}
+    for field in ("decision_ms_max_at_size", "decision_cpu_ms_max_at_size"):
+        assert set(report[field]) == {"20", "50"} and all(v > 0 for v in report[field].values())
     # the exact planners cannot lose to the brute force of their own cost model
     assert report["max_gap_vs_bruteforce"] == {
         "mergecomp": pytest.approx(0, abs=1e-9),
