@@ -1,5 +1,5 @@
-"""Command line: `gossipcomp simulate`, `gossipcomp peer`, `gossipcomp topology show`,
-`gossipcomp keys new`.
+"""Command line: `gossipcomp simulate`, `gossipcomp peer`, `gossipcomp coordinator`,
+`gossipcomp allreduce`, `gossipcomp topology show`, `gossipcomp keys new`.
 
 Argument parsing, checks that fail fast, progress display and reports only; the work happens in
 simulation.py.
@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from gossipcomp.allreduce import command as allreduce_command
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.experiment import (
     MAX_GOSSIP_STEPS,
@@ -545,6 +546,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_coordinator_flags(coordinator)
     _add_tls_flags(coordinator, "coordinator")
 
+    allreduce = sub.add_parser(
+        "allreduce",
+        help="data-parallel training on torch.distributed with compressed all-reduce",
+        formatter_class=_HelpWithDefaults,
+    )
+    allreduce_command.add_arguments(allreduce)
+
     topo = sub.add_parser("topology", help="inspect topology files")
     topo_sub = topo.add_subparsers(dest="topology_command", required=True)
     show = topo_sub.add_parser("show", help="peers, degrees, spectral gap and mixing weights")
@@ -729,6 +737,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         return 0
     if args.command == "coordinator":
         return _serve_coordinator(args, console)
+    if args.command == "allreduce":
+        return allreduce_command.run(args)
     tls = _tls_files(args) if args.command == "peer" else None
     config = _config(args)
     checkpoints = _checkpoints(args)
