@@ -153,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             "user_compressor": USER,
             "sizes": args.sizes,
             "decision_ms": decisions,
-            "decision_ms_max_at_size": {
-                str(size): max(decisions[name][mode][str(size)] for name in SPECS for mode in MODES)
-                for size in args.sizes
+            "decision_cpu_ms": decisions_cpu,
+            "decision_ms_max_at_size": {str(size): _worst(decisions, size) for size in args.sizes},
+            "decision_cpu_ms_max_at_size": {
+                str(size): _worst(decisions_cpu, size) for size in args.sizes
             },
             "instances": args.instances,
             "max_tensors": args.max_tensors,
