@@ -246,5 +246,11 @@ def test_planners_refuse_bad_inputs() -> None:
             make_planner(name).plan([], costs, "sign")
         with pytest.raises(ValueError, match="ready_at not to increase"):
             make_planner(name).plan(rising, costs, "sign")
+    twins = [TensorInfo("a", 10), TensorInfo("a", 20)]
+    with pytest.raises(ValueError, match="tensor names repeat"):
+        make_planner("single").plan(twins, costs, "sign")
+    many = [TensorInfo(f"t{k}", 1) for k in range(20_001)]
+    with pytest.raises(ValueError, match="20001 tensors to plan; expected at most 20000"):
+        make_planner("mergecomp").plan(many, costs, "sign")
     with pytest.raises(ValueError, match="no costs for compressor 'topk:ratio=0.1'"):
         make_planner("mergecomp").plan(rising[::-1], costs, "topk:ratio=0.1")

@@ -35,6 +35,7 @@ from gossipcomp.schedule.groups import TensorGroup, TensorInfo, groups_from_cuts
 from gossipcomp.text import quoted
 
 USER = "user"  # in strategy candidates: the user's own compressor
+MAX_PLAN_TENSORS = 20_000  # the dynamic programmes take O(n^2): about 4 s at this size
 DEFAULT_CANDIDATES = ("identity", "fp16", USER)
 
 
@@ -54,7 +55,6 @@ class Planner(Protocol):
 class _Timeline:
     """The tensors in processing order, with prefix sums of sizes and the backward ready times."""
 
-    order: np.ndarray  # model index of each processed tensor
     prefix_numel: np.ndarray  # elements of the first k processed tensors, k = 0..n
     ready: np.ndarray  # ready_at of each processed tensor (non-decreasing in allreduce mode)
     backward: bool  # processed in reverse model order (all-reduce)
@@ -64,6 +64,10 @@ class _Timeline:
         if not tensors:
             raise ValueError("nothing to plan: expected at least one tensor")
         n = len(tensors)
+        if n > MAX_PLAN_TENSORS:
+            raise ValueError(f"{n} tensors to plan; expected at most {MAX_PLAN_TENSORS}")
+        if len({t.name for t in tensors}) != n:
+            raise ValueError("tensor names repeat; expected one name per tensor")
         backward = costs.mode == "allreduce"
         order = np.arange(n - 1, -1, -1) if backward else np.arange(n)
         numel = np.array([tensors[i].numel for i in order], dtype=float)
@@ -73,7 +77,7 @@ class _Timeline:
                 "all-reduce planning expects ready_at not to increase along the "
                 "model's parameter order (backward readies the last layer first)"
             )
-        return cls(order, np.concatenate([[0.0], np.cumsum(numel)]), ready, backward)
+        return cls(np.concatenate([[0.0], np.cumsum(numel)]), ready, backward)
 
     def groups(
         self, tensors: Sequence[TensorInfo], cuts: Sequence[int], specs: Sequence[str]
