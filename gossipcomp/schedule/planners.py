@@ -35,7 +35,7 @@ from gossipcomp.schedule.groups import TensorGroup, TensorInfo, groups_from_cuts
 from gossipcomp.text import quoted
 
 USER = "user"  # in strategy candidates: the user's own compressor
-MAX_PLAN_TENSORS = 20_000  # the dynamic programmes take O(n^2): about 4 s at this size
+MAX_PLAN_TENSORS = 20_000  # the dynamic programmes are quadratic in the number of tensors
 DEFAULT_CANDIDATES = ("identity", "fp16", USER)
 
 
