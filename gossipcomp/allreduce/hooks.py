@@ -4,8 +4,8 @@
 returns its state. For every bucket the hook compresses (gradient + error memory) into one
 payload of exactly `wire_bytes` bytes (compress.device, so it stays on the accelerator) and:
 - summable payloads (identity, fp16, bf16, random-k with indices shared through the context)
-  go through one all-reduce: each rank encodes its input divided by the world size, the summed
-  payload decodes to the mean;
+  go through one all-reduce: the summed payload decodes to the sum, divided by the world size
+  (16-bit payloads carry the input already divided, so that their sum cannot overflow);
 - the others (top-k, DGC, QSGD, TernGrad, sign, one-bit) go through one all-gather of the
   fixed-size payloads (no size exchange): every rank decodes all of them and averages.
 Error feedback (on by default): memory <- input - what this rank's payload decodes to.
@@ -39,7 +39,7 @@ from gossipcomp.allreduce.comm import Communicator, torch_future
 from gossipcomp.allreduce.memory import Names, ParameterMemory
 from gossipcomp.compress import CompressionContext, ErrorFeedback, parse_spec
 from gossipcomp.compress.codec import Codec
-from gossipcomp.compress.device import decode, encode, summable_view
+from gossipcomp.compress.device import decode, encode, summable_dtype, summable_view
 
 POWERSGD = "powersgd"
 MIN_COMPRESSION_RATE = 2.0  # torch's default: compress a matrix only if it shrinks 2x or more
@@ -134,14 +134,19 @@ class CompressedState(HookState):
             memory = self.memory.flat(names, numels, x.device)
             x += memory
         if compressor.summable:
+            # 16-bit sums could overflow: those payloads carry x / N, float32 ones carry x
+            # (then the identity hook's result is exactly the sum divided by N)
+            before = comm.world if summable_dtype(compressor).itemsize < 4 else 1
+            after = comm.world / before
             ctx = CompressionContext(self.seed, -1, -1, round_, first_index)
-            x /= comm.world
+            if before != 1:
+                x /= before
             payload = encode(compressor, x, ctx)
             if memory is not None:
                 sent = decode(compressor, payload, x.shape, ctx)
-                torch.sub(x, sent, out=memory).mul_(comm.world)
+                torch.sub(x, sent, out=memory).mul_(before)
             comm.all_reduce_sum(summable_view(compressor, payload))
-            return decode(compressor, payload, x.shape, ctx)
+            return decode(compressor, payload, x.shape, ctx).div_(after)
         ctx = CompressionContext(self.seed, comm.rank, -1, round_, first_index)
         parts = comm.all_gather(encode(compressor, x, ctx))
         mean = torch.zeros_like(x)

@@ -113,13 +113,8 @@ def decode(
     return _DECODERS[codec.name](codec, payload, numel, ctx).view(dims)
 
 
-def summable_view(compressor: Compressor, payload: torch.Tensor) -> torch.Tensor:
-    """The values of a summable payload, typed (a view, no copy): the tensor a collective sums.
-
-    identity and random-k: float32; fp16: float16; bf16: bfloat16. The element-wise sum of the
-    views of several payloads is the payload of the sum (exactly, up to the summing dtype's
-    rounding). ValueError for compressors whose payloads cannot be summed.
-    """
+def summable_dtype(compressor: Compressor) -> torch.dtype:
+    """The dtype a collective sums a summable payload in (ValueError if it cannot be summed)."""
     codec = _built_in(compressor)
     dtype = _SUMMABLE_DTYPES.get(codec.name)
     if dtype is None:
@@ -127,7 +122,17 @@ def summable_view(compressor: Compressor, payload: torch.Tensor) -> torch.Tensor
             f"{codec.name} payloads cannot be summed element-wise; summable: "
             f"{', '.join(sorted(_SUMMABLE_DTYPES))}"
         )
-    return payload.view(dtype)
+    return dtype
+
+
+def summable_view(compressor: Compressor, payload: torch.Tensor) -> torch.Tensor:
+    """The values of a summable payload, typed (a view, no copy): the tensor a collective sums.
+
+    identity and random-k: float32; fp16: float16; bf16: bfloat16. The element-wise sum of the
+    views of several payloads is the payload of the sum (exactly, up to the summing dtype's
+    rounding). ValueError for compressors whose payloads cannot be summed.
+    """
+    return payload.view(summable_dtype(compressor))
 
 
 def _use_host(device: torch.device, host: bool | None) -> bool:
