@@ -35,7 +35,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gossipcomp.allreduce import command as allreduce_command
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.experiment import (
-    MAX_GOSSIP_STEPS,
     MAX_LR,
     MAX_SEED,
     TrainConfig,
@@ -44,6 +43,7 @@ from gossipcomp.experiment import (
 )
 from gossipcomp.gossip import ALGORITHMS, ATTACKS, parse_clip
 from gossipcomp.gossip.powergossip import largest_useful_rank
+from gossipcomp.gossip.specs import MAX_GOSSIP_STEPS, parse_options
 from gossipcomp.models import MODELS, build_model
 from gossipcomp.peer import MAX_ROUND_TIMEOUT
 from gossipcomp.presentation import format_topology
@@ -148,6 +148,20 @@ def _clip_spec(text: str) -> str:
     return text
 
 
+def _algorithm_spec(text: str) -> str:
+    """A registered name (its options then come from the flags), or a whole spec."""
+    name = text.partition(":")[0].strip()
+    if name not in ALGORITHMS:
+        known = ", ".join(sorted(ALGORITHMS))
+        raise argparse.ArgumentTypeError(f"unknown algorithm {quoted(name)}; known: {known}")
+    if ":" in text:
+        try:
+            parse_options(text, ALGORITHMS)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def _planner_spec(text: str) -> str:
     try:
         make_planner(text)
@@ -201,7 +215,12 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
     d = TrainConfig()
     g = parser.add_argument_group("training")
     g.add_argument(
-        "--algorithm", default=d.algorithm, choices=sorted(ALGORITHMS), help="gossip algorithm"
+        "--algorithm",
+        default=d.algorithm,
+        type=_algorithm_spec,
+        help=f"gossip algorithm: {', '.join(sorted(ALGORITHMS))}, or a whole spec such as "
+        "choco:compressor=sign,steps=4,gamma=0.7 (whose options then come from it, not from "
+        "the flags below)",
     )
     g.add_argument(
         "--model", default=d.model, choices=sorted(MODELS), help="model trained on digits"
@@ -670,12 +689,13 @@ def _check_low_rank(config: TrainConfig, flag: str) -> None:
     """Refuse a PowerGossip rank above what any matrix of the model can use. Each matrix caps
     the rank at its short side, where one power step already averages it exactly, so a larger
     rank changes nothing and is a typing mistake (--rank 100000 ran as 256)."""
-    if config.algorithm != "powergossip":
+    if config.algorithm_name != "powergossip":
         return
     limit = largest_useful_rank(build_model(config.model, config.seed).parameters())
-    if config.rank > limit:
+    rank = config.algorithm_options()["rank"]
+    if rank > limit:
         raise ValueError(
-            f"{flag} {config.rank}: no weight matrix of the model can use a rank above {limit} "
+            f"{flag} {rank}: no weight matrix of the model can use a rank above {limit} "
             f"(its longest short side; at that rank a power step averages the matrix exactly); "
             f"expected 1 to {limit}"
         )

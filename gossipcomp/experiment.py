@@ -23,18 +23,21 @@ from gossipcomp.coordinator_client import CoordinatorClient
 from gossipcomp.data import DigitsSplit, parse_partition, partition_indices
 from gossipcomp.gossip import (
     ALGORITHMS,
-    DEFATC,
-    DPSGD,
     Byzantine,
-    Choco,
     GossipAlgorithm,
     NamedParams,
-    PowerGossip,
+    make_algorithm,
     make_attack,
     parse_clip,
 )
 from gossipcomp.gossip.byzantine import DEFAULT_SCALE
 from gossipcomp.gossip.clipping import AdaptiveRadius, ClipRadius
+from gossipcomp.gossip.specs import (
+    MAX_GOSSIP_STEPS,
+    BuildContext,
+    canonical_spec,
+    parse_options,
+)
 from gossipcomp.models import MODELS
 from gossipcomp.peer import MAX_ROUND_TIMEOUT, Peer, PeerStats
 from gossipcomp.schedule import CompressorCost, CostModel, LinkCost, TensorInfo, make_planner
@@ -58,7 +61,6 @@ log = logging.getLogger(__name__)
 # an SGD rate this large diverges at once (TrainingDiverged, tests/test_simulate.py); far above
 # it, torch cannot apply the step to float32 parameters at all (1e308: an overflow error)
 MAX_LR = 1e6
-MAX_GOSSIP_STEPS = 100  # exchanges per round, each waiting on every neighbour: more is a typo
 MAX_SEED = 2**32 - 1  # the data split's seed (scikit-learn, numpy) must fit 32 bits
 # what a checkpoint holds besides the model-sized tensors: configuration, accuracy history,
 # generator state and the archive's own records (a few kB for a 600-round run)
@@ -78,7 +80,9 @@ GROUPED_ALGORITHMS = ("choco", "def")  # the algorithms whose payload follows te
 class TrainConfig:
     """Everything that decides a training run (the same on every peer)."""
 
-    algorithm: str = "powergossip"  # a name from gossipcomp.gossip.ALGORITHMS
+    # a name from gossipcomp.gossip.ALGORITHMS, whose options come from the fields below, or a
+    # whole spec such as "choco:compressor=sign,steps=4,gamma=0.7" (gossip/specs.py)
+    algorithm: str = "powergossip"
     model: str = "mlp"  # a name from gossipcomp.models.MODELS
     rounds: int = 600  # local steps, each followed by one gossip round
     lr: float = DEFAULT_LR  # SGD learning rate
@@ -122,8 +126,17 @@ class TrainConfig:
                 )
         elif self.consensus_step is not None:  # the algorithm checks its own upper limit
             _number("consensus_step", self.consensus_step, 0.0, math.inf, closed_high=False)
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; known: {sorted(ALGORITHMS)}")
+        if ":" in self.algorithm:  # a whole spec: its options are not given twice
+            defaults = TrainConfig()
+            name = parse_options(self.algorithm, ALGORITHMS)[0]
+            for option in ALGORITHMS[name].OPTIONS.values():
+                flag = option.flag
+                if flag is not None and getattr(self, flag) != getattr(defaults, flag):
+                    raise ValueError(
+                        f"{flag}: given both in the algorithm spec {quoted(self.algorithm)} "
+                        "and on its own; expected one of them"
+                    )
+        self.algorithm_options()  # a complete, valid spec (a required compressor given)
         parse_partition(self.partition)
         if self.compressor is not None:
             parse_spec(self.compressor)  # fail early on a bad spec, naming what exists
@@ -138,14 +151,42 @@ class TrainConfig:
         if self.model not in MODELS:
             raise ValueError(f"unknown model {quoted(self.model)}; known: {sorted(MODELS)}")
         make_planner(self.schedule)  # fails naming the planners that exist
-        if self.schedule != "per-tensor" and self.algorithm not in GROUPED_ALGORITHMS:
+        if self.schedule != "per-tensor" and self.algorithm_name not in GROUPED_ALGORITHMS:
             raise ValueError(
                 f"schedule {quoted(self.schedule)}: only {' and '.join(GROUPED_ALGORITHMS)} "
-                f"send tensor groups; {self.algorithm} takes schedule 'per-tensor'"
+                f"send tensor groups; {self.algorithm_name} takes schedule 'per-tensor'"
             )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def algorithm_name(self) -> str:
+        return self.algorithm.partition(":")[0].strip()
+
+    def algorithm_spec(self) -> str:
+        """The algorithm as one spec string: `algorithm` when it is one, else its name with
+        the options the fields give (each algorithm option names its field)."""
+        if ":" in self.algorithm:
+            return self.algorithm
+        cls = ALGORITHMS.get(self.algorithm)
+        if cls is None:
+            parse_options(self.algorithm, ALGORITHMS)  # raises, naming those that exist
+            raise AssertionError("unreachable")
+        options = {
+            key: getattr(self, option.flag) if option.flag else None
+            for key, option in cls.OPTIONS.items()
+        }
+        return canonical_spec(self.algorithm, options)
+
+    def algorithm_options(self) -> dict[str, Any]:
+        """Every option of the algorithm, given or defaulted (ValueError when not valid)."""
+        return parse_options(self.algorithm_spec(), ALGORITHMS)[1]
+
+    @property
+    def compressor_spec(self) -> str | None:
+        """The algorithm's compressor spec, None for those that send no compressed groups."""
+        return self.algorithm_options().get("compressor")
 
 
 def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -216,43 +257,17 @@ def build_algorithm(config: TrainConfig, topology: Topology, rank: int) -> Gossi
 def _honest_algorithm(
     config: TrainConfig, topology: Topology, clipping: ClipRadius | None
 ) -> GossipAlgorithm:
-    step = config.consensus_step
-    if config.algorithm == "dpsgd":
-        return DPSGD(consensus_step=_spectral_step(step, topology), clipping=clipping)
-    if config.algorithm == "powergossip":
-        return PowerGossip(
-            rank=config.rank,
-            power_steps=config.gossip_steps,
-            consensus_step=_spectral_step(step, topology),
-            seed=config.seed,
-            clipping=clipping,
-        )
-    if config.algorithm in ("choco", "def"):
-        if not config.compressor:
-            raise ValueError(f"algorithm {config.algorithm!r} needs a compressor spec, e.g. 'sign'")
-        compressor = parse_spec(config.compressor)
-        if config.algorithm == "choco":
-            # "auto" and None both mean the compressor's documented default for choco
-            given = None if step in (None, "auto") else float(step)
-            return Choco(
-                compressor,
-                consensus_step=given,
-                seed=config.seed,
-                steps=config.gossip_steps,
-                clipping=clipping,
-            )
-        return DEFATC(
-            compressor, zeta=config.zeta, gamma=config.gamma, seed=config.seed, clipping=clipping
-        )
-    raise ValueError(f"unknown algorithm {config.algorithm!r}; known: {sorted(ALGORITHMS)}")
+    context = BuildContext(config.seed, topology.optimal_consensus_step, clipping)
+    return make_algorithm(config.algorithm_spec(), context)
 
 
 def static_schedule(config: TrainConfig, params: NamedParams) -> Schedule | None:
     """The schedule `config.schedule` names, planned from the reference cost model and in
     force from round 1 (None for 'per-tensor', what a peer runs without a schedule)."""
-    if config.schedule == "per-tensor" or config.compressor is None:
+    compressor = config.compressor_spec
+    if config.schedule == "per-tensor" or compressor is None:
         return None
-    spec = parse_spec(config.compressor).spec
+    spec = parse_spec(compressor).spec
     costs = CostModel(
         {s: REFERENCE_COMPRESSION for s in {spec, "identity", "fp16"}},
         REFERENCE_LINK,
@@ -261,11 +276,6 @@ def static_schedule(config: TrainConfig, params: NamedParams) -> Schedule | None
     tensors = [TensorInfo(name, p.numel()) for name, p in params]
     groups = make_planner(config.schedule).plan(tensors, costs, spec)
     return Schedule(1, 1, tuple(groups), planner=config.schedule)
-
-
-def _spectral_step(step: float | str | None, topology: Topology) -> float:
-    """A given step, or (None / "auto") gamma* = 2 / (2 - lambda_2 - lambda_min) of W."""
-    return topology.optimal_consensus_step if step in (None, "auto") else float(step)
 
 
 def peer_examples(

@@ -190,3 +190,65 @@ def test_malformed_compressed_payload_is_refused_before_any_state_changes():
     finally:
         for thing in made:
             thing.close()
+
+
+@pytest.mark.parametrize(
+    "spec,kind,check",
+    [
+        ("dpsgd", "DPSGD", lambda a: a.consensus_step == pytest.approx(1.308, abs=1e-3)),
+        ("dpsgd:gamma=0.5", "DPSGD", lambda a: a.consensus_step == 0.5),
+        ("powergossip:rank=2,steps=4", "PowerGossip", lambda a: (a.rank, a.power_steps) == (2, 4)),
+        (
+            "choco:compressor=sign,steps=4,gamma=0.7",
+            "Choco",
+            lambda a: (a.steps, a.consensus_step, a.compressor.spec) == (4, 0.7, "sign"),
+        ),
+        ("choco:compressor=topk:ratio=0.1", "Choco", lambda a: a.consensus_step == 0.45),
+        (
+            "choco:compressor=(randomk:ratio=0.1,unbiased=false)",
+            "Choco",
+            lambda a: a.compressor.spec.startswith("randomk:ratio=0.1"),
+        ),
+        ("def:compressor=topk:ratio=0.01", "DEFATC", lambda a: (a.zeta, a.gamma) == (0.5, 0.2)),
+    ],
+)
+def test_algorithms_are_built_from_spec_strings(spec, kind, check):
+    from gossipcomp.gossip import BuildContext, make_algorithm
+    from gossipcomp.topology import build_topology
+
+    step = build_topology("ring", n=8).optimal_consensus_step
+    algorithm = make_algorithm(spec, BuildContext(seed=0, spectral_step=step))
+    assert type(algorithm).__name__ == kind
+    assert check(algorithm)
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("gossip", "unknown algorithm 'gossip'; known: choco, def, dpsgd, powergossip"),
+        ("choco", "needs option 'compressor'"),
+        ("choco:compressor=sign,steps=x", "steps: expected int"),
+        ("choco:compressor=sign,steps=1000", r"steps must be in \[1, 100\]"),
+        ("powergossip:rank=2,colour=red", "no option 'colour'; its options: rank, steps, gamma"),
+        ("choco:compressor=(sign", "unbalanced parentheses"),
+        ("choco:compressor=zip", "unknown compressor"),
+        ("dpsgd:gamma=3", "consensus_step must lie in"),
+        ("x" * 5000, "at most 1000"),
+    ],
+)
+def test_bad_algorithm_specs_are_refused_naming_the_problem(spec, message):
+    from gossipcomp.gossip import BuildContext, make_algorithm
+
+    with pytest.raises(ValueError, match=message):
+        make_algorithm(spec, BuildContext(seed=0, spectral_step=1.0))
+
+
+def test_flags_and_a_whole_spec_build_the_same_algorithm_and_are_not_mixed():
+    from gossipcomp.experiment import TrainConfig
+
+    flags = TrainConfig(algorithm="choco", compressor="sign", gossip_steps=4, consensus_step=0.7)
+    spec = TrainConfig(algorithm="choco:compressor=sign,steps=4,gamma=0.7")
+    assert flags.algorithm_spec() == spec.algorithm_spec()
+    assert flags.algorithm_options() == spec.algorithm_options()
+    with pytest.raises(ValueError, match="given both"):
+        TrainConfig(algorithm="choco:compressor=sign", gossip_steps=2)

@@ -9,7 +9,7 @@ import torch
 from conftest import run_in_threads
 from torch import nn
 
-from gossipcomp.gossip import DPSGD, make_algorithm
+from gossipcomp.gossip import DPSGD, BuildContext, make_algorithm
 from gossipcomp.links import Backoff, LinkState
 from gossipcomp.models import model_signature
 from gossipcomp.peer import Peer
@@ -119,8 +119,8 @@ def test_peer_rejects_mismatched_rank_and_unknown_algorithm():
     transport = InMemoryTransport(Identity(2, topology.hash, model_signature(model)), [1, 3], hub)
     with pytest.raises(ValueError, match="transport is for rank 2"):
         Peer(model, topology, 0, DPSGD(), transport)
-    with pytest.raises(ValueError, match="unknown algorithm 'nope'; known: .*'powergossip'"):
-        make_algorithm("nope")
+    with pytest.raises(ValueError, match="unknown algorithm 'nope'; known: .*powergossip"):
+        make_algorithm("nope", BuildContext(seed=0, spectral_step=1.0))
     with pytest.raises(ValueError, match="consensus_step"):
         DPSGD(consensus_step=2.5)
 

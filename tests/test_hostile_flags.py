@@ -79,6 +79,8 @@ PEER = ["peer", "--topology", "ring4", "--rank", "0", "--quiet"]
         (["--byzantine", "-1"], "--byzantine", ">= 0"),
         (["--schedule", "fastest"], "--schedule", "known: mergecomp, mgwfbp, per-tensor"),
         (["--model", "gpt"], "--model", "invalid choice"),
+        (["--algorithm", "gossip"], "--algorithm", "known: choco, def, dpsgd, powergossip"),
+        (["--algorithm", "powergossip:colour=red"], "--algorithm", "its options: rank, steps"),
     ],
 )
 def test_out_of_range_flag_values_are_refused_as_parsed(argv, flag, expected, capsys):

@@ -1,9 +1,6 @@
-"""Gossip algorithms over a neighbourhood, and a registry to build them by name."""
+"""Gossip algorithms over a neighbourhood, and a registry to build them from spec strings."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 from gossipcomp.gossip.base import GossipAlgorithm, LinkStats, NamedParams, Neighbourhood
 from gossipcomp.gossip.byzantine import ATTACKS, Attack, Byzantine, make_attack
@@ -12,8 +9,9 @@ from gossipcomp.gossip.clipping import CLIP_RULES, ClipRadius, parse_clip
 from gossipcomp.gossip.def_atc import DEFATC
 from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.powergossip import PowerGossip
+from gossipcomp.gossip.specs import BuildContext, SpecBuilt, parse_options
 
-ALGORITHMS: dict[str, Callable[..., GossipAlgorithm]] = {
+ALGORITHMS: dict[str, SpecBuilt] = {
     DPSGD.name: DPSGD,
     PowerGossip.name: PowerGossip,
     Choco.name: Choco,
@@ -21,18 +19,17 @@ ALGORITHMS: dict[str, Callable[..., GossipAlgorithm]] = {
 }
 
 
-def make_algorithm(name: str, **options: Any) -> GossipAlgorithm:
-    """Build a registered algorithm; an unknown name lists the ones that exist."""
-    try:
-        factory = ALGORITHMS[name]
-    except KeyError:
-        raise ValueError(f"unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}") from None
-    return factory(**options)
+def make_algorithm(spec: str, context: BuildContext) -> GossipAlgorithm:
+    """Build a registered algorithm from its spec (gossip/specs.py), e.g.
+    "choco:compressor=sign,steps=4,gamma=0.7"; ValueError naming what is wrong."""
+    name, options = parse_options(spec, ALGORITHMS)
+    return ALGORITHMS[name].from_options(options, context)
 
 
 __all__ = [
     "ALGORITHMS",
     "ATTACKS",
+    "BuildContext",
     "CLIP_RULES",
     "DEFATC",
     "Attack",

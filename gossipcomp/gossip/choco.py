@@ -24,15 +24,17 @@ so both ends of every edge still agree on them exactly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
+from gossipcomp.compress import parse_spec
 from gossipcomp.compress.base import Compressor
 from gossipcomp.gossip.base import RESUME_PHASE, NamedParams, Neighbourhood
 from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
 from gossipcomp.gossip.merged import MergedCodec
+from gossipcomp.gossip.specs import AUTO, BuildContext, Option, check_steps
 from gossipcomp.gossip.state import (
     checked_tensors,
     load_edge_tensors,
@@ -59,6 +61,23 @@ class Choco:
     """
 
     name = "choco"
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        "compressor": Option(str, required=True, flag="compressor"),
+        "steps": Option(int, 1, flag="gossip_steps"),
+        # "auto" or unset: the compressor's own suggested step
+        "gamma": Option(float, None, auto=True, flag="consensus_step"),
+    }
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], context: BuildContext) -> Choco:
+        gamma = options["gamma"]
+        return cls(
+            parse_spec(options["compressor"]),
+            consensus_step=None if gamma in (None, AUTO) else float(gamma),
+            seed=context.seed,
+            steps=check_steps(options["steps"]),
+            clipping=context.clipping,
+        )
 
     def __init__(
         self,

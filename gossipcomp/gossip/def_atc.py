@@ -20,15 +20,17 @@ rest (gossip/clipping.py); the references themselves are tracked unclipped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
+from gossipcomp.compress import parse_spec
 from gossipcomp.compress.base import Compressor
 from gossipcomp.gossip.base import RESUME_PHASE, NamedParams, Neighbourhood
 from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
 from gossipcomp.gossip.merged import MergedCodec
+from gossipcomp.gossip.specs import BuildContext, Option
 from gossipcomp.gossip.state import (
     checked_tensors,
     load_edge_tensors,
@@ -63,6 +65,21 @@ class DEFATC:
     """
 
     name = "def"
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        "compressor": Option(str, required=True, flag="compressor"),
+        "zeta": Option(float, None, flag="zeta"),  # unset: default_def_steps
+        "gamma": Option(float, None, flag="gamma"),
+    }
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], context: BuildContext) -> DEFATC:
+        return cls(
+            parse_spec(options["compressor"]),
+            zeta=options["zeta"],
+            gamma=options["gamma"],
+            seed=context.seed,
+            clipping=context.clipping,
+        )
 
     def __init__(
         self,

@@ -10,13 +10,14 @@ both ends of the edge miss each other. With `clipping`, each neighbour's differe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
 from gossipcomp.gossip.base import NamedParams, Neighbourhood
 from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
+from gossipcomp.gossip.specs import AUTO, BuildContext, Option
 from gossipcomp.gossip.state import require_keys
 from gossipcomp.transport.base import PayloadSpec
 from gossipcomp.transport.codec import decode_raw, encode_raw, tensor_spec
@@ -28,6 +29,14 @@ class DPSGD:
     """Exact (uncompressed) gossip of every parameter."""
 
     name = "dpsgd"
+
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        "gamma": Option(float, AUTO, auto=True, flag="consensus_step"),
+    }
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], context: BuildContext) -> DPSGD:
+        return cls(consensus_step=context.step(options["gamma"]), clipping=context.clipping)
 
     def __init__(
         self,

@@ -40,14 +40,15 @@ power_steps * gamma * sum_j w_ij * tau.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
 from gossipcomp.gossip.base import NamedParams, Neighbourhood
 from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, total_norm
 from gossipcomp.gossip.linalg import hashed_seed, orthonormal_basis
+from gossipcomp.gossip.specs import AUTO, BuildContext, Option, check_steps
 from gossipcomp.gossip.state import checked_tensors, require_keys
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec, TensorSpec
 from gossipcomp.transport.codec import decode_raw, encode_raw, raw_nbytes, tensor_spec
@@ -72,6 +73,21 @@ class PowerGossip:
     """Low-rank power-iteration gossip; exact gossip for vectors."""
 
     name = "powergossip"
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        "rank": Option(int, 1, flag="rank"),
+        "steps": Option(int, 1, flag="gossip_steps"),
+        "gamma": Option(float, AUTO, auto=True, flag="consensus_step"),
+    }
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], context: BuildContext) -> PowerGossip:
+        return cls(
+            rank=options["rank"],
+            power_steps=check_steps(options["steps"]),
+            consensus_step=context.step(options["gamma"]),
+            seed=context.seed,
+            clipping=context.clipping,
+        )
 
     def __init__(
         self,
