@@ -14,7 +14,11 @@ only at the end), two runs of the same training, side by side in one invocation:
 Per round is measured between the moment every peer has finished round --warmup and the moment
 every peer has finished round --rounds - 1 (startup, handshakes and the final evaluation left
 out). efficiency = back-to-back seconds / (simulate seconds x usable cores): 1.0 would be
-simulate spreading exactly that work over every core with nothing added.
+simulate spreading exactly that work over every core with nothing added. Two load-robust parts
+are written next to it, from process CPU time (which other work on the machine hardly moves):
+work_fraction = back-to-back CPU / simulate CPU (how much of what simulate burns is the work)
+and core_use = simulate CPU / (simulate wall x cores) (how many of the cores it keeps busy); on
+a quiet machine efficiency is about their product.
 """
 
 from __future__ import annotations
@@ -148,6 +152,8 @@ def measure(peers: int, rounds: int, warmup: int, cores: int) -> dict:
         "back_to_back_cpu_round_s": serial_cpu_s,
         "back_to_back_per_peer_ms": 1e3 * serial_s / peers,
         "efficiency": serial_s / (simulate_s * cores),
+        "work_fraction": serial_cpu_s / simulate_cpu_s,
+        "core_use": simulate_cpu_s / (simulate_s * cores),
         "load_average_1min": [load_before, os.getloadavg()[0]],
     }
 
@@ -161,6 +167,8 @@ def table(rows: Sequence[dict], cores: int) -> Table:
         "back to back ms": lambda r: f"{1e3 * r['back_to_back_round_s']:.1f}",
         "per peer ms": lambda r: f"{r['back_to_back_per_peer_ms']:.2f}",
         "efficiency": lambda r: f"{r['efficiency']:.3f}",
+        "work fraction": lambda r: f"{r['work_fraction']:.2f}",
+        "core use": lambda r: f"{r['core_use']:.2f}",
         "load": lambda r: f"{r['load_average_1min'][0]:.1f}",
     }
     for name in columns:

@@ -190,10 +190,21 @@ def test_engine_benchmark_sets_simulate_against_the_work_done_back_to_back(
     assert report["cores"] == cores
     assert [row["peers"] for row in report["sizes"]] == [4, 6]
     for row in report["sizes"]:
-        for field in ("simulate_round_s", "simulate_cpu_round_s", "back_to_back_round_s"):
+        for field in (
+            "simulate_round_s",
+            "simulate_cpu_round_s",
+            "back_to_back_round_s",
+            "back_to_back_cpu_round_s",
+        ):
             assert row[field] > 0
         assert row["efficiency"] == pytest.approx(
             row["back_to_back_round_s"] / (row["simulate_round_s"] * cores)
+        )
+        assert row["work_fraction"] == pytest.approx(
+            row["back_to_back_cpu_round_s"] / row["simulate_cpu_round_s"]
+        )
+        assert row["core_use"] == pytest.approx(
+            row["simulate_cpu_round_s"] / (row["simulate_round_s"] * cores)
         )
         assert row["back_to_back_per_peer_ms"] == pytest.approx(
             1e3 * row["back_to_back_round_s"] / row["peers"]
