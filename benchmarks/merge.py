@@ -4,7 +4,8 @@ Run: python benchmarks/merge.py --json docs/merge.json
 A deep residual MLP with LayerNorm (`--model resmlp`: 102 parameter tensors) trains on digits on
 ring8, every peer in one process over real gRPC (a `simulate` run), once per algorithm and
 schedule with the same rounds and seed: `per-tensor` (each parameter compressed on its own),
-`single` (all in one buffer) and the planner's plan (`--planner`, default mergecomp). Round time
+`single` (all in one buffer) and the planner's plan (`--planner`, default mergecomp); PowerGossip
+merges its raw payload only (one wire tensor per group, the same arithmetic). Round time
 is each peer's compute + communication seconds per round, averaged over peers (start-up and the
 final evaluation left out); the schedules of one algorithm run interleaved, `--repeats` times,
 and the median is kept. Written per algorithm: round time and accuracy per schedule,
@@ -32,6 +33,7 @@ from gossipcomp.simulation import run_simulation
 ALGORITHMS = {
     "choco-sign": TrainConfig(algorithm="choco", compressor="sign"),
     "def-sign": TrainConfig(algorithm="def", compressor="sign"),
+    "powergossip": TrainConfig(algorithm="powergossip"),
 }
 
 

@@ -229,7 +229,7 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         "--schedule",
         type=_planner_spec,
         default=d.schedule,
-        help="choco and def: how parameters are merged into compressed groups: per-tensor, "
+        help="choco, def, powergossip: how parameters are merged into groups: per-tensor, "
         f"single, or a planner ({', '.join(sorted(PLANNERS))}) run on a reference cost model, "
         "the same plan on every peer",
     )

@@ -73,7 +73,8 @@ _HISTORY_ENTRY_BYTES = 128  # a pickled Evaluation takes about 40; at most one p
 # coordinator plans from what the peers measured instead.
 REFERENCE_COMPRESSION = CompressorCost(fixed_s=60e-6, per_element_s=2e-9)
 REFERENCE_LINK = LinkCost(latency_s=4e-4, seconds_per_byte=1e-9)
-GROUPED_ALGORITHMS = ("choco", "def")  # the algorithms whose payload follows tensor groups
+# the algorithms whose payload follows tensor groups (PowerGossip merges its raw payload only)
+GROUPED_ALGORITHMS = ("choco", "def", "powergossip")
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class TrainConfig:
         make_planner(self.schedule)  # fails naming the planners that exist
         if self.schedule != "per-tensor" and self.algorithm_name not in GROUPED_ALGORITHMS:
             raise ValueError(
-                f"schedule {quoted(self.schedule)}: only {' and '.join(GROUPED_ALGORITHMS)} "
+                f"schedule {quoted(self.schedule)}: only {', '.join(GROUPED_ALGORITHMS)} "
                 f"send tensor groups; {self.algorithm_name} takes schedule 'per-tensor'"
             )
 
@@ -264,10 +265,9 @@ def _honest_algorithm(
 def static_schedule(config: TrainConfig, params: NamedParams) -> Schedule | None:
     """The schedule `config.schedule` names, planned from the reference cost model and in
     force from round 1 (None for 'per-tensor', what a peer runs without a schedule)."""
-    compressor = config.compressor_spec
-    if config.schedule == "per-tensor" or compressor is None:
+    if config.schedule == "per-tensor":
         return None
-    spec = parse_spec(compressor).spec
+    spec = parse_spec(config.compressor_spec or "identity").spec  # PowerGossip's raw payload
     costs = CostModel(
         {s: REFERENCE_COMPRESSION for s in {spec, "identity", "fp16"}},
         REFERENCE_LINK,

@@ -65,7 +65,7 @@ class Grouping:
             specs = [group.compressor for group in groups]
         self.groups = [
             Group(
-                name=_group_name([names[i] for i in indices]),
+                name=group_name([names[i] for i in indices]),
                 members=indices,
                 layout=FlatLayout.of([params[i][1] for i in indices]),
                 compressor=parse_spec(spec),
@@ -159,7 +159,8 @@ class Grouping:
                 compressor.set_memory(BROADCAST, index, flat)
 
 
-def _group_name(names: Sequence[str]) -> str:
+def group_name(names: Sequence[str]) -> str:
+    """A group's wire tensor name: its only parameter's, or "first+N more"."""
     return names[0] if len(names) == 1 else f"{names[0]}+{len(names) - 1} more"
 
 

@@ -13,6 +13,9 @@ nothing is sent to agree on it. Power steps alternate sides:
 
 Both ends apply equal and opposite updates, so the network sum of every parameter is preserved.
 Tensors with ndim <= 1 (biases, norm weights) are gossiped exactly with the first step of a round.
+A schedule's groups merge the payload: each group travels as one raw wire tensor holding its
+matrices' products and (first step) its vectors' values, one after another in model order, instead
+of one wire tensor per parameter; the arithmetic, and so the result, is the same.
 A round sends r*m or r*n floats per matrix per edge instead of m*n; r is capped at n per
 matrix, and with r = n one step averages two peers' matrices exactly. No matrix uses a rank above
 `largest_useful_rank` (the longest short side): the command line refuses one.
@@ -47,11 +50,13 @@ import torch
 
 from gossipcomp.gossip.base import NamedParams, Neighbourhood
 from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, total_norm
+from gossipcomp.gossip.grouping import group_name
 from gossipcomp.gossip.linalg import hashed_seed, orthonormal_basis
 from gossipcomp.gossip.specs import AUTO, BuildContext, Option, check_steps
 from gossipcomp.gossip.state import checked_tensors, require_keys
+from gossipcomp.schedule.groups import TensorGroup, check_cover
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec, TensorSpec
-from gossipcomp.transport.codec import decode_raw, encode_raw, raw_nbytes, tensor_spec
+from gossipcomp.transport.codec import decode_raw, encode_raw, raw_nbytes
 
 RIGHT, LEFT = "right", "left"
 
@@ -116,6 +121,8 @@ class PowerGossip:
         self._device = torch.device("cpu")
         # (neighbour, parameter index, side) -> the side's current vector ([n, r] or [m, r])
         self._state: dict[tuple[int, int, str], torch.Tensor] = {}
+        # per wire tensor of a phase: its name and the parameters it carries (schedule groups)
+        self._layout: list[tuple[str, tuple[int, ...]]] = []
 
     def setup(
         self, params: NamedParams, rank: int, neighbours: Sequence[int]
@@ -128,11 +135,8 @@ class PowerGossip:
         self._device = params[0][1].device
         for j in neighbours:
             self._draw_vectors(j)
-        specs: dict[str, PayloadSpec] = {}
-        for s in range(self.power_steps):
-            for side in (RIGHT, LEFT):
-                specs[f"{side}{s}"] = self._spec(params, side, with_vectors=s == 0)
-        return specs
+        self._layout = self._layout_of(params, None)
+        return self.specs(params, None)
 
     def _draw_vectors(self, neighbour: int, resume_round: int | None = None) -> None:
         """The edge's starting vectors, from a seed both ends compute alike (the resume round
@@ -175,19 +179,64 @@ class PowerGossip:
         )
         self._state = dict(zip(keys, restored, strict=True))
 
-    def _spec(self, params: NamedParams, side: str, with_vectors: bool) -> PayloadSpec:
+    def specs(
+        self, params: NamedParams, groups: Sequence[TensorGroup] | None
+    ) -> dict[str, PayloadSpec]:
+        """Per phase, what a neighbour's envelope holds when `groups` merge the payload (None
+        or empty: one wire tensor per parameter); their compressor fields are not used."""
+        layout = self._layout_of(params, groups)
+        return {
+            f"{side}{s}": self._spec(params, layout, side, with_vectors=s == 0)
+            for s in range(self.power_steps)
+            for side in (RIGHT, LEFT)
+        }
+
+    def regroup(self, params: NamedParams, groups: Sequence[TensorGroup] | None) -> None:
+        """Merge the payload by `groups` from now on (the power vectors stay as they are)."""
+        self._layout = self._layout_of(params, groups)
+
+    @staticmethod
+    def _layout_of(
+        params: NamedParams, groups: Sequence[TensorGroup] | None
+    ) -> list[tuple[str, tuple[int, ...]]]:
+        """Per wire tensor: its name and the parameters (model order) it carries."""
+        names = [name for name, _ in params]
+        if not groups:
+            return [(name, (i,)) for i, name in enumerate(names)]
+        check_cover(groups, names, contiguous=False)
+        position = {name: i for i, name in enumerate(names)}
+        members = [tuple(sorted(position[n] for n in group.names)) for group in groups]
+        return [(group_name([names[i] for i in m]), m) for m in members]
+
+    def _sizes(self, params: NamedParams, members: tuple[int, ...], side: str, s: int) -> list[int]:
+        """Elements each member puts in its group's wire tensor at step `s` of `side`: a
+        matrix its product (rows x rank), a vector its values (step 0 only)."""
+        sizes = []
+        for i in members:
+            if i in self._ranks:
+                m, n = self._shapes[i]
+                sizes.append((m if side == RIGHT else n) * self._ranks[i])
+            else:
+                sizes.append(params[i][1].numel() if s == 0 else 0)
+        return sizes
+
+    def _spec(
+        self,
+        params: NamedParams,
+        layout: list[tuple[str, tuple[int, ...]]],
+        side: str,
+        with_vectors: bool,
+    ) -> PayloadSpec:
         specs: list[TensorSpec] = []
-        for i in self._matrices:
-            name, p = params[i]
-            m, n = oriented(p).shape
-            shape = (m if side == RIGHT else n, self._ranks[i])
-            specs.append(
-                TensorSpec(
-                    f"{name}/{side}", "float32", shape, "raw", raw_nbytes(torch.float32, shape)
+        for name, members in layout:
+            count = sum(self._sizes(params, members, side, 0 if with_vectors else 1))
+            if count:
+                shape = (count,)
+                specs.append(
+                    TensorSpec(
+                        f"{name}/{side}", "float32", shape, "raw", raw_nbytes(torch.float32, shape)
+                    )
                 )
-            )
-        if with_vectors:
-            specs += [tensor_spec(params[i][0], params[i][1]) for i in self._vectors]
         return tuple(specs)
 
     def step(self, params: NamedParams, hood: Neighbourhood) -> None:
@@ -201,16 +250,22 @@ class PowerGossip:
             mine: dict[tuple[int, int], torch.Tensor] = {}
             outgoing = {}
             for j in hood.neighbours:
-                tensors = []
                 for i in self._matrices:
-                    name, p = params[i]
-                    x = oriented(p).float()
+                    x = oriented(params[i][1]).float()
                     basis = orthonormal_basis(self._state[(j, i, side)])
                     product = x @ basis if side == RIGHT else x.t() @ basis
                     bases[(j, i)], mine[(j, i)] = basis, product
-                    tensors.append(encode_raw(f"{name}/{side}", product))
-                if s == 0:
-                    tensors += [encode_raw(params[i][0], params[i][1]) for i in self._vectors]
+                tensors = []
+                for name, members in self._layout:
+                    pieces = [
+                        mine[(j, i)].reshape(-1)
+                        if i in self._ranks
+                        else params[i][1].detach().float().reshape(-1)
+                        for i in members
+                        if i in self._ranks or s == 0
+                    ]
+                    if pieces:
+                        tensors.append(encode_raw(f"{name}/{side}", torch.cat(pieces)))
                 outgoing[j] = tuple(tensors)
             sent_vectors = (
                 {i: params[i][1].detach().clone() for i in self._vectors} if s == 0 else {}
@@ -222,13 +277,14 @@ class PowerGossip:
             differences: dict[int, list[torch.Tensor]] = {}
             vector_differences: dict[int, dict[int, torch.Tensor]] = {}
             for j, envelope in result.received.items():
+                theirs = self._unpack(params, envelope, side, s)
                 differences[j] = [
-                    decode_raw(envelope.tensors[t]).to(mine[(j, i)].device) - mine[(j, i)]
-                    for t, i in enumerate(self._matrices)
+                    theirs[i].to(mine[(j, i)].device).view_as(mine[(j, i)]) - mine[(j, i)]
+                    for i in self._matrices
                 ]
                 vector_differences[j] = {
-                    i: decode_raw(envelope.tensors[t]).to(params[i][1].device) - sent_vectors[i]
-                    for t, i in enumerate(sent_vectors, start=len(self._matrices))
+                    i: theirs[i].to(params[i][1].device).view_as(sent_vectors[i]) - sent_vectors[i]
+                    for i in sent_vectors
                 }
             weights = {j: hood.weights[j] for j in result.received}
             if self.clipping is not None:
@@ -254,3 +310,20 @@ class PowerGossip:
                 for i, difference in vector_differences[j].items():
                     if step:
                         params[i][1].add_(difference, alpha=step)
+
+    def _unpack(
+        self, params: NamedParams, envelope: Envelope, side: str, s: int
+    ) -> dict[int, torch.Tensor]:
+        """A neighbour's wire tensors (checked against the spec at receipt) split back into
+        each parameter's piece, flat, by parameter index."""
+        pieces: dict[int, torch.Tensor] = {}
+        wire = iter(envelope.tensors)
+        for _, members in self._layout:
+            sizes = self._sizes(params, members, side, s)
+            if not sum(sizes):
+                continue
+            flat = decode_raw(next(wire))
+            for i, piece in zip(members, flat.split(sizes), strict=True):
+                if piece.numel():
+                    pieces[i] = piece
+        return pieces
