@@ -185,9 +185,13 @@ class TrainConfig:
         return parse_options(self.algorithm_spec(), ALGORITHMS)[1]
 
     @property
-    def compressor_spec(self) -> str | None:
-        """The algorithm's compressor spec, None for those that send no compressed groups."""
-        return self.algorithm_options().get("compressor")
+    def group_compressor(self) -> str | None:
+        """The compressor spec a schedule's groups get: the algorithm's own, "identity" for
+        PowerGossip (whose groups only merge its raw payload), None for algorithms whose
+        payload follows no groups."""
+        if self.algorithm_name not in GROUPED_ALGORITHMS:
+            return None
+        return self.algorithm_options().get("compressor", "identity")
 
 
 def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -267,7 +271,7 @@ def static_schedule(config: TrainConfig, params: NamedParams) -> Schedule | None
     force from round 1 (None for 'per-tensor', what a peer runs without a schedule)."""
     if config.schedule == "per-tensor":
         return None
-    spec = parse_spec(config.compressor_spec or "identity").spec  # PowerGossip's raw payload
+    spec = parse_spec(config.group_compressor or "identity").spec
     costs = CostModel(
         {s: REFERENCE_COMPRESSION for s in {spec, "identity", "fp16"}},
         REFERENCE_LINK,

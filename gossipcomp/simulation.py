@@ -165,7 +165,7 @@ def run_simulation(
                     CoordinatorClient(
                         server.address,
                         peer,
-                        config.compressor_spec,
+                        config.group_compressor,
                         report_every=report_every,
                         tls=tls_files[peer.rank],
                     )
@@ -318,7 +318,7 @@ def run_peer(
             None
             if coordinator is None
             else CoordinatorClient(
-                coordinator, peer, config.compressor_spec, report_every=report_every, tls=tls
+                coordinator, peer, config.group_compressor, report_every=report_every, tls=tls
             )
         )
         try:
