@@ -1,0 +1,94 @@
+"""Imports point down the layers of docs/design.md: a module never imports one of a higher
+layer, and the graph layer loads neither gRPC nor a terminal library."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "gossipcomp"
+
+# unit (first part of the module path under gossipcomp) -> layer; a module may import any
+# module of its own layer or a lower one
+LAYERS = {
+    "text": 0,
+    "proto": 0,
+    "yaml_files": 0,
+    "compress": 1,
+    "data": 1,
+    "models": 1,
+    "training": 1,
+    "security": 1,
+    "checkpoint": 1,
+    "topology": 2,
+    "transport": 3,
+    "schedule": 4,
+    "gossip": 5,
+    "allreduce": 5,
+    "links": 6,
+    "peer": 7,
+    "coordinator": 7,
+    "coordinator_client": 8,
+    "experiment": 9,
+    "report": 10,
+    "simulation": 11,
+    "presentation": 11,
+    "cli": 12,
+    "__main__": 13,
+}
+# modules that sit above their unit: the all-reduce command line and launcher
+ABOVE_THEIR_UNIT = {"allreduce.command": 11, "allreduce.__main__": 13}
+
+
+def _unit(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _layer(module: str) -> int:
+    for prefix, layer in ABOVE_THEIR_UNIT.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    return LAYERS[_unit(module)]
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.level:  # relative: resolve against this module's package
+                base = module.split(".")[: -node.level]
+                found.add(".".join([*base, node.module]))
+            elif node.module.startswith("gossipcomp."):
+                found.add(node.module.removeprefix("gossipcomp."))
+        elif isinstance(node, ast.Import):
+            found |= {
+                a.name.removeprefix("gossipcomp.")
+                for a in node.names
+                if a.name.startswith("gossipcomp.")
+            }
+    return found
+
+
+def test_every_import_points_down_the_layers():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).with_suffix("")
+        module = ".".join(relative.parts).removesuffix(".__init__")
+        if not module or module == "__init__" or _unit(module) == "topologies":
+            continue
+        for imported in _imports(path, module):
+            if _layer(imported) > _layer(module):
+                wrong.append(f"{module} (layer {_layer(module)}) imports {imported}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_graph_layer_loads_no_grpc_and_no_terminal_library():
+    code = (
+        "import sys, gossipcomp.topology, gossipcomp.schedule, gossipcomp.compress\n"
+        "print(sorted(m for m in ('grpc', 'rich') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
