@@ -64,7 +64,8 @@ class CoordinatorClient:
         self._signature = model_signature(peer.model)
         self._pending: grpc.Future | None = None
         self._unreachable = False
-        self.refused: list[str] = []  # why schedules were refused (for reports and tests)
+        self.refused: list[str] = []  # why schedules were refused, once per epoch
+        self._refused_epoch: int | None = None
 
     def after_round(self) -> None:
         """Look at an answered report, then send the next one when it is due."""
@@ -91,11 +92,12 @@ class CoordinatorClient:
         if self._unreachable:
             log.warning("peer %d: coordinator answering again", self.peer.rank)
         self._unreachable = False
-        if not reply.has_schedule:
-            return
+        if not reply.has_schedule or reply.schedule.epoch == self._refused_epoch:
+            return  # nothing new, or the schedule this peer already refused (said once)
         try:
             self.peer.apply(schedule_from_proto(reply.schedule))
         except ScheduleRefused as refused:
+            self._refused_epoch = reply.schedule.epoch
             self.refused.append(str(refused))
             log.error("peer %d: refused the coordinator's schedule: %s", self.peer.rank, refused)
 

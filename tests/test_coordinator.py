@@ -247,3 +247,27 @@ def test_peer_processes_join_a_coordinator_process_and_switch_together(tmp_path)
     assert epochs[0][1]["planner"] == "single"
     assert all(r["mismatched_epoch_exchanges"] == 0 for r in reports)
     assert all(r["final_test_accuracy"] > 0.8 for r in reports)
+
+
+def test_a_schedule_the_peers_cannot_use_is_refused_by_each_and_they_keep_theirs():
+    models = _models(4)
+    peers = build_network(
+        RING4, models, lambda: Choco(parse_spec("sign"), consensus_step=0.4), "grpc"
+    )
+    coordinator = Coordinator(RING4, planner="single", report_every=2, replan_every=10**6)
+    server = CoordinatorServer(coordinator, "127.0.0.1:0")
+    clients = [CoordinatorClient(server.address, p, "sign", report_every=2) for p in peers]
+    try:
+        _rounds(peers, clients, 12)
+        coordinator.publish([TensorGroup(("ghost.weight",), "sign")], "hostile")
+        _rounds(peers, clients, 8)
+        for peer, client in zip(peers, clients, strict=True):
+            assert peer.schedules.newest.epoch == 1  # the coordinator's first, good plan
+            assert len(client.refused) == 1 and "unknown" in client.refused[0]  # said once
+            assert peer.stats.failed_exchanges == {}
+    finally:
+        for client in clients:
+            client.close()
+        server.stop()
+        for peer in peers:
+            peer.close()
