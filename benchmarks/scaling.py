@@ -28,7 +28,8 @@ are CPU work, already in the cost), and its round time is compared with the meas
 modelled: the interpreter lock's hand-over overhead, which grows with the number of threads
 (the measured cost per peer-round rises by about a fifth from 4 to 16 peers); calibrating at 6
 peers splits that error between the sizes. CPU seconds over wall seconds of each measured ring
-are reported beside.
+are reported beside, and the spread of the repeated measurements of a ring ((max - min) /
+mean): the noise floor of a measurement on this shared machine.
 """
 
 from __future__ import annotations
@@ -234,6 +235,8 @@ def validation(peers: list[int], low: int, peer_rounds: int, calibrate: int, rep
                 "relative_error": predicted.round_s / ring_s - 1,
                 "measured_each_s": [ring["round_s"] for ring, _ in measured],
                 "calibration_each_s": [cal["round_s"] for _, cal in measured],
+                # how much the same measurement moved between repeats: the noise floor
+                "measured_spread": _spread([ring["round_s"] for ring, _ in measured]),
                 "rounds": measured[0][0]["rounds"],
                 "cpu_per_wall": statistics.fmean(ring["cpu_per_wall"] for ring, _ in measured),
             }
@@ -242,7 +245,13 @@ def validation(peers: list[int], low: int, peer_rounds: int, calibrate: int, rep
         "calibrations": calibrations,
         "validation": rows,
         "max_relative_error": max(abs(r["relative_error"]) for r in rows),
+        "max_measured_spread": max(r["measured_spread"] for r in rows),
     }
+
+
+def _spread(values: list[float]) -> float:
+    """(max - min) / mean: 0 for a single value."""
+    return (max(values) - min(values)) / statistics.fmean(values)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -341,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         check = Table(
             title=f"simulate vs predicted round time (calibrated on ring{args.calibrate})"
         )
-        for column in ("peers", "measured ms", "predicted ms", "error", "cpu/wall"):
+        for column in ("peers", "measured ms", "predicted ms", "error", "spread", "cpu/wall"):
             check.add_column(column, justify="right")
         for r in checked["validation"]:
             check.add_row(
@@ -349,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{1e3 * r['measured_round_s']:.1f}",
                 f"{1e3 * r['predicted_round_s']:.1f}",
                 f"{100 * r['relative_error']:+.1f}%",
+                f"{100 * r['measured_spread']:.0f}%",
                 f"{r['cpu_per_wall']:.2f}",
             )
         console.print(check)
@@ -368,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             "scaling": rows,
             "validation": checked["validation"] if checked else [],
             "max_relative_error": checked["max_relative_error"] if checked else None,
+            "max_measured_spread": checked["max_measured_spread"] if checked else None,
             "calibration": checked and {k: checked[k] for k in ("calibrations",)},
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -66,4 +66,5 @@ def test_scaling_benchmark_reports_the_table_plot_and_validation(tmp_path: Path)
     (row,) = report["validation"]
     assert row["peers"] == 4 and row["measured_round_s"] > 0 and row["predicted_round_s"] > 0
     assert report["max_relative_error"] == pytest.approx(abs(row["relative_error"]))
+    assert report["max_measured_spread"] == 0  # one repeat: nothing to spread
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
