@@ -3,6 +3,9 @@ and comes back; hostile reports are refused naming the field."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import grpc
 import pytest
 import torch
@@ -42,20 +45,36 @@ def _rounds(peers, clients, count: int) -> None:
     run_in_threads([lambda p=p, c=c: one(p, c) for p, c in zip(peers, clients, strict=True)])
 
 
-def test_published_schedules_reach_every_peer_and_switch_at_one_round():
-    """Four peers report every 2 rounds to a coordinator over gRPC; it plans once (merging all
-    tensors), then the test publishes two more schedules mid-run: every peer holds all three,
-    switched at the same rounds, and no exchange of the run failed or mismatched epochs."""
+@contextmanager
+def _coordinated_ring(planner: str, replan_every: int = 200) -> Iterator[tuple]:
+    """ring4 Choco-sign peers over gRPC reporting every 2 rounds to a served coordinator:
+    (peers, clients, coordinator, address); everything closed on exit (the test may have
+    stopped the server already)."""
     models = _models(4)
     peers = build_network(
         RING4, models, lambda: Choco(parse_spec("sign"), consensus_step=0.4), "grpc"
     )
-    coordinator = Coordinator(RING4, planner="single", report_every=2, replan_every=10**6)
-    server = CoordinatorServer(coordinator, "127.0.0.1:0")
-    clients = [CoordinatorClient(server.address, p, "sign", report_every=2) for p in peers]
+    coordinator = Coordinator(RING4, planner=planner, report_every=2, replan_every=replan_every)
+    servers = [CoordinatorServer(coordinator, "127.0.0.1:0")]
+    clients = [CoordinatorClient(servers[0].address, p, "sign", report_every=2) for p in peers]
     try:
+        yield peers, clients, coordinator, servers
+    finally:
+        for client in clients:
+            client.close()
+        for server in servers:
+            server.stop()
+        for peer in peers:
+            peer.close()
+
+
+def test_published_schedules_reach_every_peer_and_switch_at_one_round():
+    """Four peers report every 2 rounds to a coordinator over gRPC; it plans once (merging all
+    tensors), then the test publishes two more schedules mid-run: every peer holds all three,
+    switched at the same rounds, and no exchange of the run failed or mismatched epochs."""
+    with _coordinated_ring("single", replan_every=10**6) as (peers, clients, coordinator, _):
         _rounds(peers, clients, 12)
-        names = [name for name, _ in models[0].named_parameters()]
+        names = [name for name, _ in peers[0].model.named_parameters()]
         coordinator.publish(
             [TensorGroup(tuple(names[:2]), "sign"), TensorGroup(tuple(names[2:]), "fp16")], "hand"
         )
@@ -73,31 +92,18 @@ def test_published_schedules_reach_every_peer_and_switch_at_one_round():
             assert stats.mismatched_epoch_exchanges == 0
             assert stats.failed_exchanges == {}
             assert client.refused == []
-    finally:
-        for client in clients:
-            client.close()
-        server.stop()
-        for peer in peers:
-            peer.close()
 
 
 def test_peers_train_on_when_the_coordinator_dies_and_a_new_one_continues_the_epochs():
-    models = _models(4)
-    peers = build_network(
-        RING4, models, lambda: Choco(parse_spec("sign"), consensus_step=0.4), "grpc"
-    )
-    first = Coordinator(RING4, planner="single", report_every=2)
-    server = CoordinatorServer(first, "127.0.0.1:0")
-    address = server.address
-    clients = [CoordinatorClient(address, p, "sign", report_every=2) for p in peers]
-    try:
+    with _coordinated_ring("single") as (peers, clients, _, servers):
         _rounds(peers, clients, 14)
         assert all(p.schedules.current.epoch == 1 for p in peers)
-        server.stop()
+        address = servers[0].address
+        servers.pop().stop()
         _rounds(peers, clients, 8)  # nobody answers: training goes on
         assert all(p.stats.failed_exchanges == {} for p in peers)
         second = Coordinator(RING4, planner="per-tensor", report_every=2)
-        server = CoordinatorServer(second, address)
+        servers.append(CoordinatorServer(second, address))
         for _ in range(60):  # the clients reconnect within seconds
             _rounds(peers, clients, 4)
             if all(p.schedules.current.epoch == 2 for p in peers):
@@ -105,12 +111,6 @@ def test_peers_train_on_when_the_coordinator_dies_and_a_new_one_continues_the_ep
         assert [s.epoch for s in second.published] == [2]  # above what the peers held
         assert all(p.schedules.current.epoch == 2 for p in peers)
         assert all(p.stats.mismatched_epoch_exchanges == 0 for p in peers)
-    finally:
-        for client in clients:
-            client.close()
-        server.stop()
-        for peer in peers:
-            peer.close()
 
 
 def _report(**fields) -> cpb.PeerReport:
@@ -250,14 +250,7 @@ def test_peer_processes_join_a_coordinator_process_and_switch_together(tmp_path)
 
 
 def test_a_schedule_the_peers_cannot_use_is_refused_by_each_and_they_keep_theirs():
-    models = _models(4)
-    peers = build_network(
-        RING4, models, lambda: Choco(parse_spec("sign"), consensus_step=0.4), "grpc"
-    )
-    coordinator = Coordinator(RING4, planner="single", report_every=2, replan_every=10**6)
-    server = CoordinatorServer(coordinator, "127.0.0.1:0")
-    clients = [CoordinatorClient(server.address, p, "sign", report_every=2) for p in peers]
-    try:
+    with _coordinated_ring("single", replan_every=10**6) as (peers, clients, coordinator, _):
         _rounds(peers, clients, 12)
         coordinator.publish([TensorGroup(("ghost.weight",), "sign")], "hostile")
         _rounds(peers, clients, 8)
@@ -265,9 +258,3 @@ def test_a_schedule_the_peers_cannot_use_is_refused_by_each_and_they_keep_theirs
             assert peer.schedules.newest.epoch == 1  # the coordinator's first, good plan
             assert len(client.refused) == 1 and "unknown" in client.refused[0]  # said once
             assert peer.stats.failed_exchanges == {}
-    finally:
-        for client in clients:
-            client.close()
-        server.stop()
-        for peer in peers:
-            peer.close()
