@@ -6,9 +6,11 @@ Run: python benchmarks/scaling.py --json docs/scaling.json --plot docs/scaling.p
 
 Scaling table (`gossipcomp.schedule.timeline.simulate`, one processor per peer): per-peer costs
 measured here on the model `gossipcomp simulate` trains (digits MLP 64-256-256-10, batch 32,
-SGD with momentum, one thread): the local step's median time and its spread (sigma of log
-step times, drawn per peer and round), the compressor's compress and decompress times on the
-flattened model and its exact wire bytes. Links are not measured here (one machine): two
+SGD with momentum, one thread): the local step's median time and its spread (a robust sigma
+of log step times, drawn per peer and round), the compressor's compress and decompress times on the
+flattened model and its exact wire bytes. Times are this thread's CPU time (torch on one
+thread), which is what a peer with a processor of its own would take: on this shared machine
+wall time would add waiting for a CPU that other work holds. Links are not measured here (one machine): two
 alpha-beta links are assumed, MG-WFBP's fit of 10GbE (0.91 ms, 7.4e-10 s/B) and the same
 latency at 1 Gbit/s (8e-9 s/B). Ring all-reduce sends the same payload (summable: identity, or
 sign bits through Marsit).
@@ -76,26 +78,28 @@ def measure_peer_costs(spec: str, steps: int, seed: int = 0) -> tuple[PeerCosts,
     times = []
     for step in range(steps + 3):
         index = torch.randint(0, data.x_train.shape[0], (32,), generator=generator)
-        start = time.perf_counter()
+        start = time.thread_time()
         optimizer.zero_grad(set_to_none=True)
         loss = torch.nn.functional.cross_entropy(model(data.x_train[index]), data.y_train[index])
         loss.backward()
         optimizer.step()
         if step >= 3:  # three warm-up steps
-            times.append(time.perf_counter() - start)
+            times.append(time.thread_time() - start)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     compressor = parse_spec(spec)
     ctx = CompressionContext(seed=seed, sender=0, receiver=1, round=0, tensor_index=0)
     compress, decompress = [], []
     for trial in range(steps // 4 + 2):
-        start = time.perf_counter()
+        start = time.thread_time()
         payload = compressor.compress(flat, ctx)
-        middle = time.perf_counter()
+        middle = time.thread_time()
         compressor.decompress(payload, ctx)
         if trial >= 2:
             compress.append(middle - start)
-            decompress.append(time.perf_counter() - middle)
-    spread = float(np.std(np.log(times)))
+            decompress.append(time.thread_time() - middle)
+    # a robust sigma of log step times (interquartile range / 1.349): the step's own variation
+    quartiles = np.percentile(np.log(times), [25, 75])
+    spread = float(quartiles[1] - quartiles[0]) / 1.349
     costs = PeerCosts(
         compute_s=statistics.median(times),
         message_bytes=compressor.wire_bytes(flat.numel()),
@@ -286,7 +290,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, nargs="+", default=[2**k for k in range(3, 11)])
-    parser.add_argument("--rounds", type=int, default=30, help="simulated rounds per point")
+    parser.add_argument("--rounds", type=int, default=100, help="simulated rounds per point")
     parser.add_argument("--steps", type=int, default=200, help="timed local steps")
     parser.add_argument(
         "--validate",
