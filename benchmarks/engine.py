@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 import threading
 import time
@@ -138,12 +139,21 @@ def back_to_back_round(config: TrainConfig, topology: Topology, warmup: int) -> 
     return clock.per_round()
 
 
-def measure(peers: int, rounds: int, warmup: int, cores: int) -> dict:
+RUN_FIELDS = ("simulate", "simulate_cpu", "back_to_back", "back_to_back_cpu")
+
+
+def measure(peers: int, rounds: int, warmup: int, cores: int, repeats: int) -> dict:
+    """Both runs `repeats` times, alternating (the machine is shared); medians of each time."""
     topology = build_topology("ring", n=peers)
     config = TrainConfig(algorithm="powergossip", rank=1, rounds=rounds, eval_every=0)
     load_before = os.getloadavg()[0]
-    simulate_s, simulate_cpu_s = simulate_round(config, topology, warmup)
-    serial_s, serial_cpu_s = back_to_back_round(config, topology, warmup)
+    runs = [
+        (*simulate_round(config, topology, warmup), *back_to_back_round(config, topology, warmup))
+        for _ in range(repeats)
+    ]
+    simulate_s, simulate_cpu_s, serial_s, serial_cpu_s = (
+        statistics.median(t) for t in zip(*runs, strict=True)
+    )
     return {
         "peers": peers,
         "simulate_round_s": simulate_s,
@@ -155,6 +165,7 @@ def measure(peers: int, rounds: int, warmup: int, cores: int) -> dict:
         "work_fraction": serial_cpu_s / simulate_cpu_s,
         "core_use": simulate_cpu_s / (simulate_s * cores),
         "load_average_1min": [load_before, os.getloadavg()[0]],
+        "runs_s": [dict(zip(RUN_FIELDS, run, strict=True)) for run in runs],
     }
 
 
@@ -186,9 +197,14 @@ def main() -> None:
     parser.add_argument(
         "--warmup", type=int, default=5, help="rounds before timing starts (of --rounds)"
     )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of each kind per size (medians reported)"
+    )
     args = parser.parse_args()
     if not 1 <= args.warmup <= args.rounds - 2:
         parser.error(f"--warmup must be in [1, --rounds - 2], got {args.warmup}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if min(args.peers) < 3:
         parser.error(f"a ring needs at least 3 peers, got {min(args.peers)}")
     torch.set_num_threads(1)
@@ -196,7 +212,7 @@ def main() -> None:
     console = Console()
     rows = []
     for peers in args.peers:
-        rows.append(measure(peers, args.rounds, args.warmup, cores))
+        rows.append(measure(peers, args.rounds, args.warmup, cores, args.repeats))
         row = rows[-1]
         console.print(
             f"{peers} peers: simulate {1e3 * row['simulate_round_s']:.1f} ms a round, back to "
@@ -210,6 +226,7 @@ def main() -> None:
             "algorithm": "powergossip rank 1",
             "rounds": args.rounds,
             "warmup_rounds": args.warmup,
+            "repeats": args.repeats,
             "timed_rounds": args.rounds - 1 - args.warmup,
             "cores": cores,
             "torch": torch.__version__,

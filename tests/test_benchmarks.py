@@ -182,13 +182,13 @@ def test_engine_benchmark_sets_simulate_against_the_work_done_back_to_back(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "engine.json"
-    _run("engine.py", "--peers", "4", "6", "--rounds", "5", "--warmup", "1", "--json", str(out),
-         timeout=120)  # fmt: skip
+    _run("engine.py", "--peers", "4", "6", "--rounds", "5", "--warmup", "1", "--repeats", "2",
+         "--json", str(out), timeout=120)  # fmt: skip
     report = _json(out)
     assert report["rounds"] == 5 and report["warmup_rounds"] == 1 and report["timed_rounds"] == 3
     cores = len(os.sched_getaffinity(0))
     assert report["cores"] == cores
-    assert [row["peers"] for row in report["sizes"]] == [4, 6]
+    assert [row["peers"] for row in report["sizes"]] == [4, 6] and report["repeats"] == 2
     for row in report["sizes"]:
         for field in (
             "simulate_round_s",
@@ -200,6 +200,11 @@ def test_engine_benchmark_sets_simulate_against_the_work_done_back_to_back(
         assert row["efficiency"] == pytest.approx(
             row["back_to_back_round_s"] / (row["simulate_round_s"] * cores)
         )
+        runs = row["runs_s"]
+        assert len(runs) == 2  # medians of two are their means
+        for field in ("simulate", "simulate_cpu", "back_to_back", "back_to_back_cpu"):
+            mean = (runs[0][field] + runs[1][field]) / 2
+            assert row[f"{field}_round_s"] == pytest.approx(mean)
         assert row["work_fraction"] == pytest.approx(
             row["back_to_back_cpu_round_s"] / row["simulate_cpu_round_s"]
         )
