@@ -126,6 +126,7 @@ def _child(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
+    backend: str,
 ) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -138,7 +139,7 @@ def _child(
     torch.set_num_threads(1)  # several ranks share the cores
     session = None
     try:
-        session = init_from_env(timeout_s, backend="gloo")
+        session = init_from_env(timeout_s, backend=backend)
         with session.guard():
             value = fn(session, *args)
         # plain pickle bytes: torch's queue reducers would share memory this process frees on exit
@@ -162,11 +163,12 @@ def spawn(
     *,
     timeout_s: float = 30.0,
     deadline_s: float = 300.0,
+    backend: str = "gloo",
 ) -> list[Any]:
     """fn(session, *args) on ranks 0..nproc-1 in fresh processes; their results in rank order.
 
     `timeout_s` bounds each collective (and how long a dead rank goes unnamed); `deadline_s`
-    the whole run. fn must be importable (a module-level function) and its result picklable.
+    the whole run; `backend` "gloo" (CPU) or "nccl" (one GPU per rank). fn must be importable (a module-level function) and its result picklable.
     """
     if nproc < 1:
         raise ValueError(f"nproc: expected >= 1, got {nproc}")
@@ -183,7 +185,7 @@ def spawn(
     processes = [
         context.Process(
             target=_child,
-            args=(rank, nproc, store.port, timeout_s, fn, args, results),
+            args=(rank, nproc, store.port, timeout_s, fn, args, results, backend),
             name=f"gossipcomp-rank{rank}",
             daemon=True,
         )

@@ -184,12 +184,14 @@ def ready_times(model: nn.Module, run_backward: Callable[[], None]) -> list[Tens
     ready, made non-increasing along model order (backward readies the last layer first)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     stamps: dict[str, float] = {}
-    handles = [
-        p.register_post_accumulate_grad_hook(
-            lambda _p, name=name: stamps.setdefault(name, time.perf_counter())
-        )
-        for name, p in named
-    ]
+
+    def stamp(name: str) -> Callable[[torch.Tensor], None]:
+        def record(_param: torch.Tensor) -> None:
+            stamps.setdefault(name, time.perf_counter())
+
+        return record
+
+    handles = [p.register_post_accumulate_grad_hook(stamp(name)) for name, p in named]
     start = time.perf_counter()
     try:
         run_backward()
@@ -205,20 +207,24 @@ def ready_times(model: nn.Module, run_backward: Callable[[], None]) -> list[Tens
 
 
 def measure_link(
-    communicator: Communicator, summable: bool, sizes: Sequence[int]
+    communicator: Communicator,
+    summable: bool,
+    sizes: Sequence[int],
+    device: torch.device | str = "cpu",
 ) -> list[tuple[int, float]]:
     """(bytes, seconds) of real collectives of each size (all ranks take part, in step)."""
     samples = []
     for size in sizes:
-        buffer = (
-            torch.zeros(max(1, size // 4)) if summable else torch.zeros(size, dtype=torch.uint8)
-        )
+        dtype = torch.float32 if summable else torch.uint8
+        buffer = torch.zeros(max(1, size // dtype.itemsize), dtype=dtype, device=device)
         for repeat in range(3):
             start = time.perf_counter()
             if summable:
                 communicator.all_reduce_sum(buffer)
             else:
                 communicator.all_gather(buffer)
+            if buffer.is_cuda:
+                torch.cuda.synchronize(buffer.device)
             if repeat:
                 samples.append((size, time.perf_counter() - start))
     return samples
@@ -230,13 +236,14 @@ def plan_groups(
     compressor: str,
     communicator: Communicator,
     compute_s: float,
+    device: torch.device | str = "cpu",
 ) -> tuple[TensorGroup, ...]:
     """Groups from a gossipcomp.schedule planner on costs measured here: the compressor timed on
     this machine, the collective timed between the ranks. Every rank must call it (the link is
     measured together); rank 0's plan is broadcast so all ranks agree. Falls back to
     `threshold_groups` (with a warning) when the planner cannot plan."""
     summable = parse_spec(compressor).summable
-    link = measure_link(communicator, summable, [1 << 10, 1 << 14, 1 << 18])
+    link = measure_link(communicator, summable, [1 << 10, 1 << 14, 1 << 18], device)
     groups: tuple[TensorGroup, ...] | None = None
     if communicator.rank == 0:
         try:

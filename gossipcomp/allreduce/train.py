@@ -112,8 +112,10 @@ def _data(
 def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     """Train on this rank (module docstring); every rank of the job calls it."""
     rank, world = session.rank, session.world
-    model = MODELS[config.model](config.seed)
+    device = session.device
+    model = MODELS[config.model](config.seed).to(device)
     stream, x_test, y_test = _data(config, rank, world)
+    x_test, y_test = x_test.to(device), y_test.to(device)
     optimizer = make_optimizer(model, config.lr, config.momentum)
     comm = Communicator()
     forward: nn.Module = model
@@ -123,7 +125,11 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     counting: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     groups = 1
     if config.sync == "ddp-hook":
-        ddp = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
+        ddp = DistributedDataParallel(
+            model,
+            bucket_cap_mb=config.bucket_cap_mb,
+            device_ids=[device.index] if device.type == "cuda" else None,
+        )
         forward = ddp
         if config.compressor.startswith("torch:"):
             reference.register_reference(ddp, config.compressor)
@@ -151,7 +157,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     with counting:
         for number in range(1, config.steps + 1):
             start = time.perf_counter()
-            x, y = stream.next_batch()
+            x, y = (t.to(device, non_blocking=True) for t in stream.next_batch())
             model.train()
             optimizer.zero_grad(set_to_none=True)
             F.cross_entropy(forward(x), y).backward()
@@ -169,7 +175,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     mean_model = _mean_model(model, world)
     params = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     distance = float(((params - mean_model) ** 2).sum())
-    average = MODELS[config.model](config.seed)
+    average = MODELS[config.model](config.seed).to(device)
     with torch.no_grad():
         offset = 0
         for p in average.parameters():
@@ -203,7 +209,8 @@ def _mean_model(model: nn.Module, world: int) -> torch.Tensor:
 def _merged(
     model: nn.Module, config: AllreduceConfig, comm: Communicator, stream: BatchStream
 ) -> MergedSync:
-    x, y = stream.next_batch()
+    device = next(model.parameters()).device
+    x, y = (t.to(device) for t in stream.next_batch())
 
     def backward() -> None:
         model.zero_grad(set_to_none=True)
@@ -216,6 +223,6 @@ def _merged(
     if config.planner == THRESHOLD:
         groups = threshold_groups(tensors, config.compressor)
     else:
-        groups = plan_groups(config.planner, tensors, config.compressor, comm, compute_s)
+        groups = plan_groups(config.planner, tensors, config.compressor, comm, compute_s, device)
     comm.traffic = Traffic()  # the link measurements are not training traffic
     return MergedSync(model, groups, comm, seed=config.seed, error_feedback=config.error_feedback)
