@@ -349,7 +349,8 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
     c.add_argument(
         "--checkpoint-dir",
         type=Path,
-        help="write checkpoints here (one set per peer) and resume from the newest valid one",
+        help="write checkpoints here (one set per peer) and resume from the newest valid one; "
+        "in `peer`, {rank} in the path is replaced by the peer's rank",
     )
     c.add_argument(
         "--checkpoint-every",
@@ -366,7 +367,8 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
     parser.add_argument(
         "--report",
         type=Path,
-        help="write the JSON report here (its folder is made and tried before training)",
+        help="write the JSON report here (its folder is made and tried before training); in "
+        "`peer`, {rank} in the path is replaced by the peer's rank (torchrun launches)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar or table")
 
@@ -685,6 +687,26 @@ def _check_outputs(args: argparse.Namespace) -> None:
         _writable_directory(args.checkpoint_dir, f"--checkpoint-dir {args.checkpoint_dir}")
 
 
+RANK_FIELD = "{rank}"  # in --report and --checkpoint-dir of `peer`: replaced by the peer's rank
+
+
+def _fill_rank_in_paths(args: argparse.Namespace, rank: int | None) -> None:
+    """Replace `{rank}` in --report and --checkpoint-dir by this peer's rank, so that peers
+    launched with one command line (torchrun) write their own files. `simulate` writes one
+    report for every peer and keeps checkpoints per peer already: `{rank}` there is refused."""
+    for name, flag in (("report", "--report"), ("checkpoint_dir", "--checkpoint-dir")):
+        path: Path | None = getattr(args, name)
+        if path is None or RANK_FIELD not in str(path):
+            continue
+        if rank is None:
+            raise ValueError(
+                f"{flag} {quoted(str(path))}: {RANK_FIELD} names one peer's file, and simulate "
+                "runs every peer in one process (one report, checkpoints already per peer); "
+                f"expected a path without {RANK_FIELD}"
+            )
+        setattr(args, name, Path(str(path).replace(RANK_FIELD, str(rank))))
+
+
 def _check_low_rank(config: TrainConfig, flag: str) -> None:
     """Refuse a PowerGossip rank above what any matrix of the model can use. Each matrix caps
     the rank at its short side, where one power step already averages it exactly, so a larger
@@ -761,9 +783,10 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         return allreduce_command.run(args)
     tls = _tls_files(args) if args.command == "peer" else None
     config = _config(args)
-    checkpoints = _checkpoints(args)
     topology = resolve_topology(args.topology)
     rank = _peer_rank(args, topology) if args.command == "peer" else None
+    _fill_rank_in_paths(args, rank)
+    checkpoints = _checkpoints(args)
     _check_low_rank(config, "--rank" if args.command == "simulate" else "--low-rank")
     _check_outputs(args)  # last: it makes directories, which no other mistake should leave
     torch.set_num_threads(1)  # many small peers share the cores; intra-op threads only contend

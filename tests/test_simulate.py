@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -84,3 +88,61 @@ def test_diverging_run_fails_with_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "NaN/Inf" in err and "diverged" in err
     assert not path.exists()
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def test_peers_launched_with_one_command_line_write_their_own_files(tmp_path):
+    """As torchrun launches them: the same argv, the rank from RANK, `{rank}` in the paths."""
+    ports = _free_ports(3)
+    peers = "\n".join(f"  {r}: 127.0.0.1:{port}" for r, port in enumerate(ports))
+    topology = tmp_path / "ring3.yaml"
+    topology.write_text(f"name: ring3\nkind: ring\nn: 3\npeers:\n{peers}\n")
+    argv = [
+        sys.executable,
+        "-m",
+        "gossipcomp",
+        "peer",
+        "--topology",
+        str(topology),
+        "--rounds",
+        "20",
+        "--quiet",
+        "--report",
+        str(tmp_path / "reports" / "peer{rank}.json"),
+        "--checkpoint-dir",
+        str(tmp_path / "checkpoints-{rank}"),
+        "--checkpoint-every",
+        "10",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes = [
+        subprocess.Popen(argv, env={**env, "RANK": str(r)}, stderr=subprocess.PIPE)
+        for r in range(3)
+    ]
+    for process in processes:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr.decode()
+    for rank in range(3):
+        report = json.loads((tmp_path / "reports" / f"peer{rank}.json").read_text())
+        assert [p["rank"] for p in report["per_peer"]] == [rank]
+        assert any((tmp_path / f"checkpoints-{rank}").iterdir())
+    assert not (tmp_path / "checkpoints-{rank}").exists()
+
+
+@pytest.mark.parametrize("flag", ["--report", "--checkpoint-dir"])
+def test_rank_field_is_refused_by_simulate(tmp_path, capsys, flag):
+    path = str(tmp_path / "out{rank}")
+    assert main(["simulate", "--quiet", "--rounds", "1", flag, path]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "{rank}" in err and "expected a path without" in err
+    assert not list(tmp_path.iterdir())  # nothing made
