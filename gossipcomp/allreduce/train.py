@@ -89,6 +89,9 @@ class RankResult:
     comm_seconds: float
     step_seconds: float  # median wall time of a step after the first TIMED_AFTER
     groups: int  # collectives' groups (DDP buckets, planned groups, 1)
+    # bytes a step after the first TIMED_AFTER (torch's PowerSGD starts with plain all-reduce)
+    steady_payload_bytes_per_step: float
+    steady_link_bytes_per_step: float
     history: list[tuple[int, float, float]] = field(default_factory=list)  # step, acc, link bytes
 
     def to_dict(self) -> dict[str, object]:
@@ -154,6 +157,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
         step, waited = ssd.step, lambda: ssd.wait_seconds
     history: list[tuple[int, float, float]] = []
     durations: list[float] = []
+    steady_from = (0, Traffic())
     with counting:
         for number in range(1, config.steps + 1):
             start = time.perf_counter()
@@ -164,6 +168,8 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
             after_backward()
             step()
             durations.append(time.perf_counter() - start)
+            if number == min(TIMED_AFTER, config.steps - 1):
+                steady_from = (number, comm.traffic.copy())
             if config.eval_every and number % config.eval_every == 0:
                 accuracy = evaluate_accuracy(model, x_test, y_test)
                 history.append((number, accuracy, comm.traffic.link_bytes))
@@ -184,6 +190,8 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     if config.sync == "ddp-hook":
         groups = max(1, comm.traffic.collectives // max(1, config.steps))
     timed = durations[TIMED_AFTER:] or durations
+    steady_steps = max(1, config.steps - steady_from[0])
+    steady = comm.traffic
     return RankResult(
         rank=rank,
         test_accuracy=evaluate_accuracy(model, x_test, y_test),
@@ -196,6 +204,9 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
         comm_seconds=comm_s,
         step_seconds=statistics.median(timed),
         groups=groups,
+        steady_payload_bytes_per_step=(steady.payload_bytes - steady_from[1].payload_bytes)
+        / steady_steps,
+        steady_link_bytes_per_step=(steady.link_bytes - steady_from[1].link_bytes) / steady_steps,
         history=history,
     )
 
