@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import socket
 import statistics
 import threading
@@ -248,7 +249,9 @@ def main() -> None:
     chunk_sizes = [k << 10 for k in args.chunk_kib]
     if GrpcOptions().chunk_bytes not in chunk_sizes:
         chunk_sizes.append(GrpcOptions().chunk_bytes)
+    load_before = os.getloadavg()[0]
     result = run(args.mib, args.trials, chunk_sizes)
+    result["load_average_1min"] = [load_before, os.getloadavg()[0]]  # others on the machine
     table = Table(title=f"{args.mib} MiB envelope, loopback, median of {args.trials}")
     for column in ("path", "median s", "GB/s", "x socket"):
         table.add_column(column, justify="right")

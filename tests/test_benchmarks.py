@@ -45,7 +45,7 @@ def test_transport_benchmark_times_a_real_exchange_against_a_socket(tmp_path: Pa
          timeout=120)  # fmt: skip
     report = _json(out)
     assert report["envelope_bytes"] == 2 << 20 and report["trials"] == 2
-    assert report["default_chunk_bytes"] == 1 << 20
+    assert report["default_chunk_bytes"] == 1 << 20 and len(report["load_average_1min"]) == 2
     paths = {"socket", "grpc_raw_ceiling", "grpc_1024KiB", "grpc_send_1024KiB"}
     assert set(report["median_seconds"]) == paths
     for path in paths:
