@@ -163,17 +163,24 @@ def check_config(config: AllreduceConfig) -> None:
     from gossipcomp.compress import parse_spec
     from gossipcomp.schedule import make_planner
 
+    if config.compressor.strip().startswith("torch:"):
+        if config.sync != "ddp-hook" or config.compressor.split(":rank=")[0] not in REFERENCES:
+            raise ValueError(
+                f"--compressor {config.compressor[:60]!r}: torch's hooks are "
+                f"{', '.join(REFERENCES)} (powersgd with :rank=R), with --sync ddp-hook"
+            )
+        _, _, rank = config.compressor.partition(":rank=")
+        if rank and not (rank.isdigit() and int(rank) >= 1):
+            raise ValueError(
+                f"--compressor {config.compressor[:60]!r}: rank must be an integer >= 1"
+            )
+        return
     name, _ = parse_hook_spec(config.compressor)
-    if config.sync in ("ddp-hook", "merged") and not name.startswith("torch:"):
+    if config.sync in ("ddp-hook", "merged"):
         if name != POWERSGD:
             parse_spec(config.compressor)
         elif config.sync == "merged":
             raise ValueError("--sync merged takes a compressor spec; powersgd is a ddp-hook")
-    if name.startswith("torch:") and (config.sync != "ddp-hook" or name not in REFERENCES):
-        raise ValueError(
-            f"--compressor {config.compressor[:60]!r}: torch's hooks are {', '.join(REFERENCES)}"
-            " with --sync ddp-hook"
-        )
     if config.sync == "merged" and config.planner != "threshold":
         make_planner(config.planner)
 
