@@ -1,9 +1,12 @@
 """The cost model a planner optimises: alpha-beta links, compressor costs, and a plan's time.
 
 Everything is affine and measured. A link moves n bytes in alpha + beta * n seconds
-(`LinkCost`, fitted by `fit_link` from transfers that happened); a compressor compresses and
+(`LinkCost`, fitted by `fit_link` from transfers that happened, or on demand from the last
+transfers of each link kept in a bounded `TransferLog`); a compressor compresses and
 decompresses a buffer of m elements in fixed + per_element * m seconds (`CompressorCost`, timed
-by `measure_compressor` on this machine) and puts `WireSize.of(spec)` bytes on the wire.
+by `measure_compressor` on this machine) and puts `WireSize.of(spec)` bytes on the wire; a
+local step takes `measure_seconds(step)`. Every sample is range-checked: it may come from the
+network.
 `predict_iteration` turns a plan into seconds under a `CostModel`; its docstring states the two
 modes' equations.
 """
