@@ -99,23 +99,20 @@ def test_soak_benchmark_loses_nothing_and_keeps_the_network_sum(tmp_path: Path) 
 
 
 def test_faults_benchmark_kills_a_peer_process_and_the_rest_finish(tmp_path: Path) -> None:
+    """Only the kill scenario: each scenario starts four processes that import torch, which is
+    most of its time (the fault-free baseline and the restart are left to the full run)."""
     out = tmp_path / "faults.json"
     _run("faults.py", "--rounds", "20", "--kill-after", "5", "--checkpoint-every", "5",
-         "--scenarios", "none", "killed", "--json", str(out), timeout=240)  # fmt: skip
+         "--scenarios", "killed", "--json", str(out), timeout=240)  # fmt: skip
     report = _json(out)
     assert report["rounds"] == 20
-    fault_free, killed = report["results"]
-    assert fault_free["scenario"] == "no fault" and fault_free["wall_ratio"] == 1.0
-    assert set(fault_free["peers"]) == {"0", "1", "2", "3"}
-    for row in fault_free["peers"].values():
-        assert row["rounds"] == 20 and row["failed_exchanges"] == 0
-        assert 0 <= row["test_accuracy"] <= 1 and row["average_model_norm"] > 0
+    (killed,) = report["results"]
     assert killed["scenario"] == "peer 2 killed" and killed["peer2_said"] == "killed"
-    assert killed["wall_ratio"] == pytest.approx(
-        killed["wall_seconds"] / fault_free["wall_seconds"]
-    )
+    assert killed["wall_ratio"] is None and killed["wall_seconds"] > 0  # no baseline run
     assert set(killed["peers"]) == {"0", "1", "3"}  # peer 2 never wrote its report
-    assert all(row["rounds"] == 20 for row in killed["peers"].values())
+    for row in killed["peers"].values():
+        assert row["rounds"] == 20 and 0 <= row["test_accuracy"] <= 1
+        assert row["average_model_norm"] > 0
     # its two neighbours noticed it go (at least one failed exchange each)
     assert killed["peers"]["1"]["failed_exchanges"] >= 1
     assert killed["peers"]["3"]["failed_exchanges"] >= 1
@@ -216,14 +213,3 @@ def test_engine_benchmark_sets_simulate_against_the_work_done_back_to_back(
             1e3 * row["back_to_back_cpu_round_s"] / row["peers"]
         )
     assert report["efficiency"] == {str(r["peers"]): r["efficiency"] for r in report["sizes"]}
-
-
-def test_engine_benchmark_refuses_a_warmup_that_leaves_no_round_to_time(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "engine.py"), "--rounds", "5", "--warmup", "4"],
-        cwd=ROOT,
-        timeout=60,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 2 and "--warmup must be in [1, --rounds - 2], got 4" in done.stderr
