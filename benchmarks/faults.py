@@ -63,45 +63,62 @@ def start(
     return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_checkpoint(directory: Path, rank: int, at_least: int) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+STARTUP_SECONDS = 600.0  # four processes importing torch on two busy cores took over 120 s
+
+
+def wait_for_checkpoint(
+    directory: Path, rank: int, at_least: int, process: subprocess.Popen
+) -> None:
+    """Wait until peer `rank` has written a checkpoint of round >= `at_least` (raise if it
+    exits first, or after STARTUP_SECONDS: the wait ends as soon as the file is there)."""
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while time.monotonic() < deadline and process.poll() is None:
         found = [int(p.stem.split("round")[1]) for p in directory.glob(f"rank{rank}-*.ckpt")]
         if found and max(found) >= at_least:
             return
         time.sleep(0.05)
-    raise RuntimeError(f"peer {rank} wrote no checkpoint of round >= {at_least}")
+    raise RuntimeError(
+        f"peer {rank} wrote no checkpoint of round >= {at_least} "
+        + (f"within {STARTUP_SECONDS:g} s" if process.poll() is None else "before it exited")
+    )
 
 
 def scenario(
     name: str, rounds: int, checkpoint_every: int, kill_after: int | None, restart: bool
 ) -> dict:
     """Run four peers; with `kill_after`, kill peer 2 once that checkpoint is written (and with
-    `restart`, damage its newest checkpoint and start it again)."""
+    `restart`, damage its newest checkpoint and start it again). Peers still running when
+    something fails are killed."""
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         topology = ring_file(directory, 4)
         began = time.perf_counter()
         peers = {r: start(directory, topology, r, rounds, checkpoint_every) for r in range(4)}
-        if kill_after is not None:
-            wait_for_checkpoint(directory / "checkpoints", 2, kill_after)
-            peers[2].send_signal(signal.SIGKILL)
-            peers[2].wait()
-            if restart:
-                files = sorted((directory / "checkpoints").glob("rank2-*.ckpt"), reverse=True)
-                damaged = bytearray(files[0].read_bytes())
-                damaged[len(damaged) // 2] ^= 0xFF
-                files[0].write_bytes(bytes(damaged))
-                peers[2] = start(directory, topology, 2, rounds, checkpoint_every)
-        said = {}
-        for rank, process in peers.items():
-            if process.returncode is not None and process.returncode < 0:
-                said[rank] = "killed"
-                continue
-            _, stderr = process.communicate(timeout=600)
-            if process.returncode != 0:
-                raise RuntimeError(f"peer {rank} failed: {stderr}")
-            said[rank] = " ".join(stderr.split())
+        try:
+            if kill_after is not None:
+                wait_for_checkpoint(directory / "checkpoints", 2, kill_after, peers[2])
+                peers[2].send_signal(signal.SIGKILL)
+                peers[2].wait()
+                if restart:
+                    files = sorted((directory / "checkpoints").glob("rank2-*.ckpt"), reverse=True)
+                    damaged = bytearray(files[0].read_bytes())
+                    damaged[len(damaged) // 2] ^= 0xFF
+                    files[0].write_bytes(bytes(damaged))
+                    peers[2] = start(directory, topology, 2, rounds, checkpoint_every)
+            said = {}
+            for rank, process in peers.items():
+                if process.returncode is not None and process.returncode < 0:
+                    said[rank] = "killed"
+                    continue
+                _, stderr = process.communicate(timeout=600)
+                if process.returncode != 0:
+                    raise RuntimeError(f"peer {rank} failed: {stderr}")
+                said[rank] = " ".join(stderr.split())
+        finally:
+            for process in peers.values():
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
         wall = time.perf_counter() - began
         reports = {}
         for rank in range(4):

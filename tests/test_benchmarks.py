@@ -103,7 +103,7 @@ def test_faults_benchmark_kills_a_peer_process_and_the_rest_finish(tmp_path: Pat
     most of its time (the fault-free baseline and the restart are left to the full run)."""
     out = tmp_path / "faults.json"
     _run("faults.py", "--rounds", "20", "--kill-after", "5", "--checkpoint-every", "5",
-         "--scenarios", "killed", "--json", str(out), timeout=240)  # fmt: skip
+         "--scenarios", "killed", "--json", str(out), timeout=660)  # fmt: skip
     report = _json(out)
     assert report["rounds"] == 20
     (killed,) = report["results"]
