@@ -1,5 +1,5 @@
 """Command line: `gossipcomp simulate`, `gossipcomp peer`, `gossipcomp coordinator`,
-`gossipcomp allreduce`, `gossipcomp topology show`, `gossipcomp keys new`.
+`gossipcomp allreduce`, `gossipcomp plot`, `gossipcomp topology show`, `gossipcomp keys new`.
 
 Argument parsing, checks that fail fast, progress display and reports only; the work happens in
 simulation.py.
@@ -34,18 +34,23 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from gossipcomp.allreduce import command as allreduce_command
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
+from gossipcomp.data import DATASETS
 from gossipcomp.experiment import (
+    MAX_LOCAL_STEPS,
     MAX_LR,
     MAX_SEED,
     TrainConfig,
     TrainingAborted,
     TrainingDiverged,
+    build_config_model,
+    load_data,
 )
 from gossipcomp.gossip import ALGORITHMS, ATTACKS, parse_clip
 from gossipcomp.gossip.powergossip import largest_useful_rank
 from gossipcomp.gossip.specs import MAX_GOSSIP_STEPS, parse_options
-from gossipcomp.models import MODELS, build_model
+from gossipcomp.models import MODELS
 from gossipcomp.peer import MAX_ROUND_TIMEOUT
+from gossipcomp.plot import MAX_PIXELS, MAX_REPORTS, MIN_PIXELS, curve_of, plot_curves, plot_reports
 from gossipcomp.presentation import format_topology
 from gossipcomp.report import Report
 from gossipcomp.schedule import PLANNERS, make_planner
@@ -223,7 +228,18 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         "the flags below)",
     )
     g.add_argument(
-        "--model", default=d.model, choices=sorted(MODELS), help="model trained on digits"
+        "--dataset",
+        default=d.dataset,
+        choices=sorted(DATASETS),
+        help="bundled scikit-learn data: digits (8x8 images, 10 classes), wine (13 features, 3 "
+        "classes), breast-cancer (30, 2), iris (4, 3); tabular features standardised",
+    )
+    g.add_argument(
+        "--model",
+        default=d.model,
+        choices=sorted(MODELS),
+        help="mlp (two hidden layers of 256), resmlp (24 residual blocks with LayerNorm, 102 "
+        "tensors), cnn (digits only: two convolutions with BatchNorm); sized for the dataset",
     )
     g.add_argument(
         "--schedule",
@@ -237,7 +253,7 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         "--rounds",
         type=_integer("rounds", 1),
         default=d.rounds,
-        help="local steps, each then a gossip round",
+        help="local steps; a gossip round follows every --local-steps of them",
     )
     g.add_argument(
         "--lr", type=_number("learning rate", 0.0, MAX_LR), default=d.lr, help="SGD learning rate"
@@ -318,6 +334,20 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         type=_number("round timeout (seconds)", 0.0, MAX_ROUND_TIMEOUT),
         default=d.round_timeout,
         help="seconds a round waits for neighbours before leaving them out",
+    )
+    g.add_argument(
+        "--local-steps",
+        type=_integer("local steps", 1, MAX_LOCAL_STEPS),
+        default=d.local_steps,
+        help="local optimizer steps between gossip rounds (local SGD): H sends 1/H of the "
+        "bytes of 1 over the same --rounds",
+    )
+    g.add_argument(
+        "--no-gossip-buffers",
+        dest="gossip_buffers",
+        action="store_false",
+        help="keep each peer's own floating-point buffers (BatchNorm running statistics) "
+        "instead of gossiping them with the parameters",
     )
     r = parser.add_argument_group("robustness")
     r.add_argument(
@@ -437,6 +467,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         algorithm=args.algorithm,
         model=args.model,
+        dataset=args.dataset,
         schedule=args.schedule,
         rounds=args.rounds,
         lr=args.lr,
@@ -456,6 +487,8 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         byzantine=tuple(args.byzantine),
         attack=args.attack,
         attack_scale=args.attack_scale,
+        gossip_buffers=args.gossip_buffers,
+        local_steps=args.local_steps,
     )
 
 
@@ -501,6 +534,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--authenticate",
         action="store_true",
         help="peers sign every message with throwaway keys and check each other's (needs --tls)",
+    )
+    sim.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="draw this run (accuracy against steps, bytes and time; consensus distance) here",
     )
     coord = sim.add_argument_group("coordinator")
     coord.add_argument(
@@ -573,6 +612,21 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpWithDefaults,
     )
     allreduce_command.add_arguments(allreduce)
+
+    plot = sub.add_parser(
+        "plot",
+        formatter_class=_HelpWithDefaults,
+        help="draw reports: accuracy against local steps, bytes and wall time, one line per "
+        "report with the per-peer spread shaded, and consensus distance",
+    )
+    plot.add_argument("reports", type=Path, nargs="+", metavar="REPORT.json")
+    plot.add_argument("--out", type=Path, required=True, metavar="FILE.png", help="PNG to write")
+    plot.add_argument(
+        "--width", type=_integer("width (pixels)", MIN_PIXELS, MAX_PIXELS), default=1200
+    )
+    plot.add_argument(
+        "--height", type=_integer("height (pixels)", MIN_PIXELS, MAX_PIXELS), default=900
+    )
 
     topo = sub.add_parser("topology", help="inspect topology files")
     topo_sub = topo.add_subparsers(dest="topology_command", required=True)
@@ -651,6 +705,20 @@ def _finish(report: Report, args: argparse.Namespace, console: Console) -> None:
         report.write_json(args.report)
         if not args.quiet:
             console.print(f"report written to {args.report}")
+    if getattr(args, "plot", None) is not None:
+        label = f"{report.algorithm}, {report.local_steps} local step(s) a round"
+        plot_curves([curve_of(report, label)], args.plot)
+        if not args.quiet:
+            console.print(f"plot written to {args.plot}")
+
+
+def _check_plot_path(path: Path, flag: str) -> None:
+    """A PNG path whose folder can be written (made if needed), before anything runs."""
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"{flag} {quoted(str(path))}: expected a file name ending in .png")
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; expected a file path")
+    _writable_directory(path.parent, f"{flag} {path}")
 
 
 def _writable_directory(directory: Path, what: str) -> None:
@@ -713,7 +781,7 @@ def _check_low_rank(config: TrainConfig, flag: str) -> None:
     rank changes nothing and is a typing mistake (--rank 100000 ran as 256)."""
     if config.algorithm_name != "powergossip":
         return
-    limit = largest_useful_rank(build_model(config.model, config.seed).parameters())
+    limit = largest_useful_rank(build_config_model(config, load_data(config)).parameters())
     rank = config.algorithm_options()["rank"]
     if rank > limit:
         raise ValueError(
@@ -781,6 +849,13 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         return _serve_coordinator(args, console)
     if args.command == "allreduce":
         return allreduce_command.run(args)
+    if args.command == "plot":
+        if len(args.reports) > MAX_REPORTS:
+            raise ValueError(f"{len(args.reports)} reports: expected at most {MAX_REPORTS}")
+        _check_plot_path(args.out, "--out")
+        plot_reports(args.reports, args.out, args.width, args.height)
+        console.print(f"plot written to {args.out}")
+        return 0
     tls = _tls_files(args) if args.command == "peer" else None
     config = _config(args)
     topology = resolve_topology(args.topology)
@@ -788,11 +863,13 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     _fill_rank_in_paths(args, rank)
     checkpoints = _checkpoints(args)
     _check_low_rank(config, "--rank" if args.command == "simulate" else "--low-rank")
+    if getattr(args, "plot", None) is not None:
+        _check_plot_path(args.plot, "--plot")
     _check_outputs(args)  # last: it makes directories, which no other mistake should leave
     torch.set_num_threads(1)  # many small peers share the cores; intra-op threads only contend
     if rank is None:
         label = f"{config.algorithm} on {topology.name}"
-        with _ProgressDisplay(console, config.rounds * topology.n, label, args.quiet) as bar:
+        with _ProgressDisplay(console, config.gossip_rounds * topology.n, label, args.quiet) as bar:
             report = run_simulation(
                 config,
                 topology,
@@ -805,7 +882,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             )
     else:
         label = f"peer {rank}: {config.algorithm} on {topology.name}"
-        with _ProgressDisplay(console, config.rounds, label, args.quiet) as bar:
+        with _ProgressDisplay(console, config.gossip_rounds, label, args.quiet) as bar:
             report = run_peer(
                 config,
                 topology,

@@ -1,19 +1,21 @@
-"""Real training data for peers: scikit-learn's bundled digits, split across peers.
+"""Real training data for peers: scikit-learn's bundled data sets, split across peers.
 
-The digits set ships with scikit-learn, so nothing is downloaded. Every function here is
-deterministic in the seed it is given: peers that agree on a seed agree on the data layout
-without talking to each other.
+digits (8x8 images, 10 classes), wine (13 features, 3 classes), breast-cancer (30 features, 2
+classes) and iris (4 features, 3 classes) ship with scikit-learn, so nothing is downloaded. Every
+function here is deterministic in the seed it is given: peers that agree on a seed agree on the
+data layout without talking to each other.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
+from sklearn.datasets import load_breast_cancer, load_digits, load_iris, load_wine
 from sklearn.model_selection import train_test_split
 
 PartitionKind = Literal["iid", "by-label", "dirichlet"]
@@ -23,17 +25,17 @@ PARTITION_FORMS = ('"iid"', '"by-label"', '"dirichlet:ALPHA" with ALPHA > 0')
 
 
 @dataclass(frozen=True)
-class DigitsSplit:
-    """A stratified train/test split of digits: float32 pixels in [0, 1], int64 labels."""
+class DatasetSplit:
+    """A stratified train/test split: float32 features, int64 labels."""
 
-    x_train: torch.Tensor  # float32 [N_train, 64]
+    x_train: torch.Tensor  # float32 [N_train, features]
     y_train: torch.Tensor  # int64 [N_train]
-    x_test: torch.Tensor  # float32 [N_test, 64]
+    x_test: torch.Tensor  # float32 [N_test, features]
     y_test: torch.Tensor  # int64 [N_test]
 
     @property
     def num_features(self) -> int:
-        """Input width (64 pixels)."""
+        """Input width (64 pixels for digits)."""
         return int(self.x_train.shape[1])
 
     @property
@@ -42,25 +44,63 @@ class DigitsSplit:
         return int(torch.cat([self.y_train, self.y_test]).max().item()) + 1
 
 
-def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsSplit:
-    """Load digits and split it, stratified by label, deterministically in ``seed``.
+DigitsSplit = DatasetSplit  # the name from when digits was the only data set
 
-    Pixels (0..16) are divided by 16 so every feature lies in [0, 1].
-    """
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """A bundled data set: how to load it and how its features are scaled.
+
+    `pixels`: the features are 0..16 intensities, divided by 16 into [0, 1] (digits); else each
+    feature is standardised to mean 0 and standard deviation 1 on the training part."""
+
+    load: Callable[[], Any]
+    pixels: bool = False
+
+
+DATASETS: dict[str, DatasetInfo] = {
+    "digits": DatasetInfo(load_digits, pixels=True),
+    "wine": DatasetInfo(load_wine),
+    "breast-cancer": DatasetInfo(load_breast_cancer),
+    "iris": DatasetInfo(load_iris),
+}
+
+
+def load_split(name: str, seed: int = 0, test_fraction: float = 0.2) -> DatasetSplit:
+    """Load the bundled data set `name` and split it, stratified by label, deterministically in
+    ``seed``; features scaled as DatasetInfo says (standardised with the training part's
+    statistics only, so nothing of the test part leaks into training)."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; known: {sorted(DATASETS)}")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-    bunch = load_digits()
-    x = np.asarray(bunch.data, dtype=np.float32) / np.float32(16.0)
+    info = DATASETS[name]
+    bunch = info.load()
+    x = np.asarray(bunch.data, dtype=np.float32)
     y = np.asarray(bunch.target, dtype=np.int64)
     x_tr, x_te, y_tr, y_te = train_test_split(
         x, y, test_size=test_fraction, random_state=seed, stratify=y
     )
-    return DigitsSplit(
-        x_train=torch.from_numpy(np.ascontiguousarray(x_tr)),
+    if info.pixels:
+        x_tr, x_te = x_tr / np.float32(16.0), x_te / np.float32(16.0)
+    else:
+        mean = x_tr.mean(axis=0)
+        std = np.maximum(x_tr.std(axis=0), np.float32(1e-6))  # a constant feature stays 0
+        x_tr, x_te = (x_tr - mean) / std, (x_te - mean) / std
+    return DatasetSplit(
+        x_train=torch.from_numpy(np.ascontiguousarray(x_tr, dtype=np.float32)),
         y_train=torch.from_numpy(np.ascontiguousarray(y_tr)),
-        x_test=torch.from_numpy(np.ascontiguousarray(x_te)),
+        x_test=torch.from_numpy(np.ascontiguousarray(x_te, dtype=np.float32)),
         y_test=torch.from_numpy(np.ascontiguousarray(y_te)),
     )
+
+
+def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DatasetSplit:
+    """Load digits and split it, stratified by label, deterministically in ``seed``.
+
+    Pixels (0..16) are divided by 16 so every feature lies in [0, 1].
+    """
+    return load_split("digits", seed, test_fraction)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator, Set
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
@@ -20,7 +21,7 @@ import torch
 from gossipcomp.checkpoint import CheckpointError, CheckpointStore, LoadedCheckpoint
 from gossipcomp.compress import parse_spec
 from gossipcomp.coordinator_client import CoordinatorClient
-from gossipcomp.data import DigitsSplit, parse_partition, partition_indices
+from gossipcomp.data import DATASETS, DigitsSplit, load_split, parse_partition, partition_indices
 from gossipcomp.gossip import (
     ALGORITHMS,
     Byzantine,
@@ -38,7 +39,7 @@ from gossipcomp.gossip.specs import (
     canonical_spec,
     parse_options,
 )
-from gossipcomp.models import MODELS
+from gossipcomp.models import MODELS, build_model
 from gossipcomp.peer import MAX_ROUND_TIMEOUT, Peer, PeerStats
 from gossipcomp.schedule import CompressorCost, CostModel, LinkCost, TensorInfo, make_planner
 from gossipcomp.schedule.schedule import Schedule
@@ -62,6 +63,8 @@ log = logging.getLogger(__name__)
 # it, torch cannot apply the step to float32 parameters at all (1e308: an overflow error)
 MAX_LR = 1e6
 MAX_SEED = 2**32 - 1  # the data split's seed (scikit-learn, numpy) must fit 32 bits
+MAX_RUN_SECONDS = 10 * 365 * 86400.0  # a history entry claiming a run longer is no run's
+MAX_LOCAL_STEPS = 10**6  # local steps between gossip rounds; more is a run without gossip
 # what a checkpoint holds besides the model-sized tensors: configuration, accuracy history,
 # generator state and the archive's own records (a few kB for a 600-round run)
 _PAYLOAD_SLACK = 16 * 2**20
@@ -85,7 +88,8 @@ class TrainConfig:
     # whole spec such as "choco:compressor=sign,steps=4,gamma=0.7" (gossip/specs.py)
     algorithm: str = "powergossip"
     model: str = "mlp"  # a name from gossipcomp.models.MODELS
-    rounds: int = 600  # local steps, each followed by one gossip round
+    dataset: str = "digits"  # a name from gossipcomp.data.DATASETS
+    rounds: int = 600  # local steps; a gossip round follows every `local_steps` of them
     lr: float = DEFAULT_LR  # SGD learning rate
     momentum: float = DEFAULT_MOMENTUM  # SGD momentum (each peer keeps its own buffer)
     batch_size: int = DEFAULT_BATCH_SIZE  # examples per local step
@@ -105,6 +109,9 @@ class TrainConfig:
     attack_scale: float = DEFAULT_SCALE  # sign_flip sends -scale x, scale sends scale x
     # tensor groups for choco and def: "per-tensor", "single" or a planner spec (static plan)
     schedule: str = "per-tensor"
+    # floating-point buffers (BatchNorm's running statistics) gossiped with the parameters
+    gossip_buffers: bool = True
+    local_steps: int = 1  # local optimizer steps between gossip rounds (local SGD)
 
     def __post_init__(self) -> None:
         """Refuse any setting that could not train, naming it, before anything runs."""
@@ -114,9 +121,14 @@ class TrainConfig:
         _integer("seed", self.seed, 0, MAX_SEED)
         _integer("rank", self.rank, 1)
         _integer("gossip_steps", self.gossip_steps, 1, MAX_GOSSIP_STEPS)
+        _integer("local_steps", self.local_steps, 1, MAX_LOCAL_STEPS)
         _number("lr", self.lr, 0.0, MAX_LR)
         _number("momentum", self.momentum, 0.0, 1.0, closed_low=True, closed_high=False)
         _number("round_timeout", self.round_timeout, 0.0, MAX_ROUND_TIMEOUT)
+        if not isinstance(self.gossip_buffers, bool):
+            raise ValueError(
+                f"gossip_buffers must be True or False, got {quoted(self.gossip_buffers)}"
+            )
         for name in ("zeta", "gamma"):
             if getattr(self, name) is not None:
                 _number(name, getattr(self, name), 0.0, 1.0)
@@ -151,6 +163,13 @@ class TrainConfig:
         make_attack(self.attack, self.attack_scale)
         if self.model not in MODELS:
             raise ValueError(f"unknown model {quoted(self.model)}; known: {sorted(MODELS)}")
+        if not isinstance(self.dataset, str) or self.dataset not in DATASETS:
+            raise ValueError(f"unknown dataset {quoted(self.dataset)}; known: {sorted(DATASETS)}")
+        if self.model == "cnn" and self.dataset != "digits":
+            raise ValueError(
+                f"model cnn reads the 8x8 digits images; dataset {self.dataset} is tabular: "
+                "expected model mlp or resmlp"
+            )
         make_planner(self.schedule)  # fails naming the planners that exist
         if self.schedule != "per-tensor" and self.algorithm_name not in GROUPED_ALGORITHMS:
             raise ValueError(
@@ -160,6 +179,16 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def gossip_rounds(self) -> int:
+        """Gossip rounds a peer runs: one after every `local_steps` local steps (the last
+        after what is left of `rounds`)."""
+        return -(-self.rounds // self.local_steps)
+
+    def steps_at(self, gossip_round: int) -> int:
+        """Local steps done when a peer has finished `gossip_round` gossip rounds."""
+        return min(gossip_round * self.local_steps, self.rounds)
 
     @property
     def algorithm_name(self) -> str:
@@ -282,6 +311,16 @@ def static_schedule(config: TrainConfig, params: NamedParams) -> Schedule | None
     return Schedule(1, 1, tuple(groups), planner=config.schedule)
 
 
+def load_data(config: TrainConfig) -> DigitsSplit:
+    """The configured data set, split by the configured seed (the same on every peer)."""
+    return load_split(config.dataset, seed=config.seed)
+
+
+def build_config_model(config: TrainConfig, data: DigitsSplit) -> torch.nn.Module:
+    """The configured model, sized for `data` and initialised from the configured seed."""
+    return build_model(config.model, config.seed, data.num_features, data.num_classes)
+
+
 def peer_examples(
     data: DigitsSplit, topology: Topology, rank: int, config: TrainConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,11 +334,15 @@ def peer_examples(
 
 @dataclass(frozen=True)
 class Evaluation:
-    """Test accuracy and cumulative bytes sent at a round."""
+    """Test accuracy and cumulative bytes sent after `round` local steps and `gossip_round`
+    gossip rounds (the same with one local step per round), `seconds` into the run (0 in an
+    older checkpoint's entries)."""
 
     round: int
     test_accuracy: float
     bytes_sent: int
+    gossip_round: int
+    seconds: float = 0.0
 
 
 @dataclass
@@ -363,7 +406,8 @@ class PeerTrainer:
         self.stream = BatchStream(x, y, config.batch_size, config.seed, peer.rank)
         self.optimizer = make_optimizer(peer.model, config.lr, config.momentum)
         self.history: list[Evaluation] = []
-        schedule = static_schedule(config, list(peer.model.named_parameters()))
+        self._started = time.perf_counter()
+        schedule = static_schedule(config, peer.gossiped)
         if schedule is not None and peer.round < schedule.effective_round:
             peer.apply(schedule)  # a restored checkpoint brings its own schedules back
 
@@ -454,7 +498,7 @@ class PeerTrainer:
             _check_stream_order(state["stream"], stream.num_examples)
             stream.load_state_dict(state["stream"])
         with _part(path, "history"):
-            history = _history(state["history"], loaded.round)
+            history = _history(state["history"], loaded.round, self.config)
         with _part(path, "peer"):
             self.peer.load_state_dict(peer_state)
         self.optimizer, self.stream, self.history = scratch, stream, history
@@ -465,32 +509,47 @@ class PeerTrainer:
         on_round: Callable[[int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> PeerOutcome:
-        """Train from the peer's round to `config.rounds`: one local SGD step, one gossip round
-        (a peer that catches up with its neighbours skips rounds, see Peer.gossip)."""
+        """Train from the peer's round until it has done `config.rounds` local steps:
+        `config.local_steps` local SGD steps, then one gossip round (a peer that catches up
+        with its neighbours skips rounds, and their steps, see Peer.gossip). Accuracy is
+        recorded every `eval_every` local steps, checkpoints every `checkpoint_every` gossip
+        rounds; `on_round` hears of every gossip round."""
         peer, config = self.peer, self.config
-        while peer.round < config.rounds:
+        # seconds into the run: a restored peer goes on from its checkpoint's last evaluation
+        self._started = time.perf_counter() - (self.history[-1].seconds if self.history else 0.0)
+        while peer.round < config.gossip_rounds:
             before = peer.round
+            steps = config.steps_at(before)
             if should_stop is not None and should_stop():
                 raise TrainingAborted(f"peer {peer.rank} stopped at round {before + 1}")
-            local_step(peer.model, self.optimizer, self.stream.next_batch())
+            for _ in range(config.steps_at(before + 1) - steps):
+                local_step(peer.model, self.optimizer, self.stream.next_batch())
             # once a round suffices: received NaN/Inf is refused at the door, and anything gossip
-            # itself overflowed to is caught after the next local step
-            _check_finite(peer, before + 1, "after the local step")
+            # itself overflowed to is caught after the next local steps
+            _check_finite(peer, before + 1, "after the local steps")
             peer.gossip()
             if self.coordinator is not None:
                 self.coordinator.after_round()
             r = peer.round  # usually before + 1; more after catching up with the neighbours
-            if _crossed(before, r, config.eval_every) or r >= config.rounds:
-                accuracy = evaluate_accuracy(peer.model, self.data.x_test, self.data.y_test)
-                self.history.append(Evaluation(r, accuracy, peer.stats.bytes_sent_total))
+            done = config.steps_at(r)
+            if _crossed(steps, done, config.eval_every) or done >= config.rounds:
+                self._evaluate()
             if self.store is not None and _crossed(before, r, self.checkpoint_every):
                 self.store.save(r, self.state_dict())
             if on_round is not None:
                 on_round(r)
-        if not self.history or self.history[-1].round != peer.round:  # restored at the end
-            accuracy = evaluate_accuracy(peer.model, self.data.x_test, self.data.y_test)
-            self.history.append(Evaluation(peer.round, accuracy, peer.stats.bytes_sent_total))
+        if not self.history or self.history[-1].gossip_round != peer.round:  # restored at the end
+            self._evaluate()
         return PeerOutcome(peer.rank, self.history[-1].test_accuracy, peer.stats, self.history)
+
+    def _evaluate(self) -> None:
+        """Record the test accuracy and bytes sent so far."""
+        peer = self.peer
+        accuracy = evaluate_accuracy(peer.model, self.data.x_test, self.data.y_test)
+        steps = self.config.steps_at(peer.round)
+        seconds = time.perf_counter() - self._started
+        sent = peer.stats.bytes_sent_total
+        self.history.append(Evaluation(steps, accuracy, sent, peer.round, seconds))
 
 
 def _crossed(before: int, after: int, every: int) -> bool:
@@ -620,22 +679,27 @@ def _check_stream_order(saved: Any, num_examples: int) -> None:
             raise ValueError(f"{key}: expected an integer, got {saved[key]!r}")
 
 
-def _history(saved: Any, round: int) -> list[Evaluation]:
-    """The saved accuracy history, checked: evaluations at rounds up to the checkpoint's, with
-    an accuracy in [0, 1] and a byte count >= 0."""
+def _history(saved: Any, round: int, config: TrainConfig) -> list[Evaluation]:
+    """The saved accuracy history, checked: evaluations at local steps and gossip rounds up to
+    the checkpoint's (gossip `round`), with an accuracy in [0, 1] and a byte count >= 0. An
+    older checkpoint's entries lack the gossip round: with one local step a round, it is the
+    step."""
     if not isinstance(saved, list):
         raise ValueError(f"expected a list, got {type(saved).__name__}")
     history = []
     for index, entry in enumerate(saved):
-        _require_keys(entry, {f.name for f in fields(Evaluation)})
+        _require_keys(entry, {"round", "test_accuracy", "bytes_sent"}, {"gossip_round", "seconds"})
         at, accuracy, sent = entry["round"], entry["test_accuracy"], entry["bytes_sent"]
+        gossip_round, seconds = entry.get("gossip_round", at), entry.get("seconds", 0.0)
         try:
-            _integer("round", at, 0, round)
+            _number("seconds", seconds, 0.0, MAX_RUN_SECONDS, closed_low=True)
+            _integer("round", at, 0, config.steps_at(round))
+            _integer("gossip_round", gossip_round, 0, round)
             _number("test_accuracy", accuracy, 0.0, 1.0, closed_low=True)
             _integer("bytes_sent", sent, 0)
         except ValueError as error:
             raise ValueError(f"[{index}] {error}") from None
-        history.append(Evaluation(at, float(accuracy), sent))
+        history.append(Evaluation(at, float(accuracy), sent, gossip_round, float(seconds)))
     return history
 
 

@@ -112,13 +112,87 @@ def build_resmlp(
     return model
 
 
-def model_signature(model: nn.Module) -> str:
-    """Hex sha256 of the (name, shape, dtype) of every parameter, in registration order.
+class DigitsCNN(nn.Module):
+    """Two 3x3 convolutions with BatchNorm over the 8x8 digits image, a pooling, a classifier.
 
-    Peers compare it in the handshake: equal signatures mean the flat parameter layouts agree.
-    Values are not hashed, so training does not change the signature.
+    Its input is the flat 64-pixel row the data sets give; BatchNorm's running statistics are
+    buffers, which peers gossip with the parameters (models.gossiped_tensors)."""
+
+    side = 8  # digits images are 8 x 8
+
+    def __init__(self, channels: int, num_classes: int) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, channels, 3, padding=1, device="meta"),
+            nn.BatchNorm2d(channels, device="meta"),
+            nn.ReLU(),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1, device="meta"),
+            nn.BatchNorm2d(2 * channels, device="meta"),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        pooled = 2 * channels * (self.side // 2) ** 2
+        self.head = nn.Linear(pooled, num_classes, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        image = x.reshape(x.shape[0], 1, self.side, self.side)
+        return self.head(self.features(image).flatten(1))
+
+
+def build_cnn(
+    seed: int, input_dim: int = 64, num_classes: int = 10, channels: int = 16
+) -> nn.Module:
+    """A small CNN for the 8x8 digits (input_dim 64 only), initialised only from `seed` like
+    `build_mlp` (torch's default bound 1/sqrt(fan_in) for convolutions and the classifier;
+    BatchNorm at scale 1, shift 0, running mean 0 and variance 1)."""
+    if input_dim != DigitsCNN.side**2:
+        raise ValueError(
+            f"model cnn reads 8x8 images (64 features), got {input_dim} features; expected the "
+            "digits data set, or model mlp or resmlp for tabular data"
+        )
+    if min(num_classes, channels) < 1:
+        raise ValueError(f"num_classes and channels must be >= 1, got {num_classes}, {channels}")
+    model = DigitsCNN(channels, num_classes).to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Conv2d | nn.Linear):
+                fan_in = module.weight[0].numel()
+                bound = 1.0 / math.sqrt(fan_in)
+                module.weight.uniform_(-bound, bound, generator=generator)
+                assert module.bias is not None
+                module.bias.uniform_(-bound, bound, generator=generator)
+            elif isinstance(module, nn.BatchNorm2d):
+                module.reset_parameters()  # scale 1, shift 0, running statistics reset
+    return model
+
+
+def gossiped_tensors(
+    model: nn.Module, gossip_buffers: bool = True
+) -> list[tuple[str, torch.Tensor]]:
+    """What gossip averages: every parameter, then (with `gossip_buffers`) every floating-point
+    buffer, such as BatchNorm's running mean and variance, so that peers evaluate with the same
+    statistics. Integer buffers (BatchNorm's num_batches_tracked) count steps: they stay local."""
+    tensors = list(model.named_parameters())
+    if gossip_buffers:
+        tensors += [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+    return tensors
+
+
+def model_signature(model: nn.Module, gossip_buffers: bool = True) -> str:
+    """Hex sha256 of the (name, shape, dtype) of every parameter, in registration order, then of
+    every buffer with whether it is gossiped.
+
+    Peers compare it in the handshake: equal signatures mean the flat layouts of what they
+    exchange agree. Values are not hashed, so training does not change the signature; a model
+    without buffers has the signature of its parameters alone.
     """
     layout = [[name, list(p.shape), str(p.dtype)] for name, p in model.named_parameters()]
+    gossiped = {name for name, _ in gossiped_tensors(model, gossip_buffers)}
+    layout += [
+        [name, list(b.shape), str(b.dtype), "gossiped" if name in gossiped else "local"]
+        for name, b in model.named_buffers()
+    ]
     blob = json.dumps(layout, separators=(",", ":")).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()
 
@@ -131,13 +205,15 @@ def parameter_vector(model: nn.Module, dtype: torch.dtype = torch.float64) -> to
     return torch.cat(params)
 
 
-MODELS: dict[str, Callable[[int], nn.Module]] = {"mlp": build_mlp, "resmlp": build_resmlp}
+ModelFactory = Callable[..., nn.Module]  # (seed, input_dim=, num_classes=) -> model
+MODELS: dict[str, ModelFactory] = {"mlp": build_mlp, "cnn": build_cnn, "resmlp": build_resmlp}
 
 
-def build_model(name: str, seed: int) -> nn.Module:
-    """A registered model for digits (8x8 images, 10 classes), initialised only from `seed`."""
+def build_model(name: str, seed: int, input_dim: int = 64, num_classes: int = 10) -> nn.Module:
+    """A registered model for `input_dim` features and `num_classes` classes (by default
+    digits': 8x8 images, 10 classes), initialised only from `seed`."""
     try:
         factory = MODELS[name]
     except KeyError:
         raise ValueError(f"unknown model {quoted(name)}; known: {sorted(MODELS)}") from None
-    return factory(seed)
+    return factory(seed, input_dim=input_dim, num_classes=num_classes)

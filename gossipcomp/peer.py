@@ -39,7 +39,7 @@ from gossipcomp.gossip.clipping import total_norm
 from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.state import checked_tensors
 from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
-from gossipcomp.models import model_signature
+from gossipcomp.models import gossiped_tensors, model_signature
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.schedule import Schedule, ScheduleBook, ScheduleRefused
 from gossipcomp.text import quoted
@@ -74,6 +74,7 @@ class PeerStats:
     comm_seconds: float
     mismatched_epoch_exchanges: int = 0  # exchanges refused: the two ends were in other epochs
     schedule_epochs: tuple[Schedule, ...] = ()  # every schedule that took effect, in order
+    local_steps: int = 0  # local steps counted by `after_local_step` (custom loops)
 
     @property
     def bytes_sent_total(self) -> int:
@@ -96,6 +97,8 @@ class Peer:
         ready: bool = True,
         pace: RoundPace | None = None,
         max_move: float | None = MAX_GOSSIP_MOVE,
+        gossip_buffers: bool = True,
+        local_steps: int = 1,
     ) -> None:
         """`ready=False` (a peer about to restore a checkpoint): neighbours' handshakes are
         answered "not ready" until `ready()`, so none is answered from a round about to change.
@@ -104,7 +107,12 @@ class Peer:
         round that would move the model by more than max_move * (||x|| + 1), or make it NaN/Inf,
         is refused (None: only NaN/Inf is). Honest averaging moves a model by at most twice its
         distance to a neighbour, so only a lying or broken neighbour gets near the default;
-        clipping (`--clip`) is what bounds smaller lies."""
+        clipping (`--clip`) is what bounds smaller lies. `gossip_buffers`: floating-point
+        buffers (BatchNorm's running statistics) are gossiped with the parameters, as one more
+        tensor each (models.gossiped_tensors); False keeps each peer's own. Every peer of a
+        network must agree (the handshake's model signature says which buffers travel).
+        `local_steps`: `after_local_step()` gossips after every `local_steps` of them (local SGD:
+        1/local_steps of the bytes)."""
         if not 0 <= rank < topology.n:
             raise ValueError(
                 f"rank {rank} out of range for topology {topology.name} (n={topology.n})"
@@ -122,7 +130,12 @@ class Peer:
             raise ValueError(f"max_move: expected a number > 0 or None, got {max_move}")
         self.max_move = max_move
         self.round = 0
-        self._params: NamedParams = [(n, p) for n, p in model.named_parameters()]
+        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+            raise ValueError(f"local_steps: expected an integer >= 1, got {quoted(local_steps)}")
+        self.local_steps = local_steps
+        self._steps_taken = 0
+        self.gossip_buffers = gossip_buffers
+        self._params: NamedParams = gossiped_tensors(model, gossip_buffers)
         self._weights = topology.neighbor_weights(rank)
         self._links = LinkStats()
         self._compute_seconds = 0.0
@@ -237,11 +250,13 @@ class Peer:
         round_timeout: float = 30.0,
         backoff: Backoff | None = None,
         ready: bool = True,
+        gossip_buffers: bool = True,
+        local_steps: int = 1,
     ) -> Peer:
         """A peer with its own gRPC server at `bind` (default: its address in the topology).
         A stream that carries an envelope must finish within the round's deadline."""
         _check_round_timeout(round_timeout)
-        identity = Identity(rank, topology.hash, model_signature(model))
+        identity = Identity(rank, topology.hash, model_signature(model, gossip_buffers))
         options = dataclasses.replace(options or GrpcOptions(), stream_timeout=round_timeout)
         transport = GrpcTransport(
             identity,
@@ -259,10 +274,23 @@ class Peer:
                 round_timeout=round_timeout,
                 backoff=backoff,
                 ready=ready,
+                gossip_buffers=gossip_buffers,
+                local_steps=local_steps,
             )
         except Exception:
             transport.close()
             raise
+
+    @property
+    def gossiped(self) -> NamedParams:
+        """The tensors gossip averages, by name: the parameters, then the floating-point
+        buffers unless they are left out. Schedules group exactly these names."""
+        return list(self._params)
+
+    @property
+    def signature(self) -> str:
+        """The model signature this peer's handshake carries (models.model_signature)."""
+        return model_signature(self.model, self.gossip_buffers)
 
     @property
     def address(self) -> str | None:
@@ -378,6 +406,15 @@ class Peer:
                 reason = result.failed.get(j, "no resume payload")
                 self.links.resume_failed(j, self.round, reason)
 
+    def after_local_step(self) -> bool:
+        """Count one local optimizer step; gossip when `local_steps` of them have been taken
+        since the last round. Returns whether this call gossiped."""
+        self._steps_taken += 1
+        if self._steps_taken % self.local_steps:
+            return False
+        self.gossip()
+        return True
+
     def gossip(self) -> None:
         """Run one gossip round of the algorithm on the model's parameters (in place).
 
@@ -456,7 +493,8 @@ class Peer:
         return min(1000, max(1, math.ceil(math.log(tolerance) / math.log(slem))))
 
     def network_average(self, rounds: int | None = None) -> list[torch.Tensor]:
-        """Estimate the network-average model by exact gossip on copies of the parameters.
+        """Estimate the network-average model by exact gossip on copies of the gossiped
+        tensors (`gossiped`, in that order).
 
         A measurement, not training: the model is untouched and the bytes are not counted in
         `stats`. Every peer must call it at the same point with the same `rounds`.
@@ -580,6 +618,7 @@ class Peer:
             comm_seconds=self._comm_seconds,
             mismatched_epoch_exchanges=self._links.epoch_mismatches,
             schedule_epochs=tuple(self.schedules.history),
+            local_steps=self._steps_taken,
         )
 
     def close(self) -> None:

@@ -30,14 +30,18 @@ class PeerReport:
     # every schedule in force during the run: {epoch, effective_round, planner}
     schedule_epochs: list[dict[str, Any]]
     byzantine: bool = False  # this peer lied to its neighbours (a robustness experiment)
+    gossip_rounds: int = 0  # gossip rounds this peer ran (its local steps: Report.rounds)
 
 
 @dataclass(frozen=True)
 class HistoryPoint:
-    round: int
+    round: int  # local steps every peer had done
     mean_test_accuracy: float
     min_test_accuracy: float
     bytes_sent_total: int
+    gossip_round: int = 0  # gossip rounds the furthest peer had run by then
+    max_test_accuracy: float = 0.0  # with min: the per-peer spread
+    wall_seconds: float = 0.0  # seconds into the run of the slowest peer
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class Report:
     mode: str  # "simulate" or "peer"
     algorithm: str
     topology: str
-    rounds: int
+    rounds: int  # local steps each peer took
     final_test_accuracy: float  # mean over the peers reported
     min_test_accuracy: float
     consensus_distance: float  # mean over peers of ||x_i - mean x||^2
@@ -58,6 +62,8 @@ class Report:
     per_peer: list[PeerReport]
     history: list[HistoryPoint] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    local_steps: int = 1  # local steps between gossip rounds
+    gossip_rounds: int = 0  # gossip rounds the peers ran (the most of any reported peer)
     # mean and min over the reported peers that did not lie, derived from per_peer so that they
     # are never None while an honest peer is reported (None only for a report of liars alone: a
     # Byzantine `peer` process); the same as final/min_test_accuracy when no peer is Byzantine
@@ -116,7 +122,8 @@ class Report:
 
     def summary_table(self) -> Table:
         table = Table(
-            title=f"{self.algorithm} on {self.topology}, {self.rounds} rounds ({self.mode})",
+            title=f"{self.algorithm} on {self.topology}, {self.rounds} local steps, "
+            f"{self.gossip_rounds} gossip rounds ({self.mode})",
             caption=(
                 f"mean accuracy {self.final_test_accuracy:.4f}, min {self.min_test_accuracy:.4f}, "
                 f"average model {self.average_model_test_accuracy:.4f}, consensus distance "
@@ -164,6 +171,7 @@ def peer_reports(
                 for s in o.stats.schedule_epochs
             ],
             byzantine=o.rank in byzantine,
+            gossip_rounds=o.stats.rounds,
         )
         for o, d in zip(outcomes, distances, strict=True)
     ]
@@ -179,16 +187,20 @@ def honest_accuracy(per_peer: Sequence[PeerReport]) -> tuple[float | None, float
 
 def merge_history(outcomes: Sequence[PeerOutcome]) -> list[HistoryPoint]:
     """Network-wide accuracy and bytes at each checkpoint round all peers recorded."""
-    by_round: dict[int, list[tuple[float, int]]] = {}
+    by_round: dict[int, list[tuple[float, int, int, float]]] = {}
     for outcome in outcomes:
         for point in outcome.history:
-            by_round.setdefault(point.round, []).append((point.test_accuracy, point.bytes_sent))
+            row = (point.test_accuracy, point.bytes_sent, point.gossip_round, point.seconds)
+            by_round.setdefault(point.round, []).append(row)
     return [
         HistoryPoint(
             round=r,
-            mean_test_accuracy=sum(a for a, _ in rows) / len(rows),
-            min_test_accuracy=min(a for a, _ in rows),
-            bytes_sent_total=sum(b for _, b in rows),
+            mean_test_accuracy=sum(row[0] for row in rows) / len(rows),
+            min_test_accuracy=min(row[0] for row in rows),
+            bytes_sent_total=sum(row[1] for row in rows),
+            gossip_round=max(row[2] for row in rows),
+            max_test_accuracy=max(row[0] for row in rows),
+            wall_seconds=max(row[3] for row in rows),
         )
         for r, rows in sorted(by_round.items())
         if len(rows) == len(outcomes)

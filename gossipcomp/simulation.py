@@ -24,15 +24,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gossipcomp.checkpoint import CheckpointStore
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.coordinator_client import CoordinatorClient
-from gossipcomp.data import DigitsSplit, load_digits_split
+from gossipcomp.data import DigitsSplit
 from gossipcomp.experiment import (
     PeerOutcome,
     PeerTrainer,
     TrainConfig,
     TrainingAborted,
     build_algorithm,
+    build_config_model,
+    load_data,
 )
-from gossipcomp.models import build_model
+from gossipcomp.models import gossiped_tensors
 from gossipcomp.peer import Peer
 from gossipcomp.report import Report, flat, merge_history, peer_reports
 from gossipcomp.security import TlsFiles, throwaway_certificates
@@ -81,9 +83,13 @@ def _trainer(
 def _average_model_accuracy(
     average: Sequence[torch.Tensor], config: TrainConfig, data: DigitsSplit
 ) -> float:
-    model = build_model(config.model, config.seed)
+    """Test accuracy of a model holding `average`, the network average of the gossiped
+    tensors (models.gossiped_tensors, in that order)."""
+    model = build_config_model(config, data)
     with torch.no_grad():
-        for p, value in zip(model.parameters(), average, strict=True):
+        for (_, p), value in zip(
+            gossiped_tensors(model, config.gossip_buffers), average, strict=True
+        ):
             p.copy_(value)
     return evaluate_accuracy(model, data.x_test, data.y_test)
 
@@ -115,6 +121,8 @@ def _report(
         per_peer=per_peer,
         history=merge_history(outcomes),
         config={**config.to_dict(), "topology_file": topology.source},
+        local_steps=config.local_steps,
+        gossip_rounds=max(o.stats.rounds for o in outcomes),
     )
 
 
@@ -138,7 +146,7 @@ def run_simulation(
     if authenticate and not tls:
         raise ValueError(f"--authenticate needs --tls: {WHY_AUTHENTICATION_NEEDS_TLS}")
     start = time.perf_counter()
-    data = load_digits_split(seed=config.seed)
+    data = load_data(config)
     peers: list[Peer] = []
     keys = _throwaway_keys(topology.n) if authenticate else [None] * topology.n
     with _simulation_tls(topology.n, tls) as (tls_files, coordinator_tls):
@@ -150,7 +158,7 @@ def run_simulation(
             for rank in range(topology.n):
                 peers.append(
                     Peer.over_grpc(
-                        build_model(config.model, config.seed),
+                        build_config_model(config, data),
                         topology,
                         rank,
                         build_algorithm(config, topology, rank),
@@ -158,6 +166,7 @@ def run_simulation(
                         options=GrpcOptions(tls=tls_files[rank], keys=keys[rank]),
                         round_timeout=config.round_timeout,
                         ready=checkpoints is None,
+                        gossip_buffers=config.gossip_buffers,
                     )
                 )
             if server is not None:
@@ -179,7 +188,7 @@ def run_simulation(
             for peer in peers:
                 peer.start(startup_timeout, addresses)
             outcomes = _train_all(trainers, progress)
-            params = [[p.detach() for p in peer.model.parameters()] for peer in peers]
+            params = [[p.detach() for _, p in peer.gossiped] for peer in peers]
             average = [torch.stack(group).mean(dim=0) for group in zip(*params, strict=True)]
             mean_vector = flat(average)
             distances = [float((flat(ps) - mean_vector).pow(2).sum()) for ps in params]
@@ -303,9 +312,9 @@ def run_peer(
         )
     keys = peer_keys(topology, rank, signing_key)
     start = time.perf_counter()
-    data = load_digits_split(seed=config.seed)
+    data = load_data(config)
     with Peer.over_grpc(
-        build_model(config.model, config.seed),
+        build_config_model(config, data),
         topology,
         rank,
         build_algorithm(config, topology, rank),
@@ -313,6 +322,7 @@ def run_peer(
         options=GrpcOptions(tls=tls, keys=keys, insecure=insecure),
         round_timeout=config.round_timeout,
         ready=checkpoints is None,
+        gossip_buffers=config.gossip_buffers,
     ) as peer:
         client = (
             None
@@ -329,7 +339,7 @@ def run_peer(
             if client is not None:
                 client.close()
         average = peer.network_average()
-        own = [p.detach() for p in peer.model.parameters()]
+        own = [p.detach() for _, p in peer.gossiped]
         distance = float((flat(own) - flat(average)).pow(2).sum())
         return _report(
             "peer",
