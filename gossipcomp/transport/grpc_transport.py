@@ -20,6 +20,7 @@ import ipaddress
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import (
     AsyncIterator,
     Callable,
@@ -663,18 +664,25 @@ class GrpcTransport:
         deadline = time.monotonic() + timeout
         self._inbox.mailbox.open_round(round)
         # One payload sent to several neighbours is chunked (and hashed) once; when peers
-        # authenticate, only its first chunk is rebuilt per receiver, with a signed header.
+        # authenticate, only its first chunk is rebuilt per receiver, with a signed header. A
+        # payload of several chunks for one neighbour only is streamed as its chunks are built
+        # (`send`): building all 64 MiB first cost as much as sending them.
+        receivers = Counter(id(payload) for payload in outgoing.values())
         chunked: dict[int, tuple[Envelope, list[bytes], bytes]] = {}
-        for payload in outgoing.values():
+        pushes: dict[int, futures.Future[int] | grpc.Future] = {}
+        sizes: dict[int, int] = {}
+        mailbox = self._inbox.mailbox
+        for j, payload in outgoing.items():
+            if receivers[id(payload)] == 1 and _data_bytes(payload) > self._options.chunk_bytes:
+                envelope = Envelope(self.rank, round, phase, payload, schedule_epoch)
+                pushes[j] = self._pool.submit(self.send, j, envelope, deadline)
+                pushes[j].add_done_callback(_abandon_on_failure(mailbox, round, phase, j))
+                continue
             if id(payload) not in chunked:
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch)
                 chunks = list(envelope_chunks(envelope, self._options.chunk_bytes))
                 content = content_sha256(envelope) if self._auth is not None else b""
                 chunked[id(payload)] = (envelope, chunks, content)
-        pushes: dict[int, futures.Future[int] | grpc.Future] = {}
-        sizes: dict[int, int] = {}
-        mailbox = self._inbox.mailbox
-        for j, payload in outgoing.items():
             envelope, chunks, content = chunked[id(payload)]
             if self._auth is not None:
                 header = _signed_header(self._auth, envelope, j, content)
@@ -693,8 +701,8 @@ class GrpcTransport:
         result = ExchangeResult()
         for j, push in pushes.items():
             try:
-                push.result(timeout=max(0.0, deadline - time.monotonic()))
-                result.bytes_sent[j] = sizes[j]
+                sent = push.result(timeout=max(0.0, deadline - time.monotonic()))
+                result.bytes_sent[j] = sizes[j] if j in sizes else sent
             except grpc.RpcError as error:
                 result.failed[j] = f"push failed: {error.code().name}: {error.details()}"
             except (futures.TimeoutError, grpc.FutureTimeoutError):
@@ -730,3 +738,8 @@ class GrpcTransport:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _data_bytes(payload: Payload) -> int:
+    """Bytes of tensor data in a payload (its envelope's header comes on top)."""
+    return sum(wire.nbytes for wire in payload)
