@@ -14,7 +14,6 @@ import logging
 import grpc
 
 from gossipcomp.coordinator import schedule_from_proto
-from gossipcomp.models import model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
@@ -61,7 +60,7 @@ class CoordinatorClient:
             else grpc.secure_channel(address, channel_credentials(tls), options=RECONNECT)
         )
         self._report = cpb_grpc.CoordinatorStub(self._channel).Report
-        self._signature = model_signature(peer.model)
+        self._signature = peer.signature
         self._pending: grpc.Future | None = None
         self._unreachable = False
         self.refused: list[str] = []  # why schedules were refused, once per epoch
@@ -126,10 +125,7 @@ class CoordinatorClient:
             compressor_fixed_seconds=self._cost.fixed_s,
             compressor_element_seconds=self._cost.per_element_s,
             compressor=self.compressor,
-            tensors=[
-                cpb.TensorSize(name=name, numel=p.numel())
-                for name, p in peer.model.named_parameters()
-            ],
+            tensors=[cpb.TensorSize(name=name, numel=p.numel()) for name, p in peer.gossiped],
             links=links,
         )
 

@@ -35,6 +35,7 @@ LAYERS = {
     "report": 10,
     "simulation": 11,
     "presentation": 11,
+    "plot": 11,
     "cli": 12,
     "__main__": 13,
 }
