@@ -105,7 +105,9 @@ def test_peer_flags_are_refused_before_any_server_starts(argv, fragments, capsys
 
 def test_groups_for_an_algorithm_without_compressed_groups_are_refused(capsys):
     assert cli.main([*SIMULATE, "--algorithm", "dpsgd", "--schedule", "single"]) == 2
-    _assert_one_line_error(capsys.readouterr().err, "schedule 'single'", "only choco, def, powergossip")
+    _assert_one_line_error(
+        capsys.readouterr().err, "schedule 'single'", "only choco, def, powergossip"
+    )
 
 
 def test_a_rank_from_the_environment_outside_the_topology_is_named(capsys, monkeypatch):
