@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from test_cli_and_processes import _free_ports
 
 from gossipcomp.cli import main
 from gossipcomp.models import build_mlp
@@ -88,17 +88,6 @@ def test_diverging_run_fails_with_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "NaN/Inf" in err and "diverged" in err
     assert not path.exists()
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def test_peers_launched_with_one_command_line_write_their_own_files(tmp_path):
