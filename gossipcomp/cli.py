@@ -238,7 +238,7 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         "--model",
         default=d.model,
         choices=sorted(MODELS),
-        help="mlp (two hidden layers of 256), resmlp (24 residual blocks with LayerNorm, 102 "
+        help="mlp (two hidden layers of 256), wide-mlp (two of 1024: 1.1M parameters), resmlp (24 residual blocks with LayerNorm, 102 "
         "tensors), cnn (digits only: two convolutions with BatchNorm); sized for the dataset",
     )
     g.add_argument(

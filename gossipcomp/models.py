@@ -206,7 +206,18 @@ def parameter_vector(model: nn.Module, dtype: torch.dtype = torch.float64) -> to
 
 
 ModelFactory = Callable[..., nn.Module]  # (seed, input_dim=, num_classes=) -> model
-MODELS: dict[str, ModelFactory] = {"mlp": build_mlp, "cnn": build_cnn, "resmlp": build_resmlp}
+def build_wide_mlp(seed: int, input_dim: int = 64, num_classes: int = 10) -> nn.Module:
+    """Two hidden layers of 1024: about 1.1M parameters on digits, big enough that sending the
+    whole model over a 10 Mbit/s link takes seconds (the bandwidth-adaptive benchmark)."""
+    return build_mlp(seed, input_dim, (1024, 1024), num_classes)
+
+
+MODELS: dict[str, ModelFactory] = {
+    "mlp": build_mlp,
+    "wide-mlp": build_wide_mlp,
+    "cnn": build_cnn,
+    "resmlp": build_resmlp,
+}
 
 
 def build_model(name: str, seed: int, input_dim: int = 64, num_classes: int = 10) -> nn.Module:
