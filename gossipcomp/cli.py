@@ -49,7 +49,7 @@ from gossipcomp.gossip import ALGORITHMS, ATTACKS, parse_clip
 from gossipcomp.gossip.powergossip import largest_useful_rank
 from gossipcomp.gossip.specs import MAX_GOSSIP_STEPS, parse_options
 from gossipcomp.models import MODELS
-from gossipcomp.peer import MAX_ROUND_TIMEOUT
+from gossipcomp.peer import LEVELS_LOGGER, MAX_ROUND_TIMEOUT
 from gossipcomp.plot import MAX_PIXELS, MAX_REPORTS, MIN_PIXELS, curve_of, plot_curves, plot_reports
 from gossipcomp.presentation import format_topology
 from gossipcomp.report import Report
@@ -65,6 +65,7 @@ from gossipcomp.text import quoted
 from gossipcomp.topology import Topology, TopologyError, load_topology
 from gossipcomp.transport.base import HandshakeError, PeerUnreachableError
 from gossipcomp.transport.grpc_transport import is_loopback
+from gossipcomp.transport.throttled import MAX_MBIT, LinkRates, RateChange
 
 DEFAULT_TOPOLOGY = "ring8"
 MAX_STARTUP_TIMEOUT = 86400.0  # seconds: waiting a day for neighbours is a typing mistake
@@ -193,6 +194,13 @@ def _add_tls_flags(parser: argparse.ArgumentParser, who: str) -> None:
     )
 
 
+def _link_change(text: str) -> RateChange:
+    try:
+        return RateChange.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _add_coordinator_flags(group: argparse._ActionsContainer) -> None:
     group.add_argument(
         "--planner",
@@ -211,6 +219,20 @@ def _add_coordinator_flags(group: argparse._ActionsContainer) -> None:
         type=_integer("replanning interval (rounds)", 1, 10**6),
         default=200,
         help="rounds between the coordinator's plans (it publishes only a plan that differs)",
+    )
+    group.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="bandwidth-adaptive compression (powergossip): measure every link from the "
+        "transfers training makes and set its rank to the highest whose transfers fit the "
+        "round budget; peers should report every round or two (--report-every)",
+    )
+    group.add_argument(
+        "--round-budget",
+        type=_number("round budget (seconds)", 0.0, 86_400.0),
+        metavar="SECONDS",
+        help="with --adaptive: seconds a round's transfers over one link may take (default: "
+        "the slowest peer's measured compute time per round, so communication hides behind it)",
     )
 
 
@@ -549,6 +571,22 @@ def build_parser() -> argparse.ArgumentParser:
         "the schedules it plans (choco, def)",
     )
     _add_coordinator_flags(coord)
+    links = sim.add_argument_group("throttled links (in this process; real ones: benchmarks/)")
+    links.add_argument(
+        "--link-rate",
+        type=_number("link rate (Mbit/s)", 0.0, MAX_MBIT),
+        metavar="MBIT",
+        help="every link carries at most this many megabits per second",
+    )
+    links.add_argument(
+        "--link-change",
+        type=_link_change,
+        action="append",
+        default=[],
+        metavar="I-J:MBIT@ROUND",
+        help="from ROUND on, link I-J carries MBIT megabits per second (repeatable; needs "
+        "--link-rate), e.g. 0-1:10@30",
+    )
     _add_training_flags(sim, rank_is_low_rank=True)
 
     peer = sub.add_parser(
@@ -816,6 +854,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(stderr=True)
     handler = RichHandler(console=console, show_path=False)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[handler])
+    logging.getLogger(LEVELS_LOGGER).setLevel(logging.INFO)  # link level changes are news
     try:
         return _run(args, console)
     except (ValueError, OSError, HandshakeError, PeerUnreachableError) as error:
@@ -877,8 +916,11 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                 checkpoints=checkpoints,
                 tls=args.tls,
                 authenticate=args.authenticate,
-                coordinator=_coordinator(args, topology) if args.coordinator else None,
+                coordinator=(
+                    _coordinator(args, topology) if args.coordinator or args.adaptive else None
+                ),
                 report_every=args.report_every,
+                link_rates=_link_rates(args, topology),
             )
     else:
         label = f"peer {rank}: {config.algorithm} on {topology.name}"
@@ -902,12 +944,32 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
 
 def _coordinator(args: argparse.Namespace, topology: Topology) -> Coordinator:
+    if args.round_budget is not None and not args.adaptive:
+        raise ValueError("--round-budget: expected --adaptive with it (it bounds link levels)")
     return Coordinator(
         topology,
         planner=args.planner,
         report_every=args.report_every,
         replan_every=args.replan_every,
+        adaptive=args.adaptive,
+        round_budget=args.round_budget,
     )
+
+
+def _link_rates(args: argparse.Namespace, topology: Topology) -> LinkRates | None:
+    """The throttle `--link-rate/--link-change` ask for; ValueError naming a change of a
+    link the topology does not have."""
+    if args.link_rate is None:
+        if args.link_change:
+            raise ValueError("--link-change: expected --link-rate too (the rate before it)")
+        return None
+    for change in args.link_change:
+        if not topology.graph.has_edge(change.a, change.b):
+            raise ValueError(
+                f"--link-change {change.a}-{change.b}: not an edge of {topology.name}; "
+                f"expected one of its {topology.graph.number_of_edges()} edges"
+            )
+    return LinkRates(args.link_rate, args.link_change)
 
 
 def _serve_coordinator(args: argparse.Namespace, console: Console) -> int:

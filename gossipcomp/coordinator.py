@@ -12,7 +12,18 @@ transfers) and runs its planner. It publishes a new schedule when the plan diffe
 in force, and always once after it starts, so a restarted coordinator brings every peer onto
 one schedule again. A schedule takes effect `margin` rounds after the furthest round reported:
 every peer reports within `report_every` rounds and stages the reply at its next report, so
-3 x report_every + 2 rounds leave room for a peer a little ahead of the others.
+3 x report_every + 2 rounds leave room for a peer a little ahead of the others. Where rounds are
+faster than a report's round trip, a peer can still pass the effective round first: its next
+report shows it, and the coordinator publishes the schedule again under a new epoch with the
+margin doubled, until it fits.
+
+Rate control (`adaptive`): peers also report their last sends to each neighbour (bytes, and
+seconds until the neighbour had them) and, for an algorithm with per-link levels, the bytes a
+round sends at each level. Every time the furthest round has moved `2 x report_every` rounds
+on, the coordinator estimates every link from both ends' sends and lets the rate controller
+(schedule/rate.py) choose each link's level within the round budget (set, or else the slowest
+peer's compute time per round); when any level changes it publishes a schedule with the same
+groups and the new levels. At most about three schedules then wait at a peer (MAX_STAGED is 4).
 
 No state survives a restart: membership comes back with the next reports, and epochs continue
 above the highest epoch any peer reports holding, so they only ever increase.
@@ -46,7 +57,16 @@ from gossipcomp.schedule import (
 )
 from gossipcomp.schedule.costs import check_sample
 from gossipcomp.schedule.groups import TensorGroup
-from gossipcomp.schedule.schedule import MAX_EPOCH, MAX_ROUND, Schedule, ScheduleRefused
+from gossipcomp.schedule.rate import MAX_LEVEL, LevelCosts, Link, RateController
+from gossipcomp.schedule.rate import link as edge_of
+from gossipcomp.schedule.schedule import (
+    MAX_BUDGET_S,
+    MAX_EPOCH,
+    MAX_ROUND,
+    LinkLevel,
+    Schedule,
+    ScheduleRefused,
+)
 from gossipcomp.security.tls import TlsFiles, server_credentials
 from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
@@ -59,6 +79,9 @@ MAX_NAME_CHARS = 1000  # characters of one parameter name
 MAX_SAMPLES_PER_LINK = 64  # transfers of one link in one report
 MAX_SECONDS = 86_400.0  # a measured time beyond a day is a lie or a bug
 MAX_REPORT_BYTES = 16 << 20  # a serialised report (the tensor list dominates)
+MAX_LEVELS = 64  # levels of one ladder in a report
+MAX_MARGIN = 10_000  # rounds ahead a schedule may be published at most
+ADAPTIVE_PLANNER = "adaptive"  # the planner label of schedules that change link levels
 SERVICE_NAME = "gossipcomp.v1.Coordinator"
 
 
@@ -82,6 +105,9 @@ class MemberReport:
     compression: CompressorCost
     tensors: tuple[TensorInfo, ...]
     transfers: tuple[tuple[int, float], ...]  # (bytes, seconds) over all its links
+    # neighbour -> its last sends there, (bytes, seconds until delivered), oldest first
+    sends: dict[int, tuple[tuple[int, float], ...]]
+    levels: LevelCosts | None  # the algorithm's ladder, None without per-link levels
 
 
 def schedule_to_proto(schedule: Schedule) -> cpb.Schedule:
@@ -90,14 +116,42 @@ def schedule_to_proto(schedule: Schedule) -> cpb.Schedule:
         effective_round=schedule.effective_round,
         planner=schedule.planner,
         groups=[cpb.ScheduleGroup(names=g.names, compressor=g.compressor) for g in schedule.groups],
+        links=[cpb.LinkLevel(low=x.low, high=x.high, level=x.level) for x in schedule.links],
+        budget_s=schedule.budget_s,
     )
 
 
 def schedule_from_proto(message: cpb.Schedule) -> Schedule:
     """A received schedule; ScheduleRefused naming the field when out of range (the peer
-    checks it against its model when staging it)."""
+    checks it against its model and topology when staging it)."""
     groups = tuple(TensorGroup(tuple(g.names), g.compressor) for g in message.groups)
-    return Schedule(message.epoch, message.effective_round, groups, message.planner)
+    links = tuple(LinkLevel(x.low, x.high, x.level) for x in message.links)
+    return Schedule(
+        message.epoch, message.effective_round, groups, message.planner, links, message.budget_s
+    )
+
+
+def _level_costs(request: cpb.PeerReport) -> LevelCosts | None:
+    """The ladder a report states (None when it states none); ReportRefused when malformed."""
+    if not request.level_costs:
+        return None
+    if len(request.level_costs) > MAX_LEVELS:
+        raise ReportRefused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"level_costs: {len(request.level_costs)} levels, at most {MAX_LEVELS}",
+        )
+    costs = {}
+    for entry in request.level_costs:
+        level = _integer("level_costs level", entry.level, MAX_LEVEL)
+        if level in costs:
+            raise ReportRefused(
+                grpc.StatusCode.INVALID_ARGUMENT, f"level_costs: level {level} listed twice"
+            )
+        costs[level] = _integer("level_costs bytes_per_round", entry.bytes_per_round, 1 << 40)
+    try:
+        return LevelCosts(costs, request.exchanges_per_round)
+    except ValueError as error:
+        raise ReportRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
 
 
 def _number(field: str, value: float, high: float = MAX_SECONDS) -> float:
@@ -127,8 +181,20 @@ class Coordinator:
         planner: str = "mergecomp",
         report_every: int = 10,
         replan_every: int = 200,
+        adaptive: bool = False,
+        round_budget: float | None = None,
     ) -> None:
+        """`adaptive`: choose a level per link (module docstring) within `round_budget`
+        seconds of transfers per round (None: the slowest peer's compute time per round)."""
         make_planner(planner)  # fails naming the planners that exist
+        if round_budget is not None and not (
+            math.isfinite(round_budget) and 0 < round_budget <= MAX_BUDGET_S
+        ):
+            raise ValueError(
+                f"round_budget: expected seconds in (0, {MAX_BUDGET_S:g}], got {round_budget!r}"
+            )
+        self.adaptive = adaptive
+        self.round_budget = round_budget
         for field, value in (("report_every", report_every), ("replan_every", replan_every)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10**6:
                 raise ValueError(f"{field}: expected an integer in [1, 10^6], got {quoted(value)}")
@@ -142,6 +208,8 @@ class Coordinator:
         self._highest_epoch = 0
         self._lead = 0  # the furthest round any peer reported
         self._planned_at: int | None = None  # lead round of this coordinator's last plan
+        self._adapted_at: int | None = None  # lead round of the last choice of levels
+        self._rate: RateController | None = None  # made when the first ladder is known
         self.published: list[Schedule] = []
         self._lock = threading.Lock()
 
@@ -202,6 +270,31 @@ class Coordinator:
                     transfers.append(check_sample(nbytes, seconds, "links"))
                 except ValueError as error:
                     raise ReportRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+        sends = {}
+        for samples in request.sends:
+            if samples.neighbour not in neighbours or samples.neighbour in sends:
+                raise ReportRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"sends: peer {samples.neighbour} is not a neighbour of peer "
+                    f"{request.sender}, or is listed twice",
+                )
+            if (
+                len(samples.bytes) != len(samples.seconds)
+                or len(samples.bytes) > MAX_SAMPLES_PER_LINK
+            ):
+                raise ReportRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"sends: expected as many bytes as seconds, at most {MAX_SAMPLES_PER_LINK} "
+                    f"per neighbour, got {len(samples.bytes)} and {len(samples.seconds)}",
+                )
+            try:
+                sends[samples.neighbour] = tuple(
+                    check_sample(b, t, "sends")
+                    for b, t in zip(samples.bytes, samples.seconds, strict=True)
+                )
+            except ValueError as error:
+                raise ReportRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+        levels = _level_costs(request)
         compressor = request.compressor
         if compressor:
             try:
@@ -222,6 +315,8 @@ class Coordinator:
             ),
             tensors=tuple(tensors),
             transfers=tuple(transfers),
+            sends=sends,
+            levels=levels,
         )
 
     def receive(self, request: cpb.PeerReport) -> Schedule | None:
@@ -233,25 +328,56 @@ class Coordinator:
             self._members[report.rank] = report
             self._highest_epoch = max(self._highest_epoch, report.epoch)
             self._lead = max(self._lead, report.round)
+            self._republish_if_missed(report)
             self._maybe_plan()
+            self._maybe_adapt()
             newest = self.published[-1] if self.published else None
         if newest is not None and newest.epoch > report.epoch:
             return newest
         return None
 
-    def publish(self, groups: Sequence[TensorGroup], planner: str) -> Schedule:
-        """A new schedule of `groups`, in force `margin` rounds after the furthest round heard
-        (peers check it when they stage it)."""
-        with self._lock:
-            return self._publish(tuple(groups), planner)
+    def _republish_if_missed(self, report: MemberReport) -> None:
+        """A peer past the newest schedule's effective round without holding it missed it
+        (its rounds outran the reports' round trips): it refused it, so the schedule comes
+        again as a new epoch, further ahead: the margin doubles (up to MAX_MARGIN)."""
+        newest = self.published[-1] if self.published else None
+        if newest is None or report.epoch >= newest.epoch:
+            return
+        if report.round < newest.effective_round:
+            return
+        self.margin = min(2 * self.margin, MAX_MARGIN)
+        log.warning(
+            "coordinator: peer %d at round %d missed schedule epoch %d (from round %d); "
+            "publishing it again %d rounds ahead",
+            report.rank,
+            report.round,
+            newest.epoch,
+            newest.effective_round,
+            self.margin,
+        )
+        self._publish(newest.groups, newest.planner, newest.links, newest.budget_s)
 
-    def _publish(self, groups: tuple[TensorGroup, ...], planner: str) -> Schedule:
+    def publish(self, groups: Sequence[TensorGroup], planner: str) -> Schedule:
+        """A new schedule of `groups` (keeping the newest one's link levels), in force
+        `margin` rounds after the furthest round heard (peers check it when they stage it)."""
+        with self._lock:
+            newest = self.published[-1] if self.published else None
+            links, budget = (newest.links, newest.budget_s) if newest else ((), 0.0)
+            return self._publish(tuple(groups), planner, links, budget)
+
+    def _publish(
+        self,
+        groups: tuple[TensorGroup, ...],
+        planner: str,
+        links: tuple[LinkLevel, ...] = (),
+        budget_s: float = 0.0,
+    ) -> Schedule:
         newest = self.published[-1] if self.published else None
         epoch = max(self._highest_epoch, newest.epoch if newest else 0) + 1
         effective = self._lead + self.margin
         if newest is not None:
             effective = max(effective, newest.effective_round + 1)
-        schedule = Schedule(epoch, effective, groups, planner)
+        schedule = Schedule(epoch, effective, groups, planner, links, budget_s)
         self.published.append(schedule)
         self._highest_epoch = epoch
         log.info(
@@ -273,7 +399,39 @@ class Coordinator:
         groups = self._plan()
         newest = self.published[-1] if self.published else None
         if newest is None or newest.groups != groups:
-            self._publish(groups, self.planner)
+            links, budget = (newest.links, newest.budget_s) if newest else ((), 0.0)
+            self._publish(groups, self.planner, links, budget)
+
+    def _maybe_adapt(self) -> None:
+        """Choose every link's level when every peer has reported and, after the first time,
+        the furthest round has moved 2 x report_every rounds on; publish when one changes."""
+        if not self.adaptive or len(self._members) < self.topology.n:
+            return
+        if self._adapted_at is not None and self._lead - self._adapted_at < 2 * self.report_every:
+            return
+        ladders = [m.levels for m in self._members.values()]
+        ladder = ladders[0]
+        if ladder is None or any(other != ladder for other in ladders):
+            return  # an algorithm without levels, or peers that disagree on the ladder
+        self._adapted_at = self._lead
+        budget = self.round_budget or max(m.compute_seconds for m in self._members.values())
+        if budget <= 0:
+            return
+        newest = self.published[-1] if self.published else None
+        current: dict[Link, int] = {
+            (x.low, x.high): x.level for x in (newest.links if newest else ())
+        }
+        sends: dict[Link, list[tuple[tuple[int, float], ...]]] = {}
+        for member in self._members.values():
+            for j, samples in member.sends.items():
+                sends.setdefault(edge_of(member.rank, j), []).append(samples)
+        if self._rate is None or self._rate.costs != ladder:
+            self._rate = RateController(ladder)
+        chosen = self._rate.update(current, sends, budget)
+        if chosen == current:
+            return
+        links = tuple(LinkLevel(a, b, level) for (a, b), level in sorted(chosen.items()))
+        self._publish(newest.groups if newest else (), ADAPTIVE_PLANNER, links, budget)
 
     def _plan(self) -> tuple[TensorGroup, ...]:
         """The planner's groups under the cost model the reports give (none for algorithms

@@ -14,6 +14,7 @@ import logging
 import grpc
 
 from gossipcomp.coordinator import schedule_from_proto
+from gossipcomp.gossip.base import LinkLeveled
 from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
@@ -61,6 +62,10 @@ class CoordinatorClient:
         )
         self._report = cpb_grpc.CoordinatorStub(self._channel).Report
         self._signature = peer.signature
+        algorithm = peer.algorithm
+        self._levels = (
+            algorithm.level_costs(peer.gossiped) if isinstance(algorithm, LinkLeveled) else None
+        )
         self._pending: grpc.Future | None = None
         self._unreachable = False
         self.refused: list[str] = []  # why schedules were refused, once per epoch
@@ -103,17 +108,19 @@ class CoordinatorClient:
     def _request(self) -> cpb.PeerReport:
         peer = self.peer
         stats = peer.stats
-        links = []
+        links, sends = [], []
         for neighbour in peer.topology.neighbors(peer.rank):
-            samples = peer.transfers.samples(neighbour)[-SAMPLES_SENT:]
-            if samples:
-                links.append(
-                    cpb.LinkSamples(
-                        neighbour=neighbour,
-                        bytes=[b for b, _ in samples],
-                        seconds=[s for _, s in samples],
+            for log_, out in ((peer.transfers, links), (peer.sends, sends)):
+                samples = log_.samples(neighbour)[-SAMPLES_SENT:]
+                if samples:
+                    out.append(
+                        cpb.LinkSamples(
+                            neighbour=neighbour,
+                            bytes=[b for b, _ in samples],
+                            seconds=[s for _, s in samples],
+                        )
                     )
-                )
+        levels = self._levels
         return cpb.PeerReport(
             protocol_version=PROTOCOL_VERSION,
             sender=peer.rank,
@@ -127,6 +134,14 @@ class CoordinatorClient:
             compressor=self.compressor,
             tensors=[cpb.TensorSize(name=name, numel=p.numel()) for name, p in peer.gossiped],
             links=links,
+            sends=sends,
+            level_costs=[]
+            if levels is None
+            else [
+                cpb.LevelCost(level=level, bytes_per_round=nbytes)
+                for level, nbytes in sorted(levels.bytes_per_round.items())
+            ],
+            exchanges_per_round=0 if levels is None else levels.exchanges_per_round,
         )
 
     def close(self) -> None:

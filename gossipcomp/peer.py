@@ -29,6 +29,7 @@ import torch
 from gossipcomp.gossip.base import (
     RESUME_PHASE,
     GossipAlgorithm,
+    LinkLeveled,
     LinkStats,
     NamedParams,
     Neighbourhood,
@@ -53,12 +54,15 @@ from gossipcomp.transport.base import (
     Transport,
 )
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
+from gossipcomp.transport.throttled import LinkRates, ThrottledTransport
 
 AVERAGE_PHASE = "average"
+LEVELS_LOGGER = "gossipcomp.levels"  # link level changes (the command line shows them)
 MAX_GOSSIP_MOVE = 100.0  # a gossip round may move the model by this many times (||x|| + 1)
 MIN_ROUND_SECONDS = 1e-6  # a checkpointed pace below this would believe any claimed round
 MAX_ROUND_TIMEOUT = 86400.0  # seconds: a round deadline beyond a day is a typing mistake
 log = logging.getLogger(__name__)
+levels_log = logging.getLogger(LEVELS_LOGGER)
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,8 @@ class PeerStats:
     mismatched_epoch_exchanges: int = 0  # exchanges refused: the two ends were in other epochs
     schedule_epochs: tuple[Schedule, ...] = ()  # every schedule that took effect, in order
     local_steps: int = 0  # local steps counted by `after_local_step` (custom loops)
+    # each change of one of its links' level: {round, link: [low, high], level: label}
+    link_levels: tuple[dict[str, Any], ...] = ()
 
     @property
     def bytes_sent_total(self) -> int:
@@ -144,7 +150,9 @@ class Peer:
         self._in_step_since: float | None = None  # start of the last round heard by a neighbour
         self.alone = False  # the last round reached no neighbour
         neighbours = topology.neighbors(rank)
-        self.schedules = ScheduleBook([name for name, _ in self._params])
+        self._level_changes: list[dict[str, Any]] = []
+        self._edges = sorted((min(a, b), max(a, b)) for a, b in topology.graph.edges)
+        self.schedules = ScheduleBook([name for name, _ in self._params], self._edges)
         self.links = LinkMonitor(
             rank,
             neighbours,
@@ -199,8 +207,23 @@ class Peer:
         """Per phase, what neighbours' envelopes hold under `schedule`; ScheduleRefused when it
         does not fit this peer's model or algorithm."""
         schedule.check([name for name, _ in self._params])
+        schedule.check_links(self._edges)
         specs = dict(self._specs)
-        if isinstance(self.algorithm, Regroupable):
+        if schedule.links:
+            if not isinstance(self.algorithm, LinkLeveled):
+                raise ScheduleRefused(
+                    f"schedule epoch {schedule.epoch}: algorithm {self.algorithm.name!r} has no "
+                    "per-link level; expected a schedule without links"
+                )
+            try:
+                specs.update(
+                    self.algorithm.link_specs(
+                        self._params, schedule.groups or None, schedule.levels_of(self.rank)
+                    )
+                )
+            except ValueError as error:
+                raise ScheduleRefused(f"schedule epoch {schedule.epoch}: {error}") from None
+        elif isinstance(self.algorithm, Regroupable):
             try:
                 specs.update(self.algorithm.specs(self._params, schedule.groups or None))
             except ValueError as error:
@@ -227,6 +250,8 @@ class Peer:
             return
         if isinstance(self.algorithm, Regroupable):
             self.algorithm.regroup(self._params, schedule.groups or None)
+        if isinstance(self.algorithm, LinkLeveled):
+            self._switch_levels(self.schedules.history[-2], schedule)
         self.transport.forget_epochs_before(previous)
         log.info(
             "peer %d: schedule epoch %d (%s, %d groups) in force from round %d",
@@ -236,6 +261,21 @@ class Peer:
             len(schedule.groups) or len(self._params),
             self.round,
         )
+
+    def _switch_levels(self, before: Schedule, after: Schedule) -> None:
+        """Put `after`'s link levels in force (the algorithm is LinkLeveled), logging each
+        link whose level changes."""
+        assert isinstance(self.algorithm, LinkLeveled)
+        old, new = before.levels_of(self.rank), after.levels_of(self.rank)
+        self.algorithm.set_levels(new, after.effective_round)  # the same round at both ends
+        for j in sorted(set(old) | set(new)):
+            if old.get(j) == new.get(j):
+                continue
+            label = self.algorithm.level_label(new[j]) if j in new else "default"
+            edge = [min(self.rank, j), max(self.rank, j)]
+            self._level_changes.append({"round": self.round, "link": edge, "level": label})
+            if self.rank < j:  # one line per link
+                levels_log.info("link %d-%d: %s from round %d", *edge, label, self.round)
 
     @classmethod
     def over_grpc(
@@ -252,17 +292,22 @@ class Peer:
         ready: bool = True,
         gossip_buffers: bool = True,
         local_steps: int = 1,
+        link_rates: LinkRates | None = None,
     ) -> Peer:
         """A peer with its own gRPC server at `bind` (default: its address in the topology).
-        A stream that carries an envelope must finish within the round's deadline."""
+        A stream that carries an envelope must finish within the round's deadline. With
+        `link_rates`, its links are throttled to those rates (transport/throttled.py)."""
         _check_round_timeout(round_timeout)
         identity = Identity(rank, topology.hash, model_signature(model, gossip_buffers))
         options = dataclasses.replace(options or GrpcOptions(), stream_timeout=round_timeout)
-        transport = GrpcTransport(
+        grpc_transport = GrpcTransport(
             identity,
             topology.neighbors(rank),
             bind=bind or topology.addresses[rank],
             options=options,
+        )
+        transport: Transport = (
+            grpc_transport if link_rates is None else ThrottledTransport(grpc_transport, link_rates)
         )
         try:
             return cls(
@@ -571,7 +616,7 @@ class Peer:
             raise ValueError(
                 f"peer checkpoint: down must list neighbours of {sorted(neighbours)}, got {quoted(down)}"
             )
-        schedules = ScheduleBook([name for name, _ in self._params])
+        schedules = ScheduleBook([name for name, _ in self._params], self._edges)
         if "schedules" in state:
             schedules.load_state_dict(state["schedules"])
             if schedules.current.effective_round > round:
@@ -581,7 +626,7 @@ class Peer:
                 )
         in_use = (schedules.current, *schedules.staged)
         specs = {s.epoch: self._schedule_specs(s) for s in in_use}  # checks they fit
-        self.algorithm.load_state_dict(state["algorithm"])  # checks everything, then assigns
+        self._load_algorithm(state["algorithm"], schedules.current, round)
         # everything below was checked above: nothing can fail half-way
         if isinstance(self.algorithm, Regroupable):
             self.algorithm.regroup(self._params, schedules.current.groups or None)
@@ -601,10 +646,31 @@ class Peer:
         if seconds_per_round is not None:
             self.links.pace.assume(seconds_per_round)
 
+    def _load_algorithm(self, state: Any, schedule: Schedule, round: int) -> None:
+        """Restore the algorithm's state saved under `schedule` (its link levels shape the
+        state); on a mismatch, ValueError with the algorithm as it was."""
+        if not isinstance(self.algorithm, LinkLeveled):
+            self.algorithm.load_state_dict(state)  # checks everything, then assigns
+            return
+        before = self.algorithm.state_dict()
+        in_force = self.schedules.current.levels_of(self.rank)
+        self.algorithm.set_levels(schedule.levels_of(self.rank), schedule.effective_round)
+        try:
+            self.algorithm.load_state_dict(state)
+        except Exception:
+            self.algorithm.set_levels(in_force, round)
+            self.algorithm.load_state_dict(before)
+            raise
+
     @property
     def transfers(self) -> TransferLog:
         """The last transfers of each link (bytes both ways, seconds per exchange)."""
         return self._links.transfers
+
+    @property
+    def sends(self) -> TransferLog:
+        """The last sends to each neighbour (bytes sent, seconds until it had them)."""
+        return self._links.sends
 
     @property
     def stats(self) -> PeerStats:
@@ -619,6 +685,7 @@ class Peer:
             mismatched_epoch_exchanges=self._links.epoch_mismatches,
             schedule_epochs=tuple(self.schedules.history),
             local_steps=self._steps_taken,
+            link_levels=tuple(self._level_changes),
         )
 
     def close(self) -> None:

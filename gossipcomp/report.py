@@ -31,6 +31,8 @@ class PeerReport:
     schedule_epochs: list[dict[str, Any]]
     byzantine: bool = False  # this peer lied to its neighbours (a robustness experiment)
     gossip_rounds: int = 0  # gossip rounds this peer ran (its local steps: Report.rounds)
+    # each change of one of its links' compression level: {round, link: [i, j], level}
+    link_levels: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,9 @@ class Report:
     mismatched_epoch_exchanges: int = field(init=False)
     # the schedules in force during the run, as the first peer reported saw them
     schedule_epochs: list[dict[str, Any]] = field(init=False)
+    # every change of a reported link's compression level (--adaptive), in round order:
+    # {round, link: [i, j], level}, the level in force on that link from that round on
+    link_levels: list[dict[str, Any]] = field(init=False)
 
     def __post_init__(self) -> None:
         mean, minimum = honest_accuracy(self.per_peer)
@@ -83,6 +88,8 @@ class Report:
         object.__setattr__(self, "mismatched_epoch_exchanges", mismatched)
         epochs = self.per_peer[0].schedule_epochs if self.per_peer else []
         object.__setattr__(self, "schedule_epochs", epochs)
+        changes = {(c["round"], tuple(c["link"])): c for p in self.per_peer for c in p.link_levels}
+        object.__setattr__(self, "link_levels", [changes[k] for k in sorted(changes)])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -172,6 +179,7 @@ def peer_reports(
             ],
             byzantine=o.rank in byzantine,
             gossip_rounds=o.stats.rounds,
+            link_levels=[dict(c) for c in o.stats.link_levels],
         )
         for o, d in zip(outcomes, distances, strict=True)
     ]

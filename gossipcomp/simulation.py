@@ -42,6 +42,7 @@ from gossipcomp.security.signing_keys import PeerKeys, load_signing_key
 from gossipcomp.topology import Topology
 from gossipcomp.training import evaluate_accuracy
 from gossipcomp.transport.grpc_transport import WHY_AUTHENTICATION_NEEDS_TLS, GrpcOptions
+from gossipcomp.transport.throttled import LinkRates
 
 ProgressCallback = Callable[[int, int], None]  # (rank, round just finished)
 
@@ -137,8 +138,10 @@ def run_simulation(
     authenticate: bool = False,
     coordinator: Coordinator | None = None,
     report_every: int = 10,
+    link_rates: LinkRates | None = None,
 ) -> Report:
-    """Train every peer of `topology` in this process over gRPC on loopback; with `tls`, over
+    """Train every peer of `topology` in this process over gRPC on loopback (each link
+    throttled to `link_rates` when given); with `tls`, over
     mutual TLS with a throwaway CA and per-peer certificates (deleted when training ends); with
     `authenticate` as well, every message signed by a throwaway per-peer key. With
     `coordinator`, it is served on loopback too (over the same TLS) and every peer reports to
@@ -167,6 +170,7 @@ def run_simulation(
                         round_timeout=config.round_timeout,
                         ready=checkpoints is None,
                         gossip_buffers=config.gossip_buffers,
+                        link_rates=link_rates,
                     )
                 )
             if server is not None:

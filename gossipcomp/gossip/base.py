@@ -15,6 +15,7 @@ import torch
 
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.groups import TensorGroup
+from gossipcomp.schedule.rate import LevelCosts
 from gossipcomp.transport.base import (
     RAW_CODEC,
     Envelope,
@@ -41,6 +42,9 @@ class LinkStats:
     epoch_mismatches: int = 0  # exchanges refused: the neighbour sent under another epoch
     # the last transfers of each link, (bytes both ways, seconds), for the cost model
     transfers: TransferLog = field(default_factory=lambda: TransferLog(per_link=64))
+    # the last sends to each neighbour, (bytes sent, seconds until it had them): one link's
+    # own speed, for the rate controller
+    sends: TransferLog = field(default_factory=lambda: TransferLog(per_link=16))
 
     def add(self, result: ExchangeResult, seconds: float) -> None:
         """Count an exchange that took `seconds` (recorded as a transfer of every neighbour
@@ -52,6 +56,8 @@ class LinkStats:
                 self.transfers.record(j, sent + received, seconds)
         for j, n in result.bytes_sent.items():
             self.bytes_sent[j] = self.bytes_sent.get(j, 0) + n
+            if j in result.send_seconds:
+                self.sends.record(j, n, result.send_seconds[j])
         for j, n in result.bytes_received.items():
             self.bytes_received[j] = self.bytes_received.get(j, 0) + n
         for j in result.failed:
@@ -176,4 +182,33 @@ class Regroupable(Protocol):
 
     def regroup(self, params: NamedParams, groups: Sequence[TensorGroup] | None) -> None:
         """Switch to `groups` at the round a schedule takes effect, keeping all state."""
+        ...
+
+
+@runtime_checkable
+class LinkLeveled(Protocol):
+    """An algorithm whose compression level can differ per link (PowerGossip's rank): a
+    schedule's link levels set it, both ends of an edge switching at the same round."""
+
+    def level_costs(self, params: NamedParams) -> LevelCosts:
+        """Its ladder of levels with the bytes one round sends one neighbour at each."""
+        ...
+
+    def level_label(self, level: int) -> str:
+        """How a level reads in logs and reports, e.g. "rank=4"."""
+        ...
+
+    def link_specs(
+        self,
+        params: NamedParams,
+        groups: Sequence[TensorGroup] | None,
+        levels: Mapping[int, int],
+    ) -> dict[str, Mapping[int, PayloadSpec] | PayloadSpec]:
+        """Per phase, what each neighbour's envelope holds under `groups` with `levels`
+        (neighbour -> level; one not listed: the algorithm's own), changing nothing;
+        ValueError for a level it cannot use."""
+        ...
+
+    def set_levels(self, levels: Mapping[int, int], round: int) -> None:
+        """Use `levels` from this round on (at the round a schedule takes effect)."""
         ...

@@ -20,6 +20,12 @@ A round sends r*m or r*n floats per matrix per edge instead of m*n; r is capped 
 matrix, and with r = n one step averages two peers' matrices exactly. No matrix uses a rank above
 `largest_useful_rank` (the longest short side): the command line refuses one.
 
+A schedule may set a rank per link (`set_levels`, the rate controller's level: schedule/rate.py).
+Both ends switch at the same round; a link's vectors keep their first columns when its rank
+falls, and gain columns drawn from a seed of (edge, matrix, side, round) when it rises, so both
+ends still hold the same vectors without sending any. Each neighbour's envelopes then have
+their own shapes (`link_specs`).
+
 Bases are orthonormalised by Householder QR (`orthonormal_basis`), in compiled code: a step costs
 O(m r^2) whatever r is. (A Gram-Schmidt loop in Python made each step cost O(r^2) interpreter
 iterations: at r = 256, a quarter of a second per matrix per neighbour, so a large --rank, capped
@@ -55,6 +61,8 @@ from gossipcomp.gossip.linalg import hashed_seed, orthonormal_basis
 from gossipcomp.gossip.specs import AUTO, BuildContext, Option, check_steps
 from gossipcomp.gossip.state import checked_tensors, require_keys
 from gossipcomp.schedule.groups import TensorGroup, check_cover
+from gossipcomp.schedule.rate import LevelCosts, rank_ladder
+from gossipcomp.text import quoted
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec, TensorSpec
 from gossipcomp.transport.codec import decode_raw, encode_raw, raw_nbytes
 
@@ -116,7 +124,8 @@ class PowerGossip:
         self._me = -1
         self._matrices: list[int] = []
         self._vectors: list[int] = []
-        self._ranks: dict[int, int] = {}
+        self._neighbours: list[int] = []
+        self._link_ranks: dict[int, int] = {}  # neighbour -> the rank its edge uses
         self._shapes: dict[int, torch.Size] = {}
         self._device = torch.device("cpu")
         # (neighbour, parameter index, side) -> the side's current vector ([n, r] or [m, r])
@@ -130,8 +139,9 @@ class PowerGossip:
         self._me = rank
         self._matrices = [i for i, (_, p) in enumerate(params) if p.ndim >= 2]
         self._vectors = [i for i, (_, p) in enumerate(params) if p.ndim <= 1]
-        self._ranks = {i: min(self.rank, *oriented(params[i][1]).shape) for i in self._matrices}
         self._shapes = {i: oriented(params[i][1]).shape for i in self._matrices}
+        self._neighbours = list(neighbours)
+        self._link_ranks = {j: self.rank for j in neighbours}
         self._device = params[0][1].device
         for j in neighbours:
             self._draw_vectors(j)
@@ -149,8 +159,82 @@ class PowerGossip:
                 if resume_round is not None:
                     parts += ("resume", resume_round)
                 g = torch.Generator().manual_seed(hashed_seed(*parts))
-                vector = torch.randn(rows, self._ranks[i], generator=g, dtype=torch.float32)
+                rank = self._matrix_rank(i, self._link_ranks[neighbour])
+                vector = torch.randn(rows, rank, generator=g, dtype=torch.float32)
                 self._state[(neighbour, i, side)] = vector.to(self._device)
+
+    def _matrix_rank(self, i: int, link_rank: int) -> int:
+        """The rank matrix `i` uses on a link of rank `link_rank` (capped at its short side)."""
+        return min(link_rank, *self._shapes[i])
+
+    def level_costs(self, params: NamedParams) -> LevelCosts:
+        """Ranks 1, 2, 4, ... up to the largest useful one, with the raw bytes one round sends
+        one neighbour at each (rounds alternate which side goes first: the mean of both)."""
+        ladder = rank_ladder(max(1, largest_useful_rank(p for _, p in params)))
+        layout = self._layout_of(params, None)
+        costs = {}
+        for level in ladder:
+            total = 0
+            for first in (RIGHT, LEFT):
+                for s in range(self.power_steps):
+                    side = first if s % 2 == 0 else (LEFT if first == RIGHT else RIGHT)
+                    spec = self._spec(params, layout, side, s == 0, level)
+                    total += sum(t.nbytes for t in spec)
+            costs[level] = max(1, total // 2)
+        return LevelCosts(costs, self.power_steps)
+
+    def level_label(self, level: int) -> str:
+        return f"rank={level}"
+
+    def _check_levels(self, params: NamedParams, levels: Mapping[int, int]) -> dict[int, int]:
+        """Every neighbour's rank under `levels` (those not listed: the algorithm's own);
+        ValueError for a neighbour this peer does not have or a rank it cannot use."""
+        top = max(1, largest_useful_rank(p for _, p in params))
+        ranks = {j: self.rank for j in self._neighbours}
+        for j, level in levels.items():
+            if j not in ranks:
+                raise ValueError(f"link level for peer {j}, which is not a neighbour")
+            if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= top:
+                raise ValueError(
+                    f"link level {quoted(level)} for peer {j}: expected a rank in [1, {top}] "
+                    "(the largest useful rank of this model)"
+                )
+            ranks[j] = level
+        return ranks
+
+    def link_specs(
+        self,
+        params: NamedParams,
+        groups: Sequence[TensorGroup] | None,
+        levels: Mapping[int, int],
+    ) -> dict[str, Mapping[int, PayloadSpec] | PayloadSpec]:
+        """Per phase, each neighbour's envelope under `groups` with ranks `levels`."""
+        return self._specs_for(
+            params, self._layout_of(params, groups), self._check_levels(params, levels)
+        )
+
+    def set_levels(self, levels: Mapping[int, int], round: int) -> None:
+        """Use the ranks `levels` (neighbour -> rank; others: the algorithm's own) from
+        `round` on; each edge's vectors are cut or grown alike at both ends."""
+        ranks = {j: levels.get(j, self.rank) for j in self._neighbours}
+        for j, rank in ranks.items():
+            if rank == self._link_ranks[j]:
+                continue
+            low, high = min(self._me, j), max(self._me, j)
+            for i in self._matrices:
+                new = self._matrix_rank(i, rank)
+                for side in (RIGHT, LEFT):
+                    vector = self._state[(j, i, side)]
+                    if new <= vector.shape[1]:
+                        self._state[(j, i, side)] = vector[:, :new].contiguous()
+                        continue
+                    seed = hashed_seed(self.seed, low, high, i, side, "level", round)
+                    g = torch.Generator().manual_seed(seed)
+                    extra = torch.randn(
+                        vector.shape[0], new - vector.shape[1], generator=g, dtype=torch.float32
+                    )
+                    self._state[(j, i, side)] = torch.cat([vector, extra.to(vector.device)], 1)
+            self._link_ranks[j] = rank
 
     def resume_payload(self, params: NamedParams) -> Payload | None:
         return None  # the vectors are redrawn from a shared seed: nothing to send
@@ -184,12 +268,28 @@ class PowerGossip:
     ) -> dict[str, PayloadSpec]:
         """Per phase, what a neighbour's envelope holds when `groups` merge the payload (None
         or empty: one wire tensor per parameter); their compressor fields are not used."""
-        layout = self._layout_of(params, groups)
-        return {
-            f"{side}{s}": self._spec(params, layout, side, with_vectors=s == 0)
-            for s in range(self.power_steps)
-            for side in (RIGHT, LEFT)
-        }
+        return self._specs_for(params, self._layout_of(params, groups), self._link_ranks)
+
+    def _specs_for(
+        self,
+        params: NamedParams,
+        layout: list[tuple[str, tuple[int, ...]]],
+        ranks: Mapping[int, int],
+    ) -> dict[str, Mapping[int, PayloadSpec] | PayloadSpec]:
+        """Per phase: one spec when every link has the same rank, else one per neighbour."""
+        specs: dict[str, Mapping[int, PayloadSpec] | PayloadSpec] = {}
+        for s in range(self.power_steps):
+            for side in (RIGHT, LEFT):
+                by_rank = {
+                    r: self._spec(params, layout, side, s == 0, r) for r in set(ranks.values())
+                }
+                if len(by_rank) <= 1:
+                    specs[f"{side}{s}"] = next(
+                        iter(by_rank.values()), self._spec(params, layout, side, s == 0, self.rank)
+                    )
+                else:
+                    specs[f"{side}{s}"] = {j: by_rank[r] for j, r in ranks.items()}
+        return specs
 
     def regroup(self, params: NamedParams, groups: Sequence[TensorGroup] | None) -> None:
         """Merge the payload by `groups` from now on (the power vectors stay as they are)."""
@@ -208,14 +308,17 @@ class PowerGossip:
         members = [tuple(sorted(position[n] for n in group.names)) for group in groups]
         return [(group_name([names[i] for i in m]), m) for m in members]
 
-    def _sizes(self, params: NamedParams, members: tuple[int, ...], side: str, s: int) -> list[int]:
-        """Elements each member puts in its group's wire tensor at step `s` of `side`: a
-        matrix its product (rows x rank), a vector its values (step 0 only)."""
+    def _sizes(
+        self, params: NamedParams, members: tuple[int, ...], side: str, s: int, link_rank: int
+    ) -> list[int]:
+        """Elements each member puts in its group's wire tensor at step `s` of `side` on a
+        link of rank `link_rank`: a matrix its product (rows x rank), a vector its values
+        (step 0 only)."""
         sizes = []
         for i in members:
-            if i in self._ranks:
+            if i in self._shapes:
                 m, n = self._shapes[i]
-                sizes.append((m if side == RIGHT else n) * self._ranks[i])
+                sizes.append((m if side == RIGHT else n) * self._matrix_rank(i, link_rank))
             else:
                 sizes.append(params[i][1].numel() if s == 0 else 0)
         return sizes
@@ -226,10 +329,11 @@ class PowerGossip:
         layout: list[tuple[str, tuple[int, ...]]],
         side: str,
         with_vectors: bool,
+        link_rank: int,
     ) -> PayloadSpec:
         specs: list[TensorSpec] = []
         for name, members in layout:
-            count = sum(self._sizes(params, members, side, 0 if with_vectors else 1))
+            count = sum(self._sizes(params, members, side, 0 if with_vectors else 1, link_rank))
             if count:
                 shape = (count,)
                 specs.append(
@@ -259,10 +363,10 @@ class PowerGossip:
                 for name, members in self._layout:
                     pieces = [
                         mine[(j, i)].reshape(-1)
-                        if i in self._ranks
+                        if i in self._shapes
                         else params[i][1].detach().float().reshape(-1)
                         for i in members
-                        if i in self._ranks or s == 0
+                        if i in self._shapes or s == 0
                     ]
                     if pieces:
                         tensors.append(encode_raw(f"{name}/{side}", torch.cat(pieces)))
@@ -277,7 +381,7 @@ class PowerGossip:
             differences: dict[int, list[torch.Tensor]] = {}
             vector_differences: dict[int, dict[int, torch.Tensor]] = {}
             for j, envelope in result.received.items():
-                theirs = self._unpack(params, envelope, side, s)
+                theirs = self._unpack(params, envelope, side, s, self._link_ranks[j])
                 differences[j] = [
                     theirs[i].to(mine[(j, i)].device).view_as(mine[(j, i)]) - mine[(j, i)]
                     for i in self._matrices
@@ -312,14 +416,14 @@ class PowerGossip:
                         params[i][1].add_(difference, alpha=step)
 
     def _unpack(
-        self, params: NamedParams, envelope: Envelope, side: str, s: int
+        self, params: NamedParams, envelope: Envelope, side: str, s: int, link_rank: int
     ) -> dict[int, torch.Tensor]:
         """A neighbour's wire tensors (checked against the spec at receipt) split back into
         each parameter's piece, flat, by parameter index."""
         pieces: dict[int, torch.Tensor] = {}
         wire = iter(envelope.tensors)
         for _, members in self._layout:
-            sizes = self._sizes(params, members, side, s)
+            sizes = self._sizes(params, members, side, s, link_rank)
             if not sum(sizes):
                 continue
             flat = decode_raw(next(wire))

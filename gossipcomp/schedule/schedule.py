@@ -1,7 +1,8 @@
 """Versioned schedules: which tensors travel merged, how each group is compressed, from when.
 
 A `Schedule` is a plan with a version (`epoch`) and the round from which it holds
-(`effective_round`). Every peer applies the same schedule at the same round, so both ends of an
+(`effective_round`): tensor groups with a compressor each, and a compression level per link
+(schedule/rate.py chooses them; a link it does not list keeps the algorithm's own level). Every peer applies the same schedule at the same round, so both ends of an
 edge always lay out and decode envelopes alike; envelopes carry the epoch and a receiver uses
 only those sent under the epoch it is in (transport/inbox.py).
 
@@ -20,6 +21,7 @@ from typing import Any
 
 from gossipcomp.compress import parse_spec
 from gossipcomp.schedule.groups import TensorGroup, check_cover
+from gossipcomp.schedule.rate import MAX_LEVEL
 from gossipcomp.text import quoted
 
 MAX_EPOCH = 2**31 - 1  # epochs travel as int64 but are bounded like the envelope field
@@ -27,11 +29,39 @@ MAX_ROUND = 2**53 - 1  # rounds on the wire lie below 2^53
 MAX_STAGED = 4  # schedules waiting for their round at one peer; more is refused
 MAX_GROUPS = 1 << 16  # groups in one schedule: far above any model's parameter count
 MAX_PLANNER_NAME = 64  # characters of the planner label kept in reports
+MAX_LINKS = 1 << 20  # links in one schedule: far above any topology's edge count
+MAX_BUDGET_S = 86_400.0  # a round budget beyond a day is a lie or a bug
 DEFAULT_PLANNER = "per-tensor"
 
 
 class ScheduleRefused(ValueError):
     """A schedule a peer will not apply; the message names what is wrong."""
+
+
+@dataclass(frozen=True, order=True)
+class LinkLevel:
+    """The compression level of the edge between peers `low` < `high` (PowerGossip: a rank)."""
+
+    low: int
+    high: int
+    level: int
+
+    def __post_init__(self) -> None:
+        for field, value, top in (
+            ("low", self.low, MAX_EPOCH),
+            ("high", self.high, MAX_EPOCH),
+            ("level", self.level, MAX_LEVEL),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+                raise ScheduleRefused(
+                    f"schedule link {field}: expected an integer in [0, {top}], got {quoted(value)}"
+                )
+        if self.low >= self.high:
+            raise ScheduleRefused(
+                f"schedule link {self.low}-{self.high}: expected the lower rank first"
+            )
+        if self.level < 1:
+            raise ScheduleRefused(f"schedule link {self.low}-{self.high}: level 0, expected >= 1")
 
 
 @dataclass(frozen=True)
@@ -44,6 +74,8 @@ class Schedule:
     effective_round: int
     groups: tuple[TensorGroup, ...] = ()
     planner: str = DEFAULT_PLANNER  # what made it, for reports
+    links: tuple[LinkLevel, ...] = ()  # sorted, one per edge at most
+    budget_s: float = 0.0  # the round budget the levels were chosen for (0: no levels)
 
     def __post_init__(self) -> None:
         _integer("epoch", self.epoch, MAX_EPOCH)
@@ -57,6 +89,40 @@ class Schedule:
             raise ScheduleRefused(
                 f"schedule epoch {self.epoch}: {len(self.groups)} groups, at most {MAX_GROUPS}"
             )
+        if len(self.links) > MAX_LINKS:
+            raise ScheduleRefused(
+                f"schedule epoch {self.epoch}: {len(self.links)} links, at most {MAX_LINKS}"
+            )
+        edges = [(x.low, x.high) for x in self.links]
+        if edges != sorted(set(edges)):
+            raise ScheduleRefused(
+                f"schedule epoch {self.epoch}: links must be sorted, each edge at most once"
+            )
+        budget = self.budget_s
+        if (
+            isinstance(budget, bool)
+            or not isinstance(budget, int | float)
+            or not 0.0 <= budget <= MAX_BUDGET_S  # also false for NaN
+        ):
+            raise ScheduleRefused(
+                f"schedule budget_s: expected seconds in [0, {MAX_BUDGET_S:g}], got {quoted(budget)}"
+            )
+
+    def levels_of(self, rank: int) -> dict[int, int]:
+        """The levels of `rank`'s links by neighbour (links not listed are absent)."""
+        levels = {x.high: x.level for x in self.links if x.low == rank}
+        levels.update({x.low: x.level for x in self.links if x.high == rank})
+        return levels
+
+    def check_links(self, edges: Sequence[tuple[int, int]]) -> None:
+        """Raise ScheduleRefused unless every link listed is one of `edges` (lower rank first)."""
+        known = set(edges)
+        for x in self.links:
+            if (x.low, x.high) not in known:
+                raise ScheduleRefused(
+                    f"schedule epoch {self.epoch}: link {x.low}-{x.high} is not an edge of the "
+                    "topology"
+                )
 
     def check(self, names: Sequence[str]) -> None:
         """Raise ScheduleRefused unless the groups cover `names` (the model's parameters)
@@ -83,20 +149,19 @@ class Schedule:
             "effective_round": self.effective_round,
             "planner": self.planner,
             "groups": [{"names": list(g.names), "compressor": g.compressor} for g in self.groups],
+            "links": [[x.low, x.high, x.level] for x in self.links],
+            "budget_s": self.budget_s,
         }
 
     @classmethod
     def from_dict(cls, value: Any) -> Schedule:
-        """The inverse of `to_dict`; ScheduleRefused naming the field when malformed."""
-        if not isinstance(value, Mapping) or set(value) != {
-            "epoch",
-            "effective_round",
-            "planner",
-            "groups",
-        }:
+        """The inverse of `to_dict`; ScheduleRefused naming the field when malformed. Links
+        and budget may be missing (schedules saved before there were levels)."""
+        required = {"epoch", "effective_round", "planner", "groups"}
+        if not isinstance(value, Mapping) or not required <= set(value) <= _KEYS:
             found = sorted(map(str, value)) if isinstance(value, Mapping) else type(value).__name__
             raise ScheduleRefused(
-                "schedule: expected keys ['effective_round', 'epoch', 'groups', 'planner'], "
+                f"schedule: expected keys {sorted(_KEYS)} (links and budget_s optional), "
                 f"got {quoted(found)}"
             )
         groups = value["groups"]
@@ -116,7 +181,27 @@ class Schedule:
                     f"got {quoted(group)}"
                 )
             parsed.append(TensorGroup(tuple(group["names"]), group["compressor"]))
-        return cls(value["epoch"], value["effective_round"], tuple(parsed), value["planner"])
+        links = value.get("links", [])
+        if not isinstance(links, list) or len(links) > MAX_LINKS:
+            raise ScheduleRefused(f"schedule links: expected a list of at most {MAX_LINKS}")
+        levels = []
+        for index, item in enumerate(links):
+            if not isinstance(item, list) or len(item) != 3:
+                raise ScheduleRefused(
+                    f"schedule link {index}: expected [low, high, level], got {quoted(item)}"
+                )
+            levels.append(LinkLevel(*item))
+        return cls(
+            value["epoch"],
+            value["effective_round"],
+            tuple(parsed),
+            value["planner"],
+            tuple(levels),
+            value.get("budget_s", 0.0),
+        )
+
+
+_KEYS = {"epoch", "effective_round", "planner", "groups", "links", "budget_s"}
 
 
 def _integer(field: str, value: Any, high: int) -> None:
@@ -130,8 +215,11 @@ class ScheduleBook:
     """One peer's schedules: the one in force and those staged for later rounds (at most
     MAX_STAGED), in order of epoch and effective round."""
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], edges: Sequence[tuple[int, int]] = ()) -> None:
+        """`names`: the model's parameters; `edges`: the topology's, lower rank first (the
+        only links a schedule may set a level for)."""
         self._names = list(names)
+        self._edges = list(edges)
         self.current = Schedule(0, 0)
         self.history: list[Schedule] = [self.current]  # every schedule that took effect
         self._staged: list[Schedule] = []
@@ -167,8 +255,12 @@ class ScheduleBook:
                 f"schedule epoch {schedule.epoch}: {MAX_STAGED} schedules already wait for "
                 "their round at this peer"
             )
-        schedule.check(self._names)
+        self._check(schedule)
         self._staged.append(schedule)
+
+    def _check(self, schedule: Schedule) -> None:
+        schedule.check(self._names)
+        schedule.check_links(self._edges)
 
     def due(self, round: int) -> Schedule | None:
         """The schedule that takes effect by `round`, now in force (None when the one in force
@@ -202,7 +294,7 @@ class ScheduleBook:
         if not isinstance(state, Mapping) or set(state) != {"current", "staged", "history"}:
             raise ScheduleRefused("schedules: expected keys ['current', 'history', 'staged']")
         current = Schedule.from_dict(state["current"])
-        current.check(self._names)
+        self._check(current)
         lists = []
         for key, limit in (("staged", MAX_STAGED), ("history", MAX_EPOCH)):
             items = state[key]
@@ -217,6 +309,6 @@ class ScheduleBook:
                     f"schedules: staged epoch {after.epoch} does not follow epoch {before.epoch}"
                 )
         for schedule in staged:
-            schedule.check(self._names)
+            self._check(schedule)
         self.current, self._staged = current, staged
         self.history = history or [current]

@@ -161,6 +161,9 @@ class ExchangeResult:
     bytes_received: dict[int, int] = field(default_factory=dict)
     # neighbours whose envelope was sent under another schedule epoch (also in `failed`)
     epoch_mismatches: list[int] = field(default_factory=list)
+    # per neighbour whose push succeeded: seconds from the exchange's start until it had what
+    # this peer sent (one link's speed, whatever the others do: the rate controller's input)
+    send_seconds: dict[int, float] = field(default_factory=dict)
 
 
 def epoch_mismatch(round: int, theirs: int, mine: int) -> str:

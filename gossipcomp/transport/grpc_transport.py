@@ -327,6 +327,17 @@ class _GossipService:
         return self._inbox.check_header(header)
 
 
+def _time_delivery(
+    delivered: dict[int, float], neighbour: int, start: float
+) -> Callable[[Any], None]:
+    """A push's done-callback noting when `neighbour` had this peer's envelope."""
+
+    def note(push: Any) -> None:
+        delivered[neighbour] = time.monotonic() - start
+
+    return note
+
+
 def _abandon_on_failure(
     mailbox: Mailbox, round: int, phase: str, neighbour: int
 ) -> Callable[[futures.Future[int] | grpc.Future], None]:
@@ -661,7 +672,8 @@ class GrpcTransport:
     ) -> ExchangeResult:
         if not self._stubs:
             raise RuntimeError(f"peer {self.rank}: exchange before connect()")
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         self._inbox.mailbox.open_round(round)
         # One payload sent to several neighbours is chunked (and hashed) once; when peers
         # authenticate, only its first chunk is rebuilt per receiver, with a signed header. A
@@ -695,6 +707,9 @@ class GrpcTransport:
                 pushes[j] = self._pool.submit(self._send_chunks, j, chunks, deadline)
             # a refused push means the neighbour has moved on or gone: stop waiting for it
             pushes[j].add_done_callback(_abandon_on_failure(mailbox, round, phase, j))
+        delivered: dict[int, float] = {}
+        for j, push in pushes.items():
+            push.add_done_callback(_time_delivery(delivered, j, start))
         arrived, mismatched = self._inbox.collect(
             round, phase, outgoing.keys(), deadline, schedule_epoch
         )
@@ -703,6 +718,8 @@ class GrpcTransport:
             try:
                 sent = push.result(timeout=max(0.0, deadline - time.monotonic()))
                 result.bytes_sent[j] = sizes[j] if j in sizes else sent
+                if j in delivered:
+                    result.send_seconds[j] = delivered[j]
             except grpc.RpcError as error:
                 result.failed[j] = f"push failed: {error.code().name}: {error.details()}"
             except (futures.TimeoutError, grpc.FutureTimeoutError):

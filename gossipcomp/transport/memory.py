@@ -215,7 +215,8 @@ class InMemoryTransport:
         timeout: float,
         schedule_epoch: int = 0,
     ) -> ExchangeResult:
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         self._inbox.mailbox.open_round(round)
         result = ExchangeResult()
         for j, payload in outgoing.items():
@@ -229,6 +230,7 @@ class InMemoryTransport:
                 )
                 if fault is Fault.ACK_LOST:
                     raise PeerUnreachableError("acknowledgement lost")
+                result.send_seconds[j] = time.monotonic() - start
             except EnvelopeRejected as rejected:
                 result.failed[j] = f"push refused: {rejected.code.value}: {rejected}"
             except PeerUnreachableError as error:

@@ -15,16 +15,38 @@ class ScheduleGroup(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ..., compressor: _Optional[str] = ...) -> None: ...
 
 class Schedule(_message.Message):
-    __slots__ = ("epoch", "effective_round", "planner", "groups")
+    __slots__ = ("epoch", "effective_round", "planner", "groups", "links", "budget_s")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_ROUND_FIELD_NUMBER: _ClassVar[int]
     PLANNER_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_S_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     effective_round: int
     planner: str
     groups: _containers.RepeatedCompositeFieldContainer[ScheduleGroup]
-    def __init__(self, epoch: _Optional[int] = ..., effective_round: _Optional[int] = ..., planner: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[ScheduleGroup, _Mapping]]] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[LinkLevel]
+    budget_s: float
+    def __init__(self, epoch: _Optional[int] = ..., effective_round: _Optional[int] = ..., planner: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[ScheduleGroup, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkLevel, _Mapping]]] = ..., budget_s: _Optional[float] = ...) -> None: ...
+
+class LinkLevel(_message.Message):
+    __slots__ = ("low", "high", "level")
+    LOW_FIELD_NUMBER: _ClassVar[int]
+    HIGH_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    low: int
+    high: int
+    level: int
+    def __init__(self, low: _Optional[int] = ..., high: _Optional[int] = ..., level: _Optional[int] = ...) -> None: ...
+
+class LevelCost(_message.Message):
+    __slots__ = ("level", "bytes_per_round")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    bytes_per_round: int
+    def __init__(self, level: _Optional[int] = ..., bytes_per_round: _Optional[int] = ...) -> None: ...
 
 class TensorSize(_message.Message):
     __slots__ = ("name", "numel")
@@ -45,7 +67,7 @@ class LinkSamples(_message.Message):
     def __init__(self, neighbour: _Optional[int] = ..., bytes: _Optional[_Iterable[int]] = ..., seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PeerReport(_message.Message):
-    __slots__ = ("protocol_version", "sender", "topology_hash", "model_signature", "round", "schedule_epoch", "compute_seconds", "compressor_fixed_seconds", "compressor_element_seconds", "compressor", "tensors", "links")
+    __slots__ = ("protocol_version", "sender", "topology_hash", "model_signature", "round", "schedule_epoch", "compute_seconds", "compressor_fixed_seconds", "compressor_element_seconds", "compressor", "tensors", "links", "sends", "level_costs", "exchanges_per_round")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +80,9 @@ class PeerReport(_message.Message):
     COMPRESSOR_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
+    SENDS_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_COSTS_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGES_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     sender: int
     topology_hash: str
@@ -70,7 +95,10 @@ class PeerReport(_message.Message):
     compressor: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSize]
     links: _containers.RepeatedCompositeFieldContainer[LinkSamples]
-    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., round: _Optional[int] = ..., schedule_epoch: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., compressor_fixed_seconds: _Optional[float] = ..., compressor_element_seconds: _Optional[float] = ..., compressor: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSize, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkSamples, _Mapping]]] = ...) -> None: ...
+    sends: _containers.RepeatedCompositeFieldContainer[LinkSamples]
+    level_costs: _containers.RepeatedCompositeFieldContainer[LevelCost]
+    exchanges_per_round: int
+    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., round: _Optional[int] = ..., schedule_epoch: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., compressor_fixed_seconds: _Optional[float] = ..., compressor_element_seconds: _Optional[float] = ..., compressor: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSize, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkSamples, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[LinkSamples, _Mapping]]] = ..., level_costs: _Optional[_Iterable[_Union[LevelCost, _Mapping]]] = ..., exchanges_per_round: _Optional[int] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ("has_schedule", "schedule")

@@ -1,0 +1,205 @@
+"""Bandwidth-adaptive compression: per link, the highest-fidelity level that fits a round budget.
+
+Each link's speed is estimated from the transfers training already makes (no probing traffic):
+the last `window` sends over the link, in either direction, fitted as latency + bytes x seconds
+per byte (`fit_line`, robust to outliers; when every send had the same size, the seconds per
+byte of the slowest recent send, latency 0). The window is short, so the estimate follows a link
+whose speed changes within a few rounds.
+
+A level is a number on a ladder of one compressor family, from most compressed to none (for
+PowerGossip the rank: 1, 2, 4, ... up to the rank that averages every matrix exactly). For each
+level the algorithm states the bytes one round sends over a link and the exchanges it makes,
+so the controller predicts a level's transfer time as exchanges x latency + bytes x seconds per
+byte, and picks per link:
+
+- the current level while its prediction lies within the budget and the next level up would
+  not fit inside `raise_below` x the budget (the dead band between the two keeps levels from
+  flapping);
+- when the current level no longer fits, the highest level that does (the lowest when none);
+- when a higher level fits inside `raise_below` x budget, the highest such level.
+
+The budget is a round's local computation time (so communication hides behind it) unless set.
+Pure arithmetic: no clock, no networking; the coordinator feeds it what peers report.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from gossipcomp.schedule.costs import LinkCost, check_sample, fit_line
+from gossipcomp.text import quoted
+
+MAX_LEVEL = 1 << 20  # a level (PowerGossip rank) beyond this is refused wherever it comes from
+DEFAULT_WINDOW = 6  # sends per link the estimate is fitted on
+DEFAULT_RAISE_BELOW = 0.6  # a level goes up only when the higher one fits in 0.6 x budget
+DEFAULT_RAISE_AFTER = 3  # decisions in a row proposing a higher level before it is taken
+DEFAULT_LOWER_AFTER = 2  # and a lower one
+DEFAULT_DROP_AT = 2.0  # a level predicted over 2 x budget goes down at once
+
+Link = tuple[int, int]  # (lower rank, higher rank)
+
+
+def link(a: int, b: int) -> Link:
+    """The key of the edge between peers `a` and `b`, whatever the order."""
+    return (a, b) if a < b else (b, a)
+
+
+def rank_ladder(largest_useful: int) -> tuple[int, ...]:
+    """PowerGossip's levels: ranks 1, 2, 4, ... and, at the top, `largest_useful` (the rank at
+    which one step averages every matrix exactly: no compression)."""
+    if isinstance(largest_useful, bool) or not isinstance(largest_useful, int):
+        raise ValueError(f"largest useful rank: expected an integer, got {quoted(largest_useful)}")
+    if not 1 <= largest_useful <= MAX_LEVEL:
+        raise ValueError(f"largest useful rank: expected 1 to {MAX_LEVEL}, got {largest_useful}")
+    ranks = [1]
+    while ranks[-1] * 2 < largest_useful:
+        ranks.append(ranks[-1] * 2)
+    if ranks[-1] != largest_useful:
+        ranks.append(largest_useful)
+    return tuple(ranks)
+
+
+def estimate_link(samples: Sequence[tuple[int, float]], window: int = DEFAULT_WINDOW) -> LinkCost:
+    """Latency and seconds per byte of a link from its sends, oldest first (the last `window`
+    count); ValueError when there is none."""
+    recent = [check_sample(nbytes, seconds, "link estimate") for nbytes, seconds in samples]
+    recent = [(b, s) for b, s in recent[-window:] if b > 0]
+    if not recent:
+        raise ValueError("link estimate: no send of at least one byte to estimate from")
+    sizes = [float(b) for b, _ in recent]
+    if len(set(sizes)) >= 2:
+        latency, per_byte = fit_line(sizes, [s for _, s in recent], "link estimate")
+        if per_byte > 0:
+            return LinkCost(latency, per_byte)
+    return LinkCost(0.0, max(s / b for b, s in recent))
+
+
+@dataclass(frozen=True)
+class LevelCosts:
+    """What one round sends over one link at each level of the ladder (ascending fidelity)."""
+
+    bytes_per_round: Mapping[int, int]  # level -> bytes one round sends to one neighbour
+    exchanges_per_round: int  # messages per round each way (each pays the latency)
+
+    def __post_init__(self) -> None:
+        if not self.bytes_per_round:
+            raise ValueError("level costs: expected at least one level")
+        for level, nbytes in self.bytes_per_round.items():
+            for what, value, high in (("level", level, MAX_LEVEL), ("bytes", nbytes, 1 << 40)):
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= high:
+                    raise ValueError(
+                        f"level costs: {what} {quoted(value)}; expected an integer in [1, {high}]"
+                    )
+        exchanges = self.exchanges_per_round
+        if (
+            isinstance(exchanges, bool)
+            or not isinstance(exchanges, int)
+            or not 0 < exchanges < 1024
+        ):
+            raise ValueError(
+                f"level costs: exchanges per round {quoted(exchanges)}; expected 1 to 1023"
+            )
+
+    @property
+    def levels(self) -> tuple[int, ...]:
+        return tuple(sorted(self.bytes_per_round))
+
+    def seconds(self, level: int, cost: LinkCost) -> float:
+        """Predicted transfer time of one round at `level` over a link costing `cost`."""
+        return (
+            self.exchanges_per_round * cost.latency_s
+            + self.bytes_per_round[level] * cost.seconds_per_byte
+        )
+
+
+class RateController:
+    """Chooses each link's level from its estimated cost, with hysteresis (module docstring).
+    Keeps, per link, the proposal that is repeating and how many times it has."""
+
+    def __init__(
+        self,
+        costs: LevelCosts,
+        *,
+        raise_below: float = DEFAULT_RAISE_BELOW,
+        raise_after: int = DEFAULT_RAISE_AFTER,
+        lower_after: int = DEFAULT_LOWER_AFTER,
+        drop_at: float = DEFAULT_DROP_AT,
+    ) -> None:
+        if not 0.0 < raise_below <= 1.0:
+            raise ValueError(f"raise_below: expected a number in (0, 1], got {raise_below}")
+        for what, value in (("raise_after", raise_after), ("lower_after", lower_after)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+                raise ValueError(f"{what}: expected an integer in [1, 100], got {value!r}")
+        if not drop_at >= 1.0:
+            raise ValueError(f"drop_at: expected a number >= 1, got {drop_at}")
+        self.costs = costs
+        self.raise_below = raise_below
+        self.raise_after = raise_after
+        self.lower_after = lower_after
+        self.drop_at = drop_at
+        self._streaks: dict[Link, tuple[int, int]] = {}  # link -> (proposed level, times)
+
+    def choose(self, current: int | None, cost: LinkCost, budget_s: float) -> int:
+        """The level proposed for a link now at `current` (None: not set yet) costing `cost`,
+        when a round's transfers must fit `budget_s` seconds (no patience: `update` adds it)."""
+        if not (math.isfinite(budget_s) and budget_s > 0):
+            raise ValueError(f"round budget: expected seconds > 0, got {budget_s}")
+        levels = self.costs.levels
+        fits = [level for level in levels if self.costs.seconds(level, cost) <= budget_s]
+        best = fits[-1] if fits else levels[0]
+        if current is None or current not in self.costs.bytes_per_round:
+            return best
+        if self.costs.seconds(current, cost) > budget_s:
+            return best  # too slow now: down, as far as needed
+        roomy = [
+            level
+            for level in levels
+            if level > current and self.costs.seconds(level, cost) <= self.raise_below * budget_s
+        ]
+        return roomy[-1] if roomy else current
+
+    def update(
+        self,
+        current: Mapping[Link, int],
+        sends: Mapping[Link, Sequence[Sequence[tuple[int, float]]]],
+        budget_s: float,
+    ) -> dict[Link, int]:
+        """New levels for every link (those without sends to estimate from keep theirs).
+        `sends[link]` holds each direction's sends, oldest first; a link is as slow as its
+        slower direction."""
+        chosen = dict(current)
+        for key, directions in sends.items():
+            estimates = []
+            for samples in directions:
+                try:
+                    estimates.append(estimate_link(samples))
+                except ValueError:
+                    continue
+            if not estimates:
+                continue
+            worst = LinkCost(
+                max(e.latency_s for e in estimates), max(e.seconds_per_byte for e in estimates)
+            )
+            chosen[key] = self._patient(key, current.get(key), worst, budget_s)
+        return chosen
+
+    def _patient(self, key: Link, current: int | None, cost: LinkCost, budget_s: float) -> int:
+        """`choose`, once the proposal has repeated enough (module docstring)."""
+        proposal = self.choose(current, cost, budget_s)
+        if current is None or current not in self.costs.bytes_per_round or proposal == current:
+            self._streaks.pop(key, None)
+            return proposal
+        if proposal < current and self.costs.seconds(current, cost) > self.drop_at * budget_s:
+            self._streaks.pop(key, None)
+            return proposal
+        level, times = self._streaks.get(key, (proposal, 0))
+        same_way = (level > current) == (proposal > current)
+        times = times + 1 if same_way else 1
+        needed = self.raise_after if proposal > current else self.lower_after
+        if times >= needed:
+            self._streaks.pop(key, None)
+            return proposal
+        self._streaks[key] = (proposal, times)
+        return current

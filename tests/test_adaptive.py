@@ -1,0 +1,293 @@
+"""Bandwidth-adaptive compression: per-link PowerGossip ranks chosen from measured links.
+
+The rate controller is tested on its own (budget extremes, patience, estimates), PowerGossip with
+a different rank per link keeps the network average and both ends' vectors equal, and a ring of
+peers over the in-process throttled transport, reporting to a real coordinator, lowers a link's
+rank when its bandwidth drops tenfold and raises it again when it recovers, with both ends of
+every edge always on the same level.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from conftest import build_network, gossip_round, run_in_threads, stacked
+
+from gossipcomp.coordinator import Coordinator, CoordinatorServer, ReportRefused
+from gossipcomp.coordinator_client import CoordinatorClient
+from gossipcomp.gossip import PowerGossip
+from gossipcomp.models import build_mlp, model_signature
+from gossipcomp.peer import Peer
+from gossipcomp.proto.v1 import coordinator_pb2 as cpb
+from gossipcomp.schedule.costs import LinkCost
+from gossipcomp.schedule.rate import LevelCosts, RateController, estimate_link, rank_ladder
+from gossipcomp.schedule.schedule import LinkLevel, Schedule, ScheduleRefused
+from gossipcomp.topology import build_topology
+from gossipcomp.transport.base import PROTOCOL_VERSION, Identity
+from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
+from gossipcomp.transport.throttled import LinkRates, RateChange, ThrottledTransport
+
+RING4 = build_topology("ring", n=4)
+LADDER = LevelCosts({1: 1_000, 2: 2_000, 4: 4_000, 8: 8_000, 16: 16_000}, exchanges_per_round=1)
+
+
+def test_the_ladder_runs_in_powers_of_two_up_to_no_compression():
+    assert rank_ladder(1) == (1,)
+    assert rank_ladder(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert rank_ladder(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    with pytest.raises(ValueError, match="largest useful rank"):
+        rank_ladder(0)
+
+
+def test_a_very_high_budget_picks_no_compression_and_a_very_low_one_the_lowest_level():
+    controller = RateController(LADDER)
+    link = LinkCost(0.001, 1e-6)
+    assert controller.choose(None, link, budget_s=1e6) == 16
+    assert controller.choose(None, link, budget_s=1e-9) == 1
+    assert controller.choose(4, link, budget_s=1e6) == 16
+    assert controller.choose(8, link, budget_s=1e-9) == 1
+
+
+def test_levels_do_not_flap_inside_the_dead_band_and_need_repeated_proposals():
+    controller = RateController(LADDER, raise_after=3, lower_after=2)
+    budget = 0.01
+    # 1e-6 s/byte: level 8 takes 8 ms (fits), level 16 takes 16 ms (does not)
+    sends = {(0, 1): [[(1_000, 0.001), (8_000, 0.008)]]}
+    assert controller.update({}, sends, budget) == {(0, 1): 8}
+    # level 4 at 4 ms: 8 would take 8 ms, beyond 0.6 x budget: stays (dead band)
+    assert controller.update({(0, 1): 4}, sends, budget) == {(0, 1): 4}
+    faster = {(0, 1): [[(1_000, 0.0002), (8_000, 0.0016)]]}  # 5x faster: 16 fits in 0.6 x
+    assert controller.update({(0, 1): 8}, faster, budget) == {(0, 1): 8}
+    assert controller.update({(0, 1): 8}, faster, budget) == {(0, 1): 8}
+    assert controller.update({(0, 1): 8}, faster, budget) == {(0, 1): 16}  # third time
+    # a little too slow: lowered on the second proposal in a row
+    slower = {(0, 1): [[(1_000, 0.0007), (16_000, 0.0112)]]}
+    assert controller.update({(0, 1): 16}, slower, budget) == {(0, 1): 16}
+    assert controller.update({(0, 1): 16}, slower, budget) == {(0, 1): 8}
+    # ten times slower: far over budget, lowered at once
+    crawl = {(0, 1): [[(1_000, 0.01), (8_000, 0.08)]]}
+    assert controller.update({(0, 1): 8}, crawl, budget) == {(0, 1): 1}
+
+
+def test_a_link_is_as_slow_as_its_slower_direction():
+    controller = RateController(LADDER)
+    fast, slow = [(1_000, 0.0001), (8_000, 0.0008)], [(1_000, 0.001), (8_000, 0.008)]
+    assert controller.update({}, {(0, 1): [fast, slow]}, 0.01) == {(0, 1): 8}
+    assert controller.update({}, {(0, 1): [fast]}, 0.01) == {(0, 1): 16}
+
+
+def test_the_estimate_recovers_latency_and_bandwidth_from_recent_sends():
+    samples = [(b, 0.002 + b * 4e-7) for b in (1_000, 5_000, 20_000, 3_000, 9_000, 12_000)]
+    estimate = estimate_link(samples)
+    assert estimate.latency_s == pytest.approx(0.002, rel=1e-6)
+    assert estimate.seconds_per_byte == pytest.approx(4e-7, rel=1e-6)
+    # only the last sends count: a link that slowed ten times is seen as slow
+    slowed = samples + [(b, 0.002 + b * 4e-6) for b in (1_000, 5_000, 20_000, 3_000, 9_000, 7)]
+    assert estimate_link(slowed).seconds_per_byte == pytest.approx(4e-6, rel=1e-3)
+    # one size only: the slowest recent send's seconds per byte, no latency
+    assert estimate_link([(1_000, 0.01), (1_000, 0.02)]) == LinkCost(0.0, 2e-5)
+    with pytest.raises(ValueError, match="no send"):
+        estimate_link([])
+
+
+def _models(n: int, hidden: int = 32) -> list[torch.nn.Module]:
+    return [
+        build_mlp(seed, input_dim=16, hidden=(hidden, hidden), num_classes=4) for seed in range(n)
+    ]
+
+
+def _levels_schedule(epoch: int, at: int, levels: dict[tuple[int, int], int]) -> Schedule:
+    links = tuple(LinkLevel(a, b, level) for (a, b), level in sorted(levels.items()))
+    return Schedule(epoch, at, planner="adaptive", links=links, budget_s=0.1)
+
+
+def test_powergossip_with_a_rank_per_link_keeps_the_average_and_both_ends_agree():
+    """Ranks 1, 4, 16 and the default on the four edges of a ring, then changed mid-run (some
+    cut, some grown): the network sum of every parameter is kept, each edge's power vectors are
+    identical at both ends, and what is sent over each edge has that edge's rank's size."""
+    peers = build_network(RING4, _models(4), lambda: PowerGossip(rank=2))
+    try:
+        before = [x.sum(0) for x in stacked(peers)]
+        first = _levels_schedule(1, 2, {(0, 1): 1, (1, 2): 4, (2, 3): 16})
+        second = _levels_schedule(2, 5, {(0, 1): 8, (1, 2): 2, (0, 3): 3})
+        for peer in peers:
+            peer.apply(first)
+            peer.apply(second)
+        sent: list[dict[int, dict[int, int]]] = []
+        for _ in range(8):
+            start = {p.rank: dict(p.stats.bytes_sent) for p in peers}
+            gossip_round(peers)
+            sent.append(
+                {
+                    p.rank: {j: n - start[p.rank].get(j, 0) for j, n in p.stats.bytes_sent.items()}
+                    for p in peers
+                }
+            )
+        for peer in peers:
+            assert peer.stats.failed_exchanges == {}
+            assert peer.stats.mismatched_epoch_exchanges == 0
+        after = [x.sum(0) for x in stacked(peers)]
+        for a, b in zip(before, after, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        for a, b in ((0, 1), (1, 2), (2, 3), (0, 3)):
+            mine, theirs = peers[a].algorithm._state, peers[b].algorithm._state
+            for (j, i, side), vector in mine.items():
+                if j == b:
+                    torch.testing.assert_close(vector, theirs[(a, i, side)], rtol=0, atol=0)
+        # round 3 (first schedule): 16 > 4 > 1 in bytes; round 6 (second): link 0-1 at 8 > 2
+        assert sent[3][2][3] > sent[3][1][2] > sent[3][0][1]
+        assert sent[6][0][1] > sent[6][1][2]
+        # both ends of an edge send alike (headers differ by a varint or two: sender ids)
+        assert abs(sent[6][1][0] - sent[6][0][1]) <= 8
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+@pytest.mark.parametrize(
+    ("levels", "message"),
+    [
+        ({(0, 1): 10_000}, "expected a rank in"),
+        ({(0, 2): 2}, "not an edge"),
+    ],
+)
+def test_a_link_level_the_peer_cannot_use_is_refused_and_nothing_changes(levels, message):
+    peers = build_network(RING4, _models(4), lambda: PowerGossip(rank=2))
+    try:
+        with pytest.raises(ScheduleRefused, match=message):
+            peers[0].apply(_levels_schedule(1, 5, levels))
+        assert peers[0].schedules.newest.epoch == 0
+        gossip_round(peers)
+        assert all(p.stats.failed_exchanges == {} for p in peers)
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def test_levels_for_an_algorithm_without_them_are_refused():
+    from gossipcomp.gossip import DPSGD
+
+    peers = build_network(RING4, _models(4), DPSGD)
+    try:
+        with pytest.raises(ScheduleRefused, match="no per-link level"):
+            peers[0].apply(_levels_schedule(1, 5, {(0, 1): 1}))
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"level_costs": [cpb.LevelCost(level=1, bytes_per_round=0)]}, "bytes"),
+        (
+            {
+                "level_costs": [
+                    cpb.LevelCost(level=1, bytes_per_round=5),
+                    cpb.LevelCost(level=1, bytes_per_round=6),
+                ]
+            },
+            "twice",
+        ),
+        (
+            {"level_costs": [cpb.LevelCost(level=i + 1, bytes_per_round=1) for i in range(65)]},
+            "at most",
+        ),
+        ({"level_costs": [cpb.LevelCost(level=1 << 30, bytes_per_round=1)]}, "level"),
+        ({"sends": [cpb.LinkSamples(neighbour=2, bytes=[1], seconds=[0.1])]}, "not a neighbour"),
+        ({"sends": [cpb.LinkSamples(neighbour=1, bytes=[1], seconds=[-1.0])]}, "sends"),
+    ],
+)
+def test_a_report_with_a_malformed_ladder_or_sends_is_refused(change, message):
+    coordinator = Coordinator(RING4, adaptive=True, report_every=1)
+    report = cpb.PeerReport(
+        protocol_version=PROTOCOL_VERSION,
+        sender=0,
+        topology_hash=RING4.hash,
+        model_signature="m",
+        exchanges_per_round=1,
+        **change,
+    )
+    with pytest.raises(ReportRefused, match=message) as refused:
+        coordinator.check(report)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_link_changes_are_parsed_and_bad_ones_named():
+    rates = LinkRates(100, [RateChange.parse("0-1:10@30"), RateChange.parse("1-0:50@60")])
+    assert rates.bytes_per_second(1, 0, 29) == pytest.approx(100e6 / 8)
+    assert rates.bytes_per_second(1, 0, 30) == pytest.approx(10e6 / 8)
+    assert rates.bytes_per_second(0, 1, 61) == pytest.approx(50e6 / 8)
+    assert rates.bytes_per_second(1, 2, 61) == pytest.approx(100e6 / 8)
+    for text in ("0-1:10", "0-1:ten@3", "0-0:10@3", "0-1:-5@3", "0-1:nan@3"):
+        with pytest.raises(ValueError):
+            RateChange.parse(text)
+
+
+def _throttled_ring(rates: LinkRates) -> list[Peer]:
+    hub = InMemoryHub()
+    peers = []
+    for rank, model in enumerate(_models(4, hidden=64)):
+        identity = Identity(rank, RING4.hash, model_signature(model))
+        inner = InMemoryTransport(identity, RING4.neighbors(rank), hub)
+        transport = ThrottledTransport(inner, rates)
+        peers.append(Peer(model, RING4, rank, PowerGossip(rank=1), transport))
+    for peer in peers:
+        peer.start(5, {})
+    return peers
+
+
+def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_when_it_recovers():
+    """ring4 over the throttled transport, a coordinator choosing levels every 2 rounds within
+    a 60 ms budget. Link 0-1 drops from 16 to 1.6 Mbit/s at round 16 and recovers at round 40.
+    Its rank falls to one whose transfers fit the slow link within 12 rounds, and its transfer
+    time returns within the budget; after the recovery it rises again. Both ends of every edge
+    change levels at the same rounds, and no exchange fails or mismatches."""
+    budget, rounds, drop, back = 0.06, 64, 16, 40
+    rates = LinkRates(16, [RateChange(0, 1, 1.6, drop), RateChange(0, 1, 16, back)])
+    peers = _throttled_ring(rates)
+    coordinator = Coordinator(RING4, report_every=1, adaptive=True, round_budget=budget)
+    server = CoordinatorServer(coordinator, "127.0.0.1:0")
+    clients = [CoordinatorClient(server.address, p, None, report_every=1) for p in peers]
+    slow_sends: list[float] = []  # link 0-1's last sends before it recovers
+
+    def train(peer: Peer, client: CoordinatorClient) -> None:
+        for _ in range(rounds):
+            peer.gossip()
+            client.after_round()
+            if peer.rank == 0 and peer.round == back - 1:
+                slow_sends.extend(s for _, s in peer.sends.samples(1)[-2:])
+
+    try:
+        run_in_threads(
+            [lambda p=p, c=c: train(p, c) for p, c in zip(peers, clients, strict=True)], 120
+        )
+        costs = peers[0].algorithm.level_costs(peers[0].gossiped)
+        slow = LinkCost(0.0, 8 / 1.6e6)
+        fits_slow = max(x for x in costs.levels if costs.seconds(x, slow) <= budget)
+        link01 = [c for c in peers[0].stats.link_levels if c["link"] == [0, 1]]
+        assert link01 == [c for c in peers[1].stats.link_levels if c["link"] == [0, 1]]
+        for a, b in ((1, 2), (2, 3), (0, 3)):
+            ends = [[c for c in peers[r].stats.link_levels if c["link"] == [a, b]] for r in (a, b)]
+            assert ends[0] == ends[1]
+        level = {}  # link 0-1's level by round, from peer 0's changes
+        current = 1
+        changes = {c["round"]: int(c["level"].split("=")[1]) for c in link01}
+        for r in range(rounds + 1):
+            current = changes.get(r, current)
+            level[r] = current
+        assert level[drop - 1] > fits_slow, (level, fits_slow)  # it was above what slow allows
+        assert level[drop + 12] <= fits_slow, (level, fits_slow)  # lowered within 12 rounds
+        assert level[rounds] > level[back - 1], level  # raised again after the recovery
+        # the slow link's transfers fit the budget again before it recovers
+        assert slow_sends and max(slow_sends) <= 1.25 * budget, slow_sends
+        for peer in peers:
+            assert peer.stats.failed_exchanges == {}
+            assert peer.stats.mismatched_epoch_exchanges == 0
+    finally:
+        for client in clients:
+            client.close()
+        server.stop()
+        for peer in peers:
+            peer.close()
