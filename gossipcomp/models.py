@@ -206,6 +206,8 @@ def parameter_vector(model: nn.Module, dtype: torch.dtype = torch.float64) -> to
 
 
 ModelFactory = Callable[..., nn.Module]  # (seed, input_dim=, num_classes=) -> model
+
+
 def build_wide_mlp(seed: int, input_dim: int = 64, num_classes: int = 10) -> nn.Module:
     """Two hidden layers of 1024: about 1.1M parameters on digits, big enough that sending the
     whole model over a 10 Mbit/s link takes seconds (the bandwidth-adaptive benchmark)."""
