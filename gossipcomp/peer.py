@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -81,6 +82,8 @@ class PeerStats:
     local_steps: int = 0  # local steps counted by `after_local_step` (custom loops)
     # each change of one of its links' level: {round, link: [low, high], level: label}
     link_levels: tuple[dict[str, Any], ...] = ()
+    # per neighbour: the median seconds of the last sends there (what a round's transfer takes)
+    send_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def bytes_sent_total(self) -> int:
@@ -686,6 +689,11 @@ class Peer:
             schedule_epochs=tuple(self.schedules.history),
             local_steps=self._steps_taken,
             link_levels=tuple(self._level_changes),
+            send_seconds={
+                j: statistics.median(s for _, s in self._links.sends.samples(j))
+                for j in self._links.sends.links()
+                if self._links.sends.samples(j)
+            },
         )
 
     def close(self) -> None:

@@ -27,12 +27,14 @@ class PeerReport:
     failed_exchanges: int
     consensus_distance: float  # squared distance of this peer's model to the network average
     mismatched_epoch_exchanges: int  # exchanges refused: the ends were in other schedule epochs
-    # every schedule in force during the run: {epoch, effective_round, planner}
+    # every schedule in force during the run: {epoch, effective_round, planner, budget_s}
     schedule_epochs: list[dict[str, Any]]
     byzantine: bool = False  # this peer lied to its neighbours (a robustness experiment)
     gossip_rounds: int = 0  # gossip rounds this peer ran (its local steps: Report.rounds)
     # each change of one of its links' compression level: {round, link: [i, j], level}
     link_levels: list[dict[str, Any]] = field(default_factory=list)
+    # per neighbour: median seconds of its last 16 sends there (a round's transfer on that link)
+    send_seconds: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -174,12 +176,18 @@ def peer_reports(
             consensus_distance=d,
             mismatched_epoch_exchanges=o.stats.mismatched_epoch_exchanges,
             schedule_epochs=[
-                {"epoch": s.epoch, "effective_round": s.effective_round, "planner": s.planner}
+                {
+                    "epoch": s.epoch,
+                    "effective_round": s.effective_round,
+                    "planner": s.planner,
+                    "budget_s": s.budget_s,
+                }
                 for s in o.stats.schedule_epochs
             ],
             byzantine=o.rank in byzantine,
             gossip_rounds=o.stats.rounds,
             link_levels=[dict(c) for c in o.stats.link_levels],
+            send_seconds=dict(o.stats.send_seconds),
         )
         for o, d in zip(outcomes, distances, strict=True)
     ]
