@@ -854,7 +854,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(stderr=True)
     handler = RichHandler(console=console, show_path=False)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[handler])
-    logging.getLogger(LEVELS_LOGGER).setLevel(logging.INFO)  # link level changes are news
+    if not getattr(args, "quiet", False):
+        logging.getLogger(LEVELS_LOGGER).setLevel(logging.INFO)  # link level changes are news
     try:
         return _run(args, console)
     except (ValueError, OSError, HandshakeError, PeerUnreachableError) as error:

@@ -45,7 +45,7 @@ def test_a_very_high_budget_picks_no_compression_and_a_very_low_one_the_lowest_l
     link = LinkCost(0.001, 1e-6)
     assert controller.choose(None, link, budget_s=1e6) == 16
     assert controller.choose(None, link, budget_s=1e-9) == 1
-    assert controller.choose(4, link, budget_s=1e6) == 16
+    assert controller.choose(4, link, budget_s=1e6) == 8  # up one step at a time
     assert controller.choose(8, link, budget_s=1e-9) == 1
 
 
@@ -58,9 +58,9 @@ def test_levels_do_not_flap_inside_the_dead_band_and_need_repeated_proposals():
     # level 4 at 4 ms: 8 would take 8 ms, beyond 0.6 x budget: stays (dead band)
     assert controller.update({(0, 1): 4}, sends, budget) == {(0, 1): 4}
     faster = {(0, 1): [[(1_000, 0.0002), (8_000, 0.0016)]]}  # 5x faster: 16 fits in 0.6 x
-    assert controller.update({(0, 1): 8}, faster, budget) == {(0, 1): 8}
-    assert controller.update({(0, 1): 8}, faster, budget) == {(0, 1): 8}
-    assert controller.update({(0, 1): 8}, faster, budget) == {(0, 1): 16}  # third time
+    assert controller.update({(0, 1): 4}, faster, budget) == {(0, 1): 4}
+    assert controller.update({(0, 1): 4}, faster, budget) == {(0, 1): 4}
+    assert controller.update({(0, 1): 4}, faster, budget) == {(0, 1): 8}  # third time, one step
     # a little too slow: lowered on the second proposal in a row
     slower = {(0, 1): [[(1_000, 0.0007), (16_000, 0.0112)]]}
     assert controller.update({(0, 1): 16}, slower, budget) == {(0, 1): 16}

@@ -16,7 +16,9 @@ byte, and picks per link:
   not fit inside `raise_below` x the budget (the dead band between the two keeps levels from
   flapping);
 - when the current level no longer fits, the highest level that does (the lowest when none);
-- when a higher level fits inside `raise_below` x budget, the highest such level.
+- when the next level up fits inside `raise_below` x budget, that level: one step at a time,
+  since a prediction far beyond the sizes the link has carried is an extrapolation (a link
+  seen only at rank 1 looks all latency), while going down goes as far as needed at once.
 
 The budget is a round's local computation time (so communication hides behind it) unless set.
 Pure arithmetic: no clock, no networking; the coordinator feeds it what peers report.
@@ -153,12 +155,10 @@ class RateController:
             return best
         if self.costs.seconds(current, cost) > budget_s:
             return best  # too slow now: down, as far as needed
-        roomy = [
-            level
-            for level in levels
-            if level > current and self.costs.seconds(level, cost) <= self.raise_below * budget_s
-        ]
-        return roomy[-1] if roomy else current
+        higher = [level for level in levels if level > current]
+        if higher and self.costs.seconds(higher[0], cost) <= self.raise_below * budget_s:
+            return higher[0]
+        return current
 
     def update(
         self,
