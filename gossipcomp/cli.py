@@ -234,6 +234,13 @@ def _add_coordinator_flags(group: argparse._ActionsContainer) -> None:
         help="with --adaptive: seconds a round's transfers over one link may take (default: "
         "the slowest peer's measured compute time per round, so communication hides behind it)",
     )
+    group.add_argument(
+        "--boost",
+        action="store_true",
+        help="with --adaptive: a peer in a critical learning phase (a layer's gradient norm "
+        "changed by half or more between windows of 10 rounds: Accordion) gets its links one "
+        "level higher while it lasts",
+    )
 
 
 def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) -> None:
@@ -945,8 +952,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
 
 def _coordinator(args: argparse.Namespace, topology: Topology) -> Coordinator:
-    if args.round_budget is not None and not args.adaptive:
-        raise ValueError("--round-budget: expected --adaptive with it (it bounds link levels)")
+    for flag, given in (("--round-budget", args.round_budget is not None), ("--boost", args.boost)):
+        if given and not args.adaptive:
+            raise ValueError(f"{flag}: expected --adaptive with it (it changes link levels)")
     return Coordinator(
         topology,
         planner=args.planner,
@@ -954,6 +962,7 @@ def _coordinator(args: argparse.Namespace, topology: Topology) -> Coordinator:
         replan_every=args.replan_every,
         adaptive=args.adaptive,
         round_budget=args.round_budget,
+        boost=args.boost,
     )
 
 

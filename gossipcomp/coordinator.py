@@ -23,7 +23,9 @@ round sends at each level. Every time the furthest round has moved `2 x report_e
 on, the coordinator estimates every link from both ends' sends and lets the rate controller
 (schedule/rate.py) choose each link's level within the round budget (set, or else the slowest
 peer's compute time per round); when any level changes it publishes a schedule with the same
-groups and the new levels. At most about three schedules then wait at a peer (MAX_STAGED is 4).
+groups and the new levels. With `boost`, the links of a peer that reports a critical learning
+phase (Accordion: a layer's gradient norm changed by half or more between windows of rounds,
+schedule/critical.py) go one level above the controller's choice while the phase lasts. At most about three schedules then wait at a peer (MAX_STAGED is 4).
 
 No state survives a restart: membership comes back with the next reports, and epochs continue
 above the highest epoch any peer reports holding, so they only ever increase.
@@ -108,6 +110,7 @@ class MemberReport:
     # neighbour -> its last sends there, (bytes, seconds until delivered), oldest first
     sends: dict[int, tuple[tuple[int, float], ...]]
     levels: LevelCosts | None  # the algorithm's ladder, None without per-link levels
+    critical: bool = False  # in a critical learning phase (schedule/critical.py)
 
 
 def schedule_to_proto(schedule: Schedule) -> cpb.Schedule:
@@ -183,9 +186,11 @@ class Coordinator:
         replan_every: int = 200,
         adaptive: bool = False,
         round_budget: float | None = None,
+        boost: bool = False,
     ) -> None:
         """`adaptive`: choose a level per link (module docstring) within `round_budget`
-        seconds of transfers per round (None: the slowest peer's compute time per round)."""
+        seconds of transfers per round (None: the slowest peer's compute time per round);
+        `boost`: links of a peer in a critical learning phase go one level higher."""
         make_planner(planner)  # fails naming the planners that exist
         if round_budget is not None and not (
             math.isfinite(round_budget) and 0 < round_budget <= MAX_BUDGET_S
@@ -194,6 +199,7 @@ class Coordinator:
                 f"round_budget: expected seconds in (0, {MAX_BUDGET_S:g}], got {round_budget!r}"
             )
         self.adaptive = adaptive
+        self.boost = boost
         self.round_budget = round_budget
         for field, value in (("report_every", report_every), ("replan_every", replan_every)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10**6:
@@ -210,6 +216,7 @@ class Coordinator:
         self._planned_at: int | None = None  # lead round of this coordinator's last plan
         self._adapted_at: int | None = None  # lead round of the last choice of levels
         self._rate: RateController | None = None  # made when the first ladder is known
+        self._base: dict[Link, int] = {}  # the levels the controller chose, before any boost
         self.published: list[Schedule] = []
         self._lock = threading.Lock()
 
@@ -317,6 +324,7 @@ class Coordinator:
             transfers=tuple(transfers),
             sends=sends,
             levels=levels,
+            critical=request.critical,
         )
 
     def receive(self, request: cpb.PeerReport) -> Schedule | None:
@@ -427,7 +435,12 @@ class Coordinator:
                 sends.setdefault(edge_of(member.rank, j), []).append(samples)
         if self._rate is None or self._rate.costs != ladder:
             self._rate = RateController(ladder)
-        chosen = self._rate.update(current, sends, budget)
+        self._base = self._rate.update(self._base, sends, budget)
+        critical = {m.rank for m in self._members.values() if m.critical} if self.boost else set()
+        chosen = {
+            key: ladder.above(level) if critical.intersection(key) else level
+            for key, level in self._base.items()
+        }
         if chosen == current:
             return
         links = tuple(LinkLevel(a, b, level) for (a, b), level in sorted(chosen.items()))

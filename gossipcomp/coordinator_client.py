@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 import grpc
+import torch
 
 from gossipcomp.coordinator import schedule_from_proto
 from gossipcomp.gossip.base import LinkLeveled
@@ -19,6 +20,7 @@ from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
 from gossipcomp.schedule import CompressorCost, measure_compressor
+from gossipcomp.schedule.critical import CriticalPhase
 from gossipcomp.schedule.schedule import ScheduleRefused
 from gossipcomp.security.tls import TlsFiles, channel_credentials
 from gossipcomp.transport.base import PROTOCOL_VERSION
@@ -68,8 +70,17 @@ class CoordinatorClient:
         )
         self._pending: grpc.Future | None = None
         self._unreachable = False
+        self.phase = CriticalPhase()  # reported: the coordinator may boost a critical peer
         self.refused: list[str] = []  # why schedules were refused, once per epoch
         self._refused_epoch: int | None = None
+
+    def observe_gradients(self, model: torch.nn.Module) -> None:
+        """Note each parameter's gradient norm after this round's local steps (Accordion's
+        critical-phase signal, schedule/critical.py)."""
+        with torch.no_grad():
+            self.phase.observe(
+                [float(p.grad.norm()) if p.grad is not None else 0.0 for p in model.parameters()]
+            )
 
     def after_round(self) -> None:
         """Look at an answered report, then send the next one when it is due."""
@@ -142,6 +153,7 @@ class CoordinatorClient:
                 for level, nbytes in sorted(levels.bytes_per_round.items())
             ],
             exchanges_per_round=0 if levels is None else levels.exchanges_per_round,
+            critical=self.phase.critical,
         )
 
     def close(self) -> None:

@@ -527,6 +527,8 @@ class PeerTrainer:
             # once a round suffices: received NaN/Inf is refused at the door, and anything gossip
             # itself overflowed to is caught after the next local steps
             _check_finite(peer, before + 1, "after the local steps")
+            if self.coordinator is not None:
+                self.coordinator.observe_gradients(peer.model)
             peer.gossip()
             if self.coordinator is not None:
                 self.coordinator.after_round()

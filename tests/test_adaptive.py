@@ -21,6 +21,7 @@ from gossipcomp.models import build_mlp, model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.costs import LinkCost
+from gossipcomp.schedule.critical import CriticalPhase
 from gossipcomp.schedule.rate import LevelCosts, RateController, estimate_link, rank_ladder
 from gossipcomp.schedule.schedule import LinkLevel, Schedule, ScheduleRefused
 from gossipcomp.topology import build_topology
@@ -228,7 +229,7 @@ def test_link_changes_are_parsed_and_bad_ones_named():
 def _throttled_ring(rates: LinkRates) -> list[Peer]:
     hub = InMemoryHub()
     peers = []
-    for rank, model in enumerate(_models(4, hidden=64)):
+    for rank, model in enumerate(_models(4, hidden=256)):
         identity = Identity(rank, RING4.hash, model_signature(model))
         inner = InMemoryTransport(identity, RING4.neighbors(rank), hub)
         transport = ThrottledTransport(inner, rates)
@@ -291,3 +292,50 @@ def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_whe
         server.stop()
         for peer in peers:
             peer.close()
+
+
+def test_a_layer_whose_gradient_norm_changes_by_half_marks_a_critical_phase():
+    phase = CriticalPhase(window=3)
+    for _ in range(6):
+        phase.observe([1.0, 2.0])
+    assert not phase.critical  # two windows alike
+    for _ in range(3):
+        phase.observe([1.0, 1.2])  # the second layer fell by 40%: not yet critical
+    assert not phase.critical
+    for _ in range(3):
+        phase.observe([1.6, 1.2])  # the first rose by 60%
+    assert phase.critical
+    for _ in range(3):
+        phase.observe([1.6, 1.2])
+    assert not phase.critical  # settled again
+    with pytest.raises(ValueError, match="expected 2 layer norms"):
+        phase.observe([1.0])
+
+
+def _report(sender: int, critical: bool) -> cpb.PeerReport:
+    """A ring4 peer's report: a 5-level ladder, and sends at 1e-6 s per byte to both
+    neighbours (level 8 takes 8 ms: the most that fits a 10 ms budget)."""
+    return cpb.PeerReport(
+        protocol_version=PROTOCOL_VERSION,
+        sender=sender,
+        topology_hash=RING4.hash,
+        model_signature="m",
+        round=4,
+        level_costs=[cpb.LevelCost(level=x, bytes_per_round=1000 * x) for x in LADDER.levels],
+        exchanges_per_round=1,
+        sends=[
+            cpb.LinkSamples(neighbour=j, bytes=[1000, 8000], seconds=[0.001, 0.008])
+            for j in RING4.neighbors(sender)
+        ],
+        critical=critical,
+    )
+
+
+@pytest.mark.parametrize("boost", [False, True])
+def test_boost_raises_the_links_of_a_critical_peer_one_level(boost):
+    coordinator = Coordinator(RING4, report_every=1, adaptive=True, round_budget=0.01, boost=boost)
+    for rank in range(4):
+        coordinator.receive(_report(rank, critical=rank == 2))
+    levels = {(x.low, x.high): x.level for x in coordinator.published[-1].links}
+    boosted = 16 if boost else 8
+    assert levels == {(0, 1): 8, (0, 3): 8, (1, 2): boosted, (2, 3): boosted}

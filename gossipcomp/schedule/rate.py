@@ -108,6 +108,10 @@ class LevelCosts:
     def levels(self) -> tuple[int, ...]:
         return tuple(sorted(self.bytes_per_round))
 
+    def above(self, level: int) -> int:
+        """The next level up the ladder (`level` itself at the top)."""
+        return next((x for x in self.levels if x > level), level)
+
     def seconds(self, level: int, cost: LinkCost) -> float:
         """Predicted transfer time of one round at `level` over a link costing `cost`."""
         return (
