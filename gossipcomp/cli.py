@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import NoReturn
@@ -33,6 +32,7 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from gossipcomp.allreduce import command as allreduce_command
+from gossipcomp.arguments import integer, number
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.data import DATASETS
 from gossipcomp.experiment import (
@@ -88,57 +88,7 @@ def resolve_topology(spec: str) -> Topology:
     raise TopologyError(f"{spec}: no such file, and not a shipped topology (shipped: {names})")
 
 
-def _integer(what: str, low: int, high: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer in [low, high] (no upper limit when high is None)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{what} must be an integer, got {quoted(text)}"
-            ) from None
-        if value < low or (high is not None and value > high):
-            expected = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"{what} must be {expected}, got {value}")
-        return value
-
-    return parse
-
-
-def _number(
-    what: str,
-    low: float,
-    high: float = math.inf,
-    *,
-    low_closed: bool = False,
-    high_closed: bool = True,
-) -> Callable[[str], float]:
-    """An argparse type: a finite number between `low` and `high`, each end excluded or
-    included as told. NaN and infinities are refused: float() accepts them, and a NaN round
-    deadline failed every exchange while an infinite one crashed."""
-    if math.isfinite(high):
-        expected = f"in {'[' if low_closed else '('}{low:g}, {high:g}{']' if high_closed else ')'}"
-    else:
-        expected = f"{'>=' if low_closed else '>'} {low:g}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan  # refused below, with the same message
-        above = value >= low if low_closed else value > low
-        below = value <= high if high_closed else value < high
-        if not (math.isfinite(value) and above and below):
-            raise argparse.ArgumentTypeError(
-                f"{what} must be a finite number {expected}, got {quoted(text)}"
-            )
-        return value
-
-    return parse
-
-
-_consensus_number = _number("consensus step", 0.0, 2.0, high_closed=False)
+_consensus_number = number("consensus step", 0.0, 2.0, high_closed=False)
 
 
 def _consensus_step(text: str) -> float | str:
@@ -210,13 +160,13 @@ def _add_coordinator_flags(group: argparse._ActionsContainer) -> None:
     )
     group.add_argument(
         "--report-every",
-        type=_integer("report interval (rounds)", 1, 10**6),
+        type=integer("report interval (rounds)", 1, 10**6),
         default=10,
         help="rounds between each peer's reports to the coordinator",
     )
     group.add_argument(
         "--replan-every",
-        type=_integer("replanning interval (rounds)", 1, 10**6),
+        type=integer("replanning interval (rounds)", 1, 10**6),
         default=200,
         help="rounds between the coordinator's plans (it publishes only a plan that differs)",
     )
@@ -229,7 +179,7 @@ def _add_coordinator_flags(group: argparse._ActionsContainer) -> None:
     )
     group.add_argument(
         "--round-budget",
-        type=_number("round budget (seconds)", 0.0, 86_400.0),
+        type=number("round budget (seconds)", 0.0, 86_400.0),
         metavar="SECONDS",
         help="with --adaptive: seconds a round's transfers over one link may take (default: "
         "the slowest peer's measured compute time per round, so communication hides behind it)",
@@ -280,22 +230,22 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
     )
     g.add_argument(
         "--rounds",
-        type=_integer("rounds", 1),
+        type=integer("rounds", 1),
         default=d.rounds,
         help="local steps; a gossip round follows every --local-steps of them",
     )
     g.add_argument(
-        "--lr", type=_number("learning rate", 0.0, MAX_LR), default=d.lr, help="SGD learning rate"
+        "--lr", type=number("learning rate", 0.0, MAX_LR), default=d.lr, help="SGD learning rate"
     )
     g.add_argument(
         "--momentum",
-        type=_number("momentum", 0.0, 1.0, low_closed=True, high_closed=False),
+        type=number("momentum", 0.0, 1.0, low_closed=True, high_closed=False),
         default=d.momentum,
         help="SGD momentum (per peer), in [0, 1)",
     )
     g.add_argument(
         "--batch-size",
-        type=_integer("batch size", 1),
+        type=integer("batch size", 1),
         default=d.batch_size,
         help="examples per local step",
     )
@@ -306,7 +256,7 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
     )
     g.add_argument(
         "--seed",
-        type=_integer("seed", 0, MAX_SEED),
+        type=integer("seed", 0, MAX_SEED),
         default=d.seed,
         help="seed of data split, model and batches",
     )
@@ -322,7 +272,7 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         "--low-rank",
         *(["--rank"] if rank_is_low_rank else []),
         dest="low_rank",
-        type=_integer("powergossip rank", 1),
+        type=integer("powergossip rank", 1),
         default=d.rank,
         help="powergossip: rank of the power iteration (each matrix uses at most its short side)"
         + (" (--rank is the same flag here)" if rank_is_low_rank else ""),
@@ -334,13 +284,13 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
     )
     g.add_argument(
         "--zeta",
-        type=_number("zeta", 0.0, 1.0),
+        type=number("zeta", 0.0, 1.0),
         default=d.zeta,
         help="def: damping of the differential update (default: per compressor)",
     )
     g.add_argument(
         "--gamma",
-        type=_number("gamma", 0.0, 1.0),
+        type=number("gamma", 0.0, 1.0),
         default=d.gamma,
         help="def: mixing weight of the combine step (default: per compressor)",
     )
@@ -348,25 +298,25 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         "--gossip-steps",
         "--power-steps",
         dest="gossip_steps",
-        type=_integer("gossip steps", 1, MAX_GOSSIP_STEPS),
+        type=integer("gossip steps", 1, MAX_GOSSIP_STEPS),
         default=d.gossip_steps,
         help="powergossip, choco: exchanges per round (PowerGossip's power steps)",
     )
     g.add_argument(
         "--eval-every",
-        type=_integer("eval every", 0),
+        type=integer("eval every", 0),
         default=d.eval_every,
         help="rounds between accuracy checkpoints (0: only at the end)",
     )
     g.add_argument(
         "--round-timeout",
-        type=_number("round timeout (seconds)", 0.0, MAX_ROUND_TIMEOUT),
+        type=number("round timeout (seconds)", 0.0, MAX_ROUND_TIMEOUT),
         default=d.round_timeout,
         help="seconds a round waits for neighbours before leaving them out",
     )
     g.add_argument(
         "--local-steps",
-        type=_integer("local steps", 1, MAX_LOCAL_STEPS),
+        type=integer("local steps", 1, MAX_LOCAL_STEPS),
         default=d.local_steps,
         help="local optimizer steps between gossip rounds (local SGD): H sends 1/H of the "
         "bytes of 1 over the same --rounds",
@@ -389,7 +339,7 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
     )
     r.add_argument(
         "--byzantine",
-        type=_integer("byzantine rank", 0),
+        type=integer("byzantine rank", 0),
         nargs="+",
         default=list(d.byzantine),
         metavar="RANK",
@@ -400,7 +350,7 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
     )
     r.add_argument(
         "--attack-scale",
-        type=_number("attack scale", 0.0),
+        type=number("attack scale", 0.0),
         default=d.attack_scale,
         help="sign_flip sends -X times the model, scale sends X times it",
     )
@@ -413,13 +363,13 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
     )
     c.add_argument(
         "--checkpoint-every",
-        type=_integer("checkpoint every", 1),
+        type=integer("checkpoint every", 1),
         default=None,
         help="rounds between checkpoints (default 50 when --checkpoint-dir is given)",
     )
     c.add_argument(
         "--checkpoint-keep",
-        type=_integer("checkpoint keep", 1),
+        type=integer("checkpoint keep", 1),
         default=3,
         help="newest checkpoints kept per peer",
     )
@@ -581,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     links = sim.add_argument_group("throttled links (in this process; real ones: benchmarks/)")
     links.add_argument(
         "--link-rate",
-        type=_number("link rate (Mbit/s)", 0.0, MAX_MBIT),
+        type=number("link rate (Mbit/s)", 0.0, MAX_MBIT),
         metavar="MBIT",
         help="every link carries at most this many megabits per second",
     )
@@ -604,14 +554,14 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--topology", required=True, help="topology YAML file (or shipped name)")
     peer.add_argument(
         "--rank",
-        type=_integer("rank", 0),
+        type=integer("rank", 0),
         default=None,
         help="this peer's rank (default: the RANK environment variable, as set by torchrun)",
     )
     peer.add_argument("--bind", help="address to listen on (default: the topology's address)")
     peer.add_argument(
         "--startup-timeout",
-        type=_number("startup timeout (seconds)", 0.0, MAX_STARTUP_TIMEOUT),
+        type=number("startup timeout (seconds)", 0.0, MAX_STARTUP_TIMEOUT),
         default=120.0,
         help="seconds to wait for neighbours to come up before giving up",
     )
@@ -624,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     peer.add_argument(
         "--report-every",
-        type=_integer("report interval (rounds)", 1, 10**6),
+        type=integer("report interval (rounds)", 1, 10**6),
         default=10,
         help="rounds between reports to the coordinator",
     )
@@ -667,10 +617,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("reports", type=Path, nargs="+", metavar="REPORT.json")
     plot.add_argument("--out", type=Path, required=True, metavar="FILE.png", help="PNG to write")
     plot.add_argument(
-        "--width", type=_integer("width (pixels)", MIN_PIXELS, MAX_PIXELS), default=1200
+        "--width", type=integer("width (pixels)", MIN_PIXELS, MAX_PIXELS), default=1200
     )
     plot.add_argument(
-        "--height", type=_integer("height (pixels)", MIN_PIXELS, MAX_PIXELS), default=900
+        "--height", type=integer("height (pixels)", MIN_PIXELS, MAX_PIXELS), default=900
     )
 
     topo = sub.add_parser("topology", help="inspect topology files")
@@ -697,7 +647,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     new.add_argument(
         "--rank",
-        type=_integer("rank", 0),
+        type=integer("rank", 0),
         help="the peer's rank: record its public key in DIR/allowlist.yaml, which a topology "
         "names with 'allowlist:'",
     )

@@ -95,11 +95,11 @@ def test_torchrun_launch_writes_the_report_from_rank_0(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("arguments", "expected"),
     [
-        (["--nproc", "0"], "nproc: expected 1 to 64, got 0"),
+        (["--nproc", "0"], "nproc must be in [1, 64], got 0"),
         (["--nproc", "2", "--compressor", "nonsense"], "unknown compressor 'nonsense'"),
         (["--nproc", "2", "--sync", "merged", "--compressor", "powersgd:rank=2"], "ddp-hook"),
         (["--nproc", "2", "--sync", "merged", "--planner", "nope"], "unknown planner 'nope'"),
-        (["--nproc", "2", "--lr", "nan"], "learning rate: expected a number"),
+        (["--nproc", "2", "--lr", "nan"], "learning rate must be a finite number"),
         (["--nproc", "2", "--sync", "marsit", "--compressor", "torch:fp16"], "torch's hooks"),
     ],
 )

@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gossipcomp"
 # module of its own layer or a lower one
 LAYERS = {
     "text": 0,
+    "arguments": 0,
     "proto": 0,
     "yaml_files": 0,
     "compress": 1,

@@ -11,11 +11,10 @@ Exit status: 0 done; 2 the command cannot run as given (one line on stderr); 1 t
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from gossipcomp.allreduce.launch import LaunchError, Session, init_from_env, spawn
 from gossipcomp.allreduce.liveness import RankFailure
 from gossipcomp.allreduce.train import MODELS, SYNCS, AllreduceConfig, RankResult, train_rank
+from gossipcomp.arguments import integer, number
 from gossipcomp.report import HistoryPoint, PeerReport, Report
 
 MAX_NPROC = 64
@@ -31,46 +31,12 @@ MAX_STEPS = 1_000_000
 MAX_TIMEOUT_S = 3600.0
 
 
-def _integer(what: str, low: int, high: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{what}: expected an integer, got {text[:40]!r}"
-            ) from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{what}: expected {low} to {high}, got {value}")
-        return value
-
-    return parse
-
-
-def _number(what: str, low: float, high: float, low_open: bool = True) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{what}: expected a number, got {text[:40]!r}"
-            ) from None
-        above = value > low if low_open else value >= low
-        if not (math.isfinite(value) and above and value <= high):
-            side = "(" if low_open else "["
-            raise argparse.ArgumentTypeError(
-                f"{what}: expected a number in {side}{low}, {high}], got {text[:40]}"
-            )
-        return value
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `gossipcomp allreduce`."""
     d = AllreduceConfig()
     parser.add_argument(
         "--nproc",
-        type=_integer("nproc", 1, MAX_NPROC),
+        type=integer("nproc", 1, MAX_NPROC),
         help="start this many local processes (default: be one rank of a torchrun job)",
     )
     parser.add_argument("--sync", default=d.sync, choices=SYNCS, help="how gradients are averaged")
@@ -85,43 +51,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.planner,
         help="merged: per-tensor, single, mgwfbp, mergecomp, strategy[:candidates=...], threshold",
     )
-    parser.add_argument("--steps", type=_integer("steps", 1, MAX_STEPS), default=d.steps)
-    parser.add_argument("--lr", type=_number("learning rate", 0.0, 10.0), default=d.lr)
+    parser.add_argument("--steps", type=integer("steps", 1, MAX_STEPS), default=d.steps)
+    parser.add_argument("--lr", type=number("learning rate", 0.0, 10.0), default=d.lr)
     parser.add_argument(
-        "--momentum", type=_number("momentum", 0.0, 0.999, low_open=False), default=d.momentum
+        "--momentum", type=number("momentum", 0.0, 0.999, low_closed=True), default=d.momentum
     )
     parser.add_argument(
-        "--batch-size", type=_integer("batch size", 1, 1 << 16), default=d.batch_size
+        "--batch-size", type=integer("batch size", 1, 1 << 16), default=d.batch_size
     )
     parser.add_argument("--partition", default=d.partition, help="iid | by-label | dirichlet:ALPHA")
-    parser.add_argument("--seed", type=_integer("seed", 0, 2**62), default=d.seed)
+    parser.add_argument("--seed", type=integer("seed", 0, 2**62), default=d.seed)
     parser.add_argument(
         "--eval-every",
-        type=_integer("eval every", 0, MAX_STEPS),
+        type=integer("eval every", 0, MAX_STEPS),
         default=d.eval_every,
         help="steps between accuracy checkpoints (0: only at the end)",
     )
     parser.add_argument(
         "--timeout",
-        type=_number("timeout (seconds)", 0.0, MAX_TIMEOUT_S),
+        type=number("timeout (seconds)", 0.0, MAX_TIMEOUT_S),
         default=d.timeout_s,
         help="seconds a collective may take; a dead rank is named within about this",
     )
     parser.add_argument(
         "--ssd-k",
-        type=_integer("ssd k", 1, MAX_STEPS),
+        type=integer("ssd k", 1, MAX_STEPS),
         default=d.ssd_k,
         help="ssd: steps between pulls of the global model",
     )
     parser.add_argument(
         "--ssd-warmup",
-        type=_integer("ssd warmup", 0, MAX_STEPS),
+        type=integer("ssd warmup", 0, MAX_STEPS),
         default=d.ssd_warmup,
         help="ssd: synchronous steps first",
     )
     parser.add_argument(
         "--bucket-cap-mb",
-        type=_number("bucket cap (MB)", 0.0, 1024.0),
+        type=number("bucket cap (MB)", 0.0, 1024.0),
         default=d.bucket_cap_mb,
         help="ddp-hook: DDP bucket size",
     )
