@@ -18,20 +18,14 @@ marsit_bytes_ratio = Marsit's link bytes / plain all-reduce's.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-from rich.console import Console
-from rich.table import Table
+from allreduce_runs import machine, run_configs, save, show, summarise
 
-from gossipcomp.allreduce.launch import Session, spawn
-from gossipcomp.allreduce.train import AllreduceConfig, train_rank
+from gossipcomp.allreduce.launch import spawn
+from gossipcomp.allreduce.train import AllreduceConfig
 
 RANK = 2
 
@@ -52,39 +46,6 @@ def methods(steps: int) -> dict[str, AllreduceConfig]:
     }
 
 
-def _worker(session: Session, configs: dict[str, AllreduceConfig], repeats: int) -> dict:
-    rows: dict[str, list[dict]] = {name: [] for name in configs}
-    for _ in range(repeats):
-        for name, config in configs.items():
-            result = train_rank(session, config)
-            rows[name].append(
-                {
-                    "accuracy": result.test_accuracy,
-                    "payload_bytes_per_step": result.steady_payload_bytes_per_step,
-                    "link_bytes_per_step": result.steady_link_bytes_per_step,
-                    "step_ms": 1e3 * result.step_seconds,
-                }
-            )
-    return rows
-
-
-def summarise(ranks: list[dict], configs: dict[str, AllreduceConfig]) -> dict[str, dict]:
-    table = {}
-    for name, config in configs.items():
-        runs = [run for rank in ranks for run in rank[name]]
-        first = ranks[0][name][0]
-        table[name] = {
-            "sync": config.sync,
-            "compressor": config.compressor,
-            "momentum": config.momentum,
-            "accuracy": statistics.fmean(run["accuracy"] for run in ranks[0][name]),
-            "payload_bytes_per_step": first["payload_bytes_per_step"],
-            "link_bytes_per_step": first["link_bytes_per_step"],
-            "step_ms": statistics.median(run["step_ms"] for run in runs),
-        }
-    return table
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=4)
@@ -93,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     configs = methods(args.steps)
-    ranks = spawn(_worker, args.nproc, (configs, args.repeats), timeout_s=60, deadline_s=3600)
+    ranks = spawn(run_configs, args.nproc, (configs, args.repeats), timeout_s=60, deadline_s=3600)
     table = summarise(ranks, configs)
     plain, plain0 = table["allreduce"], table["allreduce (no momentum)"]
     marsit = table["marsit (no momentum)"]
@@ -109,34 +70,15 @@ def main(argv: list[str] | None = None) -> int:
         "marsit_accuracy_gap": plain0["accuracy"] - marsit["accuracy"],
         "marsit_bytes_ratio": marsit["link_bytes_per_step"] / plain0["link_bytes_per_step"],
         "ssd_accuracy_gap": plain["accuracy"] - table["ssd"]["accuracy"],
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "load_average": os.getloadavg(),
-        },
+        "machine": machine(),
     }
-    show = Table(title=f"all-reduce on digits, {args.nproc} gloo ranks, {args.steps} steps")
-    for column in ("method", "accuracy", "payload B/step", "link B/step", "step ms"):
-        show.add_column(column, justify="right")
-    for name, row in table.items():
-        show.add_row(
-            name,
-            f"{row['accuracy']:.4f}",
-            f"{row['payload_bytes_per_step']:.0f}",
-            f"{row['link_bytes_per_step']:.0f}",
-            f"{row['step_ms']:.2f}",
-        )
-    console = Console()
-    console.print(show)
+    console = show(f"all-reduce on digits, {args.nproc} gloo ranks, {args.steps} steps", table)
     console.print(
         f"powersgd_vs_torch_time {result['powersgd_vs_torch_time']:.3f}, "
         f"marsit_accuracy_gap {result['marsit_accuracy_gap']:+.4f}, "
         f"marsit_bytes_ratio {result['marsit_bytes_ratio']:.5f} (1/32 = 0.03125)"
     )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    save(args.json, result)
     return 0
 
 

@@ -14,39 +14,18 @@ planned_vs_single = single / planned, per compressor; accuracy after the same st
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
+from allreduce_runs import machine, run_configs, save, show, summarise
 
-from gossipcomp.allreduce.launch import Session, spawn
-from gossipcomp.allreduce.train import AllreduceConfig, train_rank
+from gossipcomp.allreduce.launch import spawn
+from gossipcomp.allreduce.train import AllreduceConfig
 
 COMPRESSORS = ("sign", "topk:ratio=0.01")
 GROUPINGS = ("per-tensor", "single", "planned")
-
-
-def _worker(session: Session, configs: dict[str, AllreduceConfig], repeats: int) -> dict:
-    rows: dict[str, list[dict]] = {name: [] for name in configs}
-    for _ in range(repeats):
-        for name, config in configs.items():
-            result = train_rank(session, config)
-            rows[name].append(
-                {
-                    "accuracy": result.test_accuracy,
-                    "step_ms": 1e3 * result.step_seconds,
-                    "groups": result.groups,
-                    "payload_bytes_per_step": result.steady_payload_bytes_per_step,
-                }
-            )
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,18 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         for spec in COMPRESSORS
         for grouping in GROUPINGS
     }
-    ranks = spawn(_worker, args.nproc, (configs, args.repeats), timeout_s=60, deadline_s=3600)
-    table = {}
-    for name, config in configs.items():
-        runs = [run for rank in ranks for run in rank[name]]
-        table[name] = {
-            "compressor": config.compressor,
-            "planner": config.planner,
-            "groups": ranks[0][name][0]["groups"],
-            "accuracy": statistics.fmean(run["accuracy"] for run in ranks[0][name]),
-            "payload_bytes_per_step": ranks[0][name][0]["payload_bytes_per_step"],
-            "step_ms": statistics.median(run["step_ms"] for run in runs),
-        }
+    ranks = spawn(run_configs, args.nproc, (configs, args.repeats), timeout_s=60, deadline_s=3600)
+    table = summarise(ranks, configs)
     ratios = {}
     for spec in COMPRESSORS:
         planned = table[f"{spec} planned"]["step_ms"]
@@ -94,34 +63,17 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": ratios,
         "merged_speedup": min(r["merged_speedup"] for r in ratios.values()),
         "planned_vs_single": min(r["planned_vs_single"] for r in ratios.values()),
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "load_average": os.getloadavg(),
-        },
+        "machine": machine(),
     }
-    show = Table(title=f"merged compressed all-reduce, resmlp, {args.nproc} gloo ranks")
-    for column in ("method", "groups", "accuracy", "payload B/step", "step ms"):
-        show.add_column(column, justify="right")
-    for name, row in table.items():
-        show.add_row(
-            name,
-            str(row["groups"]),
-            f"{row['accuracy']:.4f}",
-            f"{row['payload_bytes_per_step']:.0f}",
-            f"{row['step_ms']:.2f}",
-        )
-    console = Console()
-    console.print(show)
+    console = show(
+        f"merged compressed all-reduce, resmlp, {args.nproc} gloo ranks", table, groups=True
+    )
     for spec, r in ratios.items():
         console.print(
             f"{spec}: merged_speedup {r['merged_speedup']:.2f}, "
             f"planned_vs_single {r['planned_vs_single']:.2f}"
         )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    save(args.json, result)
     return 0
 
 

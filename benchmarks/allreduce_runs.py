@@ -1,0 +1,99 @@
+"""What the all-reduce benchmarks share: run configurations in gloo ranks, summarise, show, save.
+
+`run_configs` is the per-rank worker (each configuration `repeats` times, in turn, so a busy
+machine slows all of them alike); `summarise` takes, per configuration, rank 0's accuracy (the
+mean over repeats), its steady bytes per step and the median step time over ranks and repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from gossipcomp.allreduce.launch import Session
+from gossipcomp.allreduce.train import AllreduceConfig, train_rank
+
+
+def run_configs(
+    session: Session, configs: dict[str, AllreduceConfig], repeats: int
+) -> dict[str, list[dict[str, Any]]]:
+    """This rank's measurements of every configuration, `repeats` rounds of them in turn."""
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    for _ in range(repeats):
+        for name, config in configs.items():
+            result = train_rank(session, config)
+            rows[name].append(
+                {
+                    "accuracy": result.test_accuracy,
+                    "payload_bytes_per_step": result.steady_payload_bytes_per_step,
+                    "link_bytes_per_step": result.steady_link_bytes_per_step,
+                    "groups": result.groups,
+                    "step_ms": 1e3 * result.step_seconds,
+                }
+            )
+    return rows
+
+
+def summarise(
+    ranks: Sequence[dict[str, list[dict[str, Any]]]], configs: dict[str, AllreduceConfig]
+) -> dict[str, dict[str, Any]]:
+    """Per configuration: its sync, compressor, planner and momentum, and the measurements."""
+    table = {}
+    for name, config in configs.items():
+        first = ranks[0][name]
+        table[name] = {
+            "sync": config.sync,
+            "compressor": config.compressor,
+            "planner": config.planner,
+            "momentum": config.momentum,
+            "groups": first[0]["groups"],
+            "accuracy": statistics.fmean(run["accuracy"] for run in first),
+            "payload_bytes_per_step": first[0]["payload_bytes_per_step"],
+            "link_bytes_per_step": first[0]["link_bytes_per_step"],
+            "step_ms": statistics.median(run["step_ms"] for rank in ranks for run in rank[name]),
+        }
+    return table
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+    }
+
+
+def show(title: str, table: dict[str, dict[str, Any]], *, groups: bool = False) -> Console:
+    """Print the summary table; returns the console for the ratio lines."""
+    columns = ["method", *(["groups"] if groups else []), "accuracy", "payload B/step"]
+    view = Table(title=title)
+    for column in (*columns, "link B/step", "step ms"):
+        view.add_column(column, justify="right")
+    for name, row in table.items():
+        view.add_row(
+            name,
+            *([str(row["groups"])] if groups else []),
+            f"{row['accuracy']:.4f}",
+            f"{row['payload_bytes_per_step']:.0f}",
+            f"{row['link_bytes_per_step']:.0f}",
+            f"{row['step_ms']:.2f}",
+        )
+    console = Console()
+    console.print(view)
+    return console
+
+
+def save(path: Path | None, result: dict[str, Any]) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
