@@ -84,10 +84,15 @@ class RoundClock:
         return max(slots, key=lambda slot: slot[0])  # type: ignore[arg-type, return-value]
 
 
-def simulate_round(config: TrainConfig, topology: Topology, warmup: int) -> tuple[float, float]:
-    """simulate's wall and process CPU seconds per round."""
+def simulate_round(
+    config: TrainConfig, topology: Topology, warmup: int, workers: int = 1
+) -> tuple[float, float]:
+    """simulate's wall and process CPU seconds per round (with worker processes, the CPU
+    seconds are this process's alone: the workers' are not seen)."""
     clock = RoundClock(topology.n, warmup, config.rounds - 1)
-    run_simulation(config, topology, progress=clock.on_round, startup_timeout=300.0)
+    run_simulation(
+        config, topology, progress=clock.on_round, startup_timeout=300.0, workers=workers
+    )
     return clock.per_round()
 
 
@@ -144,19 +149,38 @@ def back_to_back_round(config: TrainConfig, topology: Topology, warmup: int) -> 
 RUN_FIELDS = ("simulate", "simulate_cpu", "back_to_back", "back_to_back_cpu")
 
 
-def measure(peers: int, rounds: int, warmup: int, cores: int, repeats: int) -> dict:
-    """Both runs `repeats` times, alternating (the machine is shared); medians of each time."""
+def measure(
+    peers: int, rounds: int, warmup: int, cores: int, repeats: int, workers: int = 1
+) -> dict:
+    """Both runs `repeats` times, alternating (the machine is shared); medians of each time.
+    With `workers` > 1, a third run: simulate with its peers over that many processes."""
     topology = build_topology("ring", n=peers)
     config = TrainConfig(algorithm="powergossip", rank=1, rounds=rounds, eval_every=0)
     load_before = os.getloadavg()[0]
-    runs = [
-        (*simulate_round(config, topology, warmup), *back_to_back_round(config, topology, warmup))
-        for _ in range(repeats)
-    ]
+    runs, spread = [], []
+    for _ in range(repeats):
+        runs.append(
+            (
+                *simulate_round(config, topology, warmup),
+                *back_to_back_round(config, topology, warmup),
+            )
+        )
+        if workers > 1:
+            spread.append(simulate_round(config, topology, warmup, workers)[0])
     simulate_s, simulate_cpu_s, serial_s, serial_cpu_s = (
         statistics.median(t) for t in zip(*runs, strict=True)
     )
+    with_workers = (
+        {
+            "workers": workers,
+            "simulate_workers_round_s": statistics.median(spread),
+            "efficiency_workers": serial_cpu_s / (statistics.median(spread) * cores),
+        }
+        if spread
+        else {}
+    )
     return {
+        **with_workers,
         "peers": peers,
         "simulate_round_s": simulate_s,
         "simulate_cpu_round_s": simulate_cpu_s,
@@ -181,6 +205,12 @@ def table(rows: Sequence[dict], cores: int) -> Table:
         "(wall ms)": lambda r: f"{1e3 * r['back_to_back_round_s']:.1f}",
         "per peer ms": lambda r: f"{r['back_to_back_per_peer_ms']:.2f}",
         "efficiency": lambda r: f"{r['efficiency']:.3f}",
+        "workers ms": lambda r: (
+            f"{1e3 * r['simulate_workers_round_s']:.1f}" if "workers" in r else "-"
+        ),
+        "efficiency (workers)": lambda r: (
+            f"{r['efficiency_workers']:.3f}" if "workers" in r else "-"
+        ),
         "work fraction": lambda r: f"{r['work_fraction']:.2f}",
         "core use": lambda r: f"{r['core_use']:.2f}",
         "load": lambda r: f"{r['load_average_1min'][0]:.1f}",
@@ -203,6 +233,12 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=1, help="runs of each kind per size (medians reported)"
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="also time simulate --workers N (1: only the single process)",
+    )
     args = parser.parse_args()
     if not 1 <= args.warmup <= args.rounds - 2:
         parser.error(f"--warmup must be in [1, --rounds - 2], got {args.warmup}")
@@ -215,13 +251,19 @@ def main() -> None:
     console = Console()
     rows = []
     for peers in args.peers:
-        rows.append(measure(peers, args.rounds, args.warmup, cores, args.repeats))
+        rows.append(measure(peers, args.rounds, args.warmup, cores, args.repeats, args.workers))
         row = rows[-1]
         console.print(
             f"{peers} peers: simulate {1e3 * row['simulate_round_s']:.1f} ms a round, back to "
             f"back {1e3 * row['back_to_back_cpu_round_s']:.1f} ms CPU "
             f"({1e3 * row['back_to_back_round_s']:.1f} ms wall), "
-            f"efficiency {row['efficiency']:.3f}",
+            f"efficiency {row['efficiency']:.3f}"
+            + (
+                f"; with {args.workers} workers {1e3 * row['simulate_workers_round_s']:.1f} ms, "
+                f"efficiency {row['efficiency_workers']:.3f}"
+                if "workers" in row
+                else ""
+            ),
             highlight=False,
         )
     console.print(table(rows, cores))
@@ -237,6 +279,10 @@ def main() -> None:
             "torch": torch.__version__,
             "sizes": rows,
             "efficiency": {str(row["peers"]): row["efficiency"] for row in rows},
+            "workers": args.workers,
+            "efficiency_workers": {
+                str(row["peers"]): row["efficiency_workers"] for row in rows if "workers" in row
+            },
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -60,7 +60,7 @@ from gossipcomp.security.signing_keys import (
     record_in_allowlist,
     write_signing_key,
 )
-from gossipcomp.simulation import CheckpointPolicy, run_peer, run_simulation
+from gossipcomp.simulation import MAX_WORKERS, CheckpointPolicy, run_peer, run_simulation
 from gossipcomp.text import quoted
 from gossipcomp.topology import Topology, TopologyError, load_topology
 from gossipcomp.transport.base import HandshakeError, PeerUnreachableError
@@ -520,6 +520,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE.png",
         help="draw this run (accuracy against steps, bytes and time; consensus distance) here",
     )
+    sim.add_argument(
+        "--workers",
+        type=integer("worker processes", 1, MAX_WORKERS),
+        default=1,
+        help="spread the peers over this many processes (blocks of ranks; they talk gRPC on "
+        "loopback): one interpreter per core instead of one for all peers",
+    )
     coord = sim.add_argument_group("coordinator")
     coord.add_argument(
         "--coordinator",
@@ -874,6 +881,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                 checkpoints=checkpoints,
                 tls=args.tls,
                 authenticate=args.authenticate,
+                workers=args.workers,
                 coordinator=(
                     _coordinator(args, topology) if args.coordinator or args.adaptive else None
                 ),

@@ -11,12 +11,17 @@ TLS, peers may also sign every message (`run_peer` with its key and the topology
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -139,15 +144,21 @@ def run_simulation(
     coordinator: Coordinator | None = None,
     report_every: int = 10,
     link_rates: LinkRates | None = None,
+    workers: int = 1,
 ) -> Report:
     """Train every peer of `topology` in this process over gRPC on loopback (each link
-    throttled to `link_rates` when given); with `tls`, over
-    mutual TLS with a throwaway CA and per-peer certificates (deleted when training ends); with
-    `authenticate` as well, every message signed by a throwaway per-peer key. With
-    `coordinator`, it is served on loopback too (over the same TLS) and every peer reports to
-    it every `report_every` rounds and takes the schedules it publishes."""
+        throttled to `link_rates` when given); with `tls`, over
+        mutual TLS with a throwaway CA and per-peer certificates (deleted when training ends); with
+        `authenticate` as well, every message signed by a throwaway per-peer key. With
+        `coordinator`, it is served on loopback too (over the same TLS) and every peer reports to
+        it every `report_every` rounds and takes the schedules it publishes. With `workers` > 1 the
+    peers are spread over that many worker processes (contiguous blocks of ranks), which talk gRPC
+    to each other on loopback as peers of different machines would: several interpreters, so
+    several cores, instead of one interpreter lock for every peer."""
     if authenticate and not tls:
         raise ValueError(f"--authenticate needs --tls: {WHY_AUTHENTICATION_NEEDS_TLS}")
+    if workers != 1:
+        _check_workers(workers, topology, authenticate)
     start = time.perf_counter()
     data = load_data(config)
     peers: list[Peer] = []
@@ -158,41 +169,27 @@ def run_simulation(
         try:
             if coordinator is not None:
                 server = CoordinatorServer(coordinator, "127.0.0.1:0", coordinator_tls)
-            for rank in range(topology.n):
-                peers.append(
-                    Peer.over_grpc(
-                        build_config_model(config, data),
-                        topology,
-                        rank,
-                        build_algorithm(config, topology, rank),
-                        bind="127.0.0.1:0",
-                        options=GrpcOptions(tls=tls_files[rank], keys=keys[rank]),
-                        round_timeout=config.round_timeout,
-                        ready=checkpoints is None,
-                        gossip_buffers=config.gossip_buffers,
-                        link_rates=link_rates,
-                    )
-                )
-            if server is not None:
-                clients = [
-                    CoordinatorClient(
-                        server.address,
-                        peer,
-                        config.group_compressor,
-                        report_every=report_every,
-                        tls=tls_files[peer.rank],
-                    )
-                    for peer in peers
-                ]
-            trainers = [
-                _trainer(peer, data, config, checkpoints, clients[i] if clients else None)
-                for i, peer in enumerate(peers)
-            ]
-            addresses = {p.rank: p.address for p in peers}
-            for peer in peers:
-                peer.start(startup_timeout, addresses)
-            outcomes = _train_all(trainers, progress)
-            params = [[p.detach() for _, p in peer.gossiped] for peer in peers]
+            setup = _Setup(
+                config,
+                topology,
+                tls_files,
+                None if server is None else server.address,
+                report_every,
+                link_rates,
+                checkpoints,
+                startup_timeout,
+            )
+            if workers != 1:
+                outcomes, params = _train_in_workers(setup, workers, progress)
+            else:
+                setup.build_peers(range(topology.n), data, keys, peers)
+                clients = setup.clients(peers)
+                trainers = setup.trainers(peers, clients, data)
+                addresses = {p.rank: p.address for p in peers}
+                for peer in peers:
+                    peer.start(startup_timeout, addresses)
+                outcomes = _train_all(trainers, progress)
+                params = [[p.detach() for _, p in peer.gossiped] for peer in peers]
             average = [torch.stack(group).mean(dim=0) for group in zip(*params, strict=True)]
             mean_vector = flat(average)
             distances = [float((flat(ps) - mean_vector).pow(2).sum()) for ps in params]
@@ -213,6 +210,207 @@ def run_simulation(
                 peer.close()
             if server is not None:
                 server.stop()
+
+
+MAX_WORKERS = 64
+WORKER_START_SECONDS = 120.0  # a worker process imports torch and builds its peers in this
+
+
+def _check_workers(workers: int, topology: Topology, authenticate: bool) -> None:
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+        raise ValueError(f"workers: expected an integer in [1, {MAX_WORKERS}], got {workers!r}")
+    if workers > topology.n:
+        raise ValueError(
+            f"workers: {workers} worker processes for {topology.n} peers; expected at most one "
+            "per peer"
+        )
+    if authenticate:
+        raise ValueError(
+            "workers with --authenticate: the throwaway signing keys live in one process; "
+            "expected --workers 1 (or real peers with their own --key files)"
+        )
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """Everything a process needs to build and train its share of the simulated peers."""
+
+    config: TrainConfig
+    topology: Topology
+    tls_files: Sequence[TlsFiles | None]
+    coordinator: str | None  # the coordinator's address
+    report_every: int
+    link_rates: LinkRates | None
+    checkpoints: CheckpointPolicy | None
+    startup_timeout: float
+
+    def build_peers(
+        self,
+        ranks: Iterable[int],
+        data: DigitsSplit,
+        keys: Sequence[PeerKeys | None],
+        into: list[Peer],
+    ) -> None:
+        """A peer per rank on a loopback port, appended to `into` as each is made (so the
+        caller closes those made when a later one fails)."""
+        for rank in ranks:
+            into.append(
+                Peer.over_grpc(
+                    build_config_model(self.config, data),
+                    self.topology,
+                    rank,
+                    build_algorithm(self.config, self.topology, rank),
+                    bind="127.0.0.1:0",
+                    options=GrpcOptions(tls=self.tls_files[rank], keys=keys[rank]),
+                    round_timeout=self.config.round_timeout,
+                    ready=self.checkpoints is None,
+                    gossip_buffers=self.config.gossip_buffers,
+                    link_rates=self.link_rates,
+                )
+            )
+
+    def clients(self, peers: Sequence[Peer]) -> list[CoordinatorClient]:
+        if self.coordinator is None:
+            return []
+        return [
+            CoordinatorClient(
+                self.coordinator,
+                peer,
+                self.config.group_compressor,
+                report_every=self.report_every,
+                tls=self.tls_files[peer.rank],
+            )
+            for peer in peers
+        ]
+
+    def trainers(
+        self, peers: Sequence[Peer], clients: Sequence[CoordinatorClient], data: DigitsSplit
+    ) -> list[PeerTrainer]:
+        return [
+            _trainer(peer, data, self.config, self.checkpoints, clients[i] if clients else None)
+            for i, peer in enumerate(peers)
+        ]
+
+
+def _blocks(n: int, workers: int) -> list[range]:
+    """Ranks 0..n-1 in `workers` contiguous blocks of nearly equal size (neighbours on a ring
+    mostly share a process)."""
+    bounds = [round(i * n / workers) for i in range(workers + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def _train_in_workers(
+    setup: _Setup, workers: int, progress: ProgressCallback | None
+) -> tuple[list[PeerOutcome], list[list[torch.Tensor]]]:
+    """Train the peers in `workers` spawned processes; their outcomes and final gossiped
+    tensors in rank order. A worker that fails stops the others, and its error is raised."""
+    context = multiprocessing.get_context("spawn")
+    pipes, processes = [], []
+    try:
+        for ranks in _blocks(setup.topology.n, workers):
+            mine, theirs = context.Pipe()
+            process = context.Process(
+                target=_worker, args=(setup, ranks, theirs), name=f"gossipcomp-worker-{ranks[0]}"
+            )
+            process.start()
+            theirs.close()
+            pipes.append(mine)
+            processes.append(process)
+        addresses: dict[int, str] = {}
+        for pipe, process in zip(pipes, processes, strict=True):
+            addresses.update(_expect(pipe, process, "addresses", WORKER_START_SECONDS))
+        for pipe in pipes:
+            pipe.send(addresses)
+        outcomes: dict[int, PeerOutcome] = {}
+        params: dict[int, list[torch.Tensor]] = {}
+        waiting = dict(zip(pipes, processes, strict=True))
+        while waiting:
+            for pipe in multiprocessing.connection.wait(list(waiting)):
+                process = waiting[pipe]  # type: ignore[index]
+                kind, *message = _receive(pipe, process)
+                if kind == "progress":
+                    if progress is not None:
+                        progress(*message)
+                elif kind == "done":
+                    outcomes.update(message[0])
+                    for rank, arrays in message[1].items():
+                        params[rank] = [torch.from_numpy(a) for a in arrays]
+                    del waiting[pipe]  # type: ignore[arg-type]
+                else:
+                    raise message[0]
+        for process in processes:
+            process.join()
+        order = range(setup.topology.n)
+        return [outcomes[r] for r in order], [params[r] for r in order]
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        for process in processes:
+            process.join(5)
+        for pipe in pipes:
+            pipe.close()
+
+
+def _receive(pipe: Connection, process: BaseProcess) -> tuple[Any, ...]:
+    try:
+        return pipe.recv()
+    except EOFError:
+        process.join(5)
+        raise RuntimeError(
+            f"{process.name} ended (exit code {process.exitcode}) without reporting"
+        ) from None
+
+
+def _expect(pipe: Connection, process: BaseProcess, kind: str, seconds: float) -> Any:
+    """The worker's next message, which must be `kind`; its error raised when it failed."""
+    if not pipe.poll(seconds):
+        raise RuntimeError(f"{process.name}: nothing heard in {seconds:g} s")
+    got, *message = _receive(pipe, process)
+    if got == "error":
+        raise message[0]
+    if got != kind:
+        raise RuntimeError(f"{process.name}: expected {kind!r}, got {got!r}")
+    return message[0]
+
+
+def _worker(setup: _Setup, ranks: range, pipe: Connection) -> None:
+    """One worker process: build its peers, trade addresses through the parent, train, and
+    send back outcomes and final tensors (or the error that stopped it)."""
+    torch.set_num_threads(1)
+    lock = threading.Lock()
+
+    def send(*message: Any) -> None:
+        with lock:
+            pipe.send(message)
+
+    peers: list[Peer] = []
+    clients: list[CoordinatorClient] = []
+    try:
+        data = load_data(setup.config)
+        setup.build_peers(ranks, data, [None] * setup.topology.n, peers)
+        send("addresses", {p.rank: p.address for p in peers})
+        addresses = pipe.recv()
+        clients = setup.clients(peers)
+        trainers = setup.trainers(peers, clients, data)
+        for peer in peers:
+            peer.start(setup.startup_timeout, addresses)
+        outcomes = _train_all(trainers, lambda rank, r: send("progress", rank, r))
+        # as numpy arrays: torch would share tensors through file descriptors that close with
+        # this process
+        params = {p.rank: [t.detach().numpy().copy() for _, t in p.gossiped] for p in peers}
+        send("done", {o.rank: o for o in outcomes}, params)
+    except BaseException as error:  # sent to the parent, which raises it
+        try:
+            send("error", error)
+        except Exception:  # an error that does not pickle: its text does
+            send("error", RuntimeError(f"{type(error).__name__}: {error}"))
+    finally:
+        for client in clients:
+            client.close()
+        for peer in peers:
+            peer.close()
+        pipe.close()
 
 
 @contextmanager
