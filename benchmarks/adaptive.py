@@ -171,7 +171,8 @@ class Run:
     bytes_sent_total: int
     compute_seconds_per_round: list[float]  # per peer
     link_levels: list[dict[str, Any]]  # every end's {reporter, round, link, level}
-    budgets: list[float] = field(default_factory=list)  # budget_s of published schedules
+    # (effective round, budget_s) of the schedules in force, as the first peer saw them
+    budgets: list[tuple[int, float]] = field(default_factory=list)
     events: dict[str, float] = field(default_factory=dict)  # link events, seconds after start
     qdisc: list[str] = field(default_factory=list)
 
@@ -180,12 +181,27 @@ def _compute_per_round(rows: Sequence[dict[str, Any]]) -> list[float]:
     return [row["compute_seconds"] / max(1, row.get("gossip_rounds") or 1) for row in rows]
 
 
-def _budgets(report: dict[str, Any]) -> list[float]:
+def _budgets(report: dict[str, Any]) -> list[tuple[int, float]]:
+    """(effective round, round budget) of every schedule the report's first peer had in
+    force (every peer has the same ones); schedules without a budget are left out."""
+    rows = report.get("per_peer", [])
+    epochs = rows[0].get("schedule_epochs", []) if rows else report.get("schedule_epochs", [])
     return [
-        float(s["budget_s"])
-        for s in report.get("schedule_epochs", [])
+        (int(s["effective_round"]), float(s["budget_s"]))
+        for s in epochs
         if isinstance(s, dict) and s.get("budget_s")
     ]
+
+
+def budget_in_force(budgets: Sequence[tuple[int, float]], start: int, end: int) -> float | None:
+    """The mean over rounds start+1..end of the budget in force at each (None when no
+    schedule with a budget was in force by then)."""
+    in_force = []
+    for r in range(start + 1, end + 1):
+        current = [b for effective, b in budgets if effective <= r]
+        if current:
+            in_force.append(current[-1])
+    return sum(in_force) / len(in_force) if in_force else None
 
 
 def _levels(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -221,7 +237,7 @@ def from_peer_reports(reports: Sequence[dict[str, Any]]) -> Run:
         bytes_sent_total=sum(int(r["bytes_sent_total"]) for r in reports),
         compute_seconds_per_round=_compute_per_round(rows),
         link_levels=levels,
-        budgets=[b for report in reports for b in _budgets(report)],
+        budgets=_budgets(reports[0]),
     )
 
 
@@ -448,8 +464,9 @@ def summarise(configuration: Configuration, run: Run, w: Workload) -> dict[str, 
     }
     if configuration.adaptive:
         timeline = level_timeline(run)
-        budget = w.round_budget or (run.budgets[-1] if run.budgets else None)
-        source = "--round-budget" if w.round_budget else "published schedule"
+        settled = w.change_round + w.settle_rounds
+        budget = w.round_budget or budget_in_force(run.budgets, settled, rounds_done)
+        source = "--round-budget" if w.round_budget else "published schedules (mean after settling)"
         if budget is None:  # the coordinator's default: the slowest peer's compute per round
             budget, source = max(run.compute_seconds_per_round), "slowest peer's compute/round"
         comm = None if after is None else after - compute
