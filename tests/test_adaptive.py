@@ -239,7 +239,9 @@ def _throttled_ring(rates: LinkRates) -> list[Peer]:
     return peers
 
 
-def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_when_it_recovers():
+def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_when_it_recovers(
+    one_thread,
+):
     """ring4 over the throttled transport, a coordinator choosing levels every 2 rounds within
     a 60 ms budget. Link 0-1 drops from 16 to 1.6 Mbit/s at round 16 and recovers at round 40.
     Its rank falls to one whose transfers fit the slow link within 12 rounds, and its transfer
@@ -339,3 +341,41 @@ def test_boost_raises_the_links_of_a_critical_peer_one_level(boost):
     levels = {(x.low, x.high): x.level for x in coordinator.published[-1].links}
     boosted = 16 if boost else 8
     assert levels == {(0, 1): 8, (0, 3): 8, (1, 2): boosted, (2, 3): boosted}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"budget_s": float("nan")}, "budget_s"),
+        ({"budget_s": -1.0}, "budget_s"),
+        ({"links": (LinkLevel(1, 2, 1), LinkLevel(0, 1, 1))}, "sorted"),
+        ({"links": (LinkLevel(0, 1, 1), LinkLevel(0, 1, 2))}, "at most once"),
+    ],
+)
+def test_schedule_links_and_budget_out_of_range_are_refused(values, message):
+    with pytest.raises(ScheduleRefused, match=message):
+        Schedule(1, 5, **values)
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "level", "message"),
+    [
+        (1, 1, 2, "lower rank first"),
+        (2, 1, 2, "lower rank first"),
+        (0, 1, 0, "level 0"),
+        (0, 1, 1 << 21, "level"),
+        (-1, 1, 1, "low"),
+    ],
+)
+def test_a_link_level_out_of_range_is_refused(low, high, level, message):
+    with pytest.raises(ScheduleRefused, match=message):
+        LinkLevel(low, high, level)
+
+
+def test_link_levels_survive_the_schedule_dict_and_older_dicts_without_them_load():
+    schedule = _levels_schedule(3, 9, {(0, 1): 4, (2, 3): 1})
+    assert Schedule.from_dict(schedule.to_dict()) == schedule
+    old = {"epoch": 1, "effective_round": 2, "planner": "single", "groups": []}
+    assert Schedule.from_dict(old).links == ()
+    with pytest.raises(ScheduleRefused, match=r"\[low, high, level\]"):
+        Schedule.from_dict({**old, "links": [[0, 1]]})
