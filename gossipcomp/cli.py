@@ -144,6 +144,22 @@ def _add_tls_flags(parser: argparse.ArgumentParser, who: str) -> None:
     )
 
 
+def _workers(text: str) -> str | int:
+    return text if text == "auto" else integer("worker processes", 1, MAX_WORKERS)(text)
+
+
+def _worker_count(workers: str | int, peers: int, authenticate: bool) -> int:
+    """`--workers`, with auto resolved: a process per usable core while each gets at least
+    four peers (fewer peers gain less than a process costs to start), and one when messages
+    are signed (the throwaway keys live in one process)."""
+    if workers != "auto":
+        return int(workers)
+    if authenticate:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, peers // 4, MAX_WORKERS))
+
+
 def _link_change(text: str) -> RateChange:
     try:
         return RateChange.parse(text)
@@ -522,10 +538,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument(
         "--workers",
-        type=integer("worker processes", 1, MAX_WORKERS),
-        default=1,
+        type=_workers,
+        default="auto",
         help="spread the peers over this many processes (blocks of ranks; they talk gRPC on "
-        "loopback): one interpreter per core instead of one for all peers",
+        "loopback): one interpreter per core instead of one for all peers; auto: one per "
+        "usable core, at least 4 peers each (1 with --authenticate)",
     )
     coord = sim.add_argument_group("coordinator")
     coord.add_argument(
@@ -881,7 +898,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                 checkpoints=checkpoints,
                 tls=args.tls,
                 authenticate=args.authenticate,
-                workers=args.workers,
+                workers=_worker_count(args.workers, topology.n, args.authenticate),
                 coordinator=(
                     _coordinator(args, topology) if args.coordinator or args.adaptive else None
                 ),
