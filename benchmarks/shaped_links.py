@@ -167,7 +167,7 @@ def _tbf(mbit: float) -> list[str]:
     return ["tbf", "rate", f"{mbit:g}mbit", "burst", str(burst), "latency", f"{QUEUE_LATENCY_MS}ms"]
 
 
-def _check_mbit(mbit: float, what: str) -> float:
+def check_mbit(mbit: float, what: str) -> float:
     if (
         isinstance(mbit, bool)
         or not isinstance(mbit, int | float)
@@ -196,7 +196,7 @@ class ShapedNetwork:
         self.n = n
         self.edges: tuple[Edge, ...] = tuple(keys)
         self.control = control
-        self._start_mbit = _check_mbit(mbit, "link rate")
+        self._start_mbit = check_mbit(mbit, "link rate")
         self.rates: dict[Edge, float] = {}
         self._prefix = f"{PREFIX}{os.getpid()}n{next(_serials)}"
         self._made: list[str] = []
@@ -326,7 +326,7 @@ class ShapedNetwork:
         key = edge(*link)
         if key not in self.rates:
             raise ValueError(f"link {key[0]}-{key[1]}: not an edge of this network")
-        mbit = _check_mbit(mbit, f"link {key[0]}-{key[1]} rate")
+        mbit = check_mbit(mbit, f"link {key[0]}-{key[1]} rate")
         a, b = key
         self._tc(a, "change", f"n{b}", mbit)
         self._tc(b, "change", f"n{a}", mbit)
@@ -473,8 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0.1 <= args.seconds <= 600:
         parser.error(f"--seconds: expected 0.1 to 600, got {args.seconds}")
     try:
-        _check_mbit(args.mbit, "--mbit")
-        _check_mbit(args.to_mbit, "--to-mbit")
+        check_mbit(args.mbit, "--mbit")
+        check_mbit(args.to_mbit, "--to-mbit")
     except ValueError as error:
         parser.error(str(error))
     try:

@@ -25,7 +25,7 @@ import shaped_links  # noqa: E402
 FIELDS = {
     "time_to_090", "round_reached_090", "final_accuracy", "min_final_accuracy", "round_seconds",
     "round_seconds_before_change", "round_seconds_after_change", "compute_seconds_per_round",
-    "bytes_sent_total", "bytes_per_round", "history", "change_seconds",
+    "bytes_sent_total", "bytes_per_round", "history", "change_seconds", "failed_exchanges",
 }  # fmt: skip
 ADAPTIVE_FIELDS = {
     "link_levels", "final_levels", "level_changes_one_end_only", "budget_seconds",
@@ -110,6 +110,7 @@ def test_throttled_comparison_runs_end_to_end(tmp_path: Path) -> None:
     assert names == ["dpsgd", "rank=1", "rank=4", "adaptive"]
     for result in report["configurations"]:
         _check_configuration(result, 45, 15)
+        assert result["failed_exchanges"] == 0  # slow links are slow, never down
     by_name = {r["name"]: r for r in report["configurations"]}
     # D-PSGD sends the whole model every round: more bytes than any compressed run, and its
     # rounds slow down when the link drops (the others' payloads fit the slow link)
