@@ -14,6 +14,7 @@ from gossipcomp.compress.dense import BFloat16, Float16, Identity
 from gossipcomp.compress.feedback import ErrorFeedback
 from gossipcomp.compress.quantize import QSGD, TernGrad
 from gossipcomp.compress.registry import COMPRESSORS, parameters, parse_spec
+from gossipcomp.compress.segmented import Segmented, per_segment
 from gossipcomp.compress.sign import OneBit, Sign
 from gossipcomp.compress.sparse import DGC, RandomK, TopK
 
@@ -31,9 +32,11 @@ __all__ = [
     "OneBit",
     "PayloadError",
     "RandomK",
+    "Segmented",
     "Sign",
     "TernGrad",
     "TopK",
     "parameters",
     "parse_spec",
+    "per_segment",
 ]

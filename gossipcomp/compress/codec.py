@@ -16,6 +16,7 @@ from typing import ClassVar
 import numpy
 import torch
 
+from gossipcomp.compress import kernels
 from gossipcomp.compress.base import Compressed, CompressionContext, PayloadError
 
 Device = torch.device | str | None
@@ -119,6 +120,16 @@ def check_scale(value: float, codec: str, what: str, nonnegative: bool = True) -
         raise PayloadError(f"{codec} payload {what}: expected {want}, got {value!r}")
 
 
+def check_scales(values: numpy.ndarray, codec: str, what: str, nonnegative: bool = True) -> None:
+    """`check_scale` for an array of scales (one per segment): names the first bad one."""
+    bad = ~numpy.isfinite(values)
+    if nonnegative:
+        bad |= values < 0
+    if bad.any():
+        index = int(numpy.flatnonzero(bad)[0])
+        check_scale(float(values[index]), codec, f"{what} of segment {index}", nonnegative)
+
+
 # a cautious gossip step for a compressor whose own step was never measured
 DEFAULT_CONSENSUS_STEP = 0.1
 
@@ -130,6 +141,12 @@ def as_float32(value: float) -> float:
     if math.isfinite(value) and abs(value) > FLOAT32_MAX:
         return math.copysign(math.inf, value)
     return float(numpy.float32(value))
+
+
+def as_float32_array(values: numpy.ndarray) -> numpy.ndarray:
+    """`as_float32` element-wise: beyond float32's range a value becomes +-Inf."""
+    with numpy.errstate(over="ignore"):
+        return numpy.asarray(values, dtype=numpy.float64).astype(numpy.float32)
 
 
 def resolve_device(device: Device) -> torch.device:
@@ -156,6 +173,9 @@ class Codec:
     contractive: ClassVar[bool] = True
     summable: ClassVar[bool] = False
     sparsifying: ClassVar[bool] = False
+    # float32 statistics of the values (a scale, two means) the payload carries; a merged buffer
+    # carries them once per segment (compress/segmented.py); 0: the codec has none
+    segment_scalars: ClassVar[int] = 0
 
     @property
     def codec(self) -> str:
@@ -206,6 +226,80 @@ class Codec:
         flat = self._decode(reader, numel, ctx, resolve_device(device))
         return flat.view(shape)
 
+    # --- merged buffers with statistics per segment (compress/segmented.py) -------------------
+
+    def segmented_wire_bytes(self, segments: kernels.Segments) -> int:
+        """Exact payload size for a merged buffer: the statistics once per segment, then the
+        element data as for one tensor of the buffer's size."""
+        extra = 4 * self.segment_scalars * (len(segments) - 1)
+        return self.wire_bytes(segments.numel) + extra
+
+    def compress_segments(
+        self, tensor: torch.Tensor, segments: kernels.Segments, ctx: CompressionContext
+    ) -> Compressed:
+        """Compress a merged buffer whose statistics are taken per segment."""
+        self._require_segments()
+        if not tensor.is_floating_point():
+            raise TypeError(f"{self.name} compresses floating-point tensors, got {tensor.dtype}")
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() != segments.numel:
+            raise ValueError(
+                f"{self.name} per segment: the segments cover {segments.numel} elements, "
+                f"got a tensor of {flat.numel()}"
+            )
+        writer = PayloadWriter(self.segmented_wire_bytes(segments))
+        self._encode_segments(flat, segments, ctx, writer)
+        return Compressed(segmented_codec(self.codec), tuple(tensor.shape), writer.finish())
+
+    def decompress_segments(
+        self,
+        compressed: Compressed,
+        segments: kernels.Segments,
+        ctx: CompressionContext,
+        device: Device = None,
+    ) -> torch.Tensor:
+        """Validate a merged buffer's payload and rebuild it (see compress_segments)."""
+        self._require_segments()
+        codec = segmented_codec(self.codec)
+        if compressed.codec != codec:
+            raise PayloadError(f"codec: expected {codec!r}, got {compressed.codec!r}")
+        shape = _checked_shape(compressed.shape, codec)
+        if math.prod(shape) != segments.numel:
+            raise PayloadError(
+                f"{codec} shape: expected {segments.numel} elements, got {math.prod(shape)}"
+            )
+        want = self.segmented_wire_bytes(segments)
+        if compressed.nbytes != want:
+            raise PayloadError(
+                f"{codec} payload length for {len(segments)} segments of {segments.numel} "
+                f"elements: expected {want} bytes, got {compressed.nbytes}"
+            )
+        reader = PayloadReader(compressed.data)
+        flat = self._decode_segments(reader, segments, ctx, resolve_device(device))
+        return flat.view(shape)
+
+    def _require_segments(self) -> None:
+        if not self.segment_scalars:
+            raise TypeError(f"{self.name} keeps no statistics to take per segment")
+
+    def _encode_segments(
+        self,
+        flat: torch.Tensor,
+        segments: kernels.Segments,
+        ctx: CompressionContext,
+        out: PayloadWriter,
+    ) -> None:
+        raise NotImplementedError
+
+    def _decode_segments(
+        self,
+        payload: PayloadReader,
+        segments: kernels.Segments,
+        ctx: CompressionContext,
+        device: torch.device,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
     def _encode(self, flat: torch.Tensor, ctx: CompressionContext, out: PayloadWriter) -> None:
         """Write the payload of the 1-D tensor `flat` (any float dtype, not yet float32)."""
         raise NotImplementedError
@@ -228,6 +322,11 @@ def _checked_shape(shape: object, codec: str) -> tuple[int, ...]:
     if not valid:
         raise PayloadError(f"{codec} shape: expected non-negative integers, got {shape!r}")
     return dims
+
+
+def segmented_codec(codec: str) -> str:
+    """The wire codec id of `codec` with its statistics per segment of a merged buffer."""
+    return f"{codec}/segments"
 
 
 def format_value(value: object) -> str:

@@ -14,7 +14,8 @@ the random stream of `stochastic_levels` differs between them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+import operator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -160,14 +161,15 @@ def abs_max(flat: torch.Tensor, use_numpy: bool | None = None) -> float:
 
 def stochastic_levels(
     flat: torch.Tensor,
-    factor: float,
+    factor: float | PerSegment,
     levels: int,
     seed_source: torch.Generator | int,
     planes: torch.Tensor,
 ) -> None:
     """Write the sign plane and level planes of l_i = min(levels, floor(factor |x_i| + u_i)).
 
-    u_i uniform in [0, 1), so E[l_i] = factor |x_i| wherever that is <= levels. `seed_source`
+    u_i uniform in [0, 1), so E[l_i] = factor |x_i| wherever that is <= levels; `factor` is one
+    number, or one per segment of a merged buffer (`PerSegment`). `seed_source`
     picks the path: a torch.Generator on flat's device for torch ops, or an int seed for the
     numpy path on a CPU tensor, where each span draws from its own PCG64 stream seeded with
     (seed, span start), so the result does not depend on which thread ran it (numpy's raw bits
@@ -178,16 +180,20 @@ def stochastic_levels(
     bits = bitpack.bits_for(levels + 1)
     if isinstance(seed_source, torch.Generator):
         uniform = torch.rand(numel, generator=seed_source, device=flat.device)
-        level = flat.abs().to(torch.float32).mul_(factor).add_(uniform).floor_()
+        scale = factor.expand(flat.device) if isinstance(factor, PerSegment) else factor
+        level = flat.abs().to(torch.float32).mul_(scale).add_(uniform).floor_()
         level = level.clamp_(max=levels).to(torch.uint8)
         planes[0].copy_(bitpack.pack(flat < 0, 1))
         planes[1:].copy_(bitpack.pack(level, bits).view(bits, -1))
         return
     target = planes.numpy()
-    factor32 = numpy.float32(factor)
 
     def work(start: int, end: int) -> None:
         chunk = as_numpy(flat[start:end])
+        if isinstance(factor, PerSegment):
+            factor32 = factor.segments.repeat(factor.values, start, end)
+        else:
+            factor32 = numpy.float32(factor)
         scaled = numpy.multiply(numpy.abs(chunk), factor32, dtype=numpy.float32)
         # 1 + u with u uniform on a 2**-23 grid in [0, 1): 23 random bits under a float32 exponent
         raw = numpy.random.PCG64([seed_source, start]).random_raw((end - start + 1) // 2)
@@ -282,3 +288,156 @@ def add_into(target: torch.Tensor, source: torch.Tensor, alpha: float = 1.0) -> 
             numpy.add(out, numpy.multiply(addend, factor), out=out, casting="same_kind")
 
     map_spans(flat_target.numel(), work)
+
+
+# --- merged buffers: statistics and scales per segment ---------------------------------------
+
+
+class Segments:
+    """Consecutive runs of a flat buffer: the tensors of a merged group, in order.
+
+    Codecs that keep a statistic per segment (compress/segmented.py) reduce and expand per span
+    as the other kernels do: `overlapping` says which segments a span touches and how many of
+    its elements each holds, so no pass needs a temporary of the whole buffer.
+    """
+
+    def __init__(self, numels: Sequence[int]) -> None:
+        sizes = numpy.asarray([operator.index(n) for n in numels], dtype=numpy.int64)
+        if sizes.size == 0 or (sizes < 0).any():
+            raise ValueError(f"segments: expected one or more sizes >= 0, got {list(numels)[:8]}")
+        self.numels = sizes
+        self.ends = numpy.cumsum(sizes)
+        self.starts = self.ends - sizes
+        self.numel = int(self.ends[-1])
+
+    def __len__(self) -> int:
+        return int(self.numels.size)
+
+    def overlapping(self, start: int, end: int) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """Indices of the non-empty segments that [start, end) touches, in order, and how many
+        of their elements lie in it (together end - start)."""
+        first = int(numpy.searchsorted(self.ends, start, side="right"))
+        last = int(numpy.searchsorted(self.starts, end, side="left"))
+        ids = numpy.arange(first, max(first, last))
+        counts = numpy.minimum(self.ends[ids], end) - numpy.maximum(self.starts[ids], start)
+        keep = counts > 0
+        return ids[keep], counts[keep]
+
+    def repeat(self, values: numpy.ndarray, start: int, end: int) -> numpy.ndarray:
+        """values[segment of i] for every element i in [start, end)."""
+        ids, counts = self.overlapping(start, end)
+        return numpy.repeat(values[ids], counts)
+
+    def ids(self, device: torch.device) -> torch.Tensor:
+        """The segment of every element, as an int64 tensor on `device` (torch path)."""
+        sizes = torch.from_numpy(self.numels).to(device)
+        return torch.repeat_interleave(torch.arange(len(self), device=device), sizes)
+
+
+@dataclass(frozen=True)
+class PerSegment:
+    """One float32 value per segment of a merged buffer (a factor, a scale)."""
+
+    segments: Segments
+    values: numpy.ndarray  # float32, one per segment
+
+    def expand(self, device: torch.device) -> torch.Tensor:
+        """The value of every element's segment, on `device` (torch path)."""
+        values = torch.from_numpy(numpy.ascontiguousarray(self.values, numpy.float32))
+        return values.to(device)[self.segments.ids(device)]
+
+
+# statistic -> (element-wise transform, reduction); sums are float32 per piece (pairwise),
+# redone in float64 where float32 overflows, and accumulated over spans in float64
+_SEGMENT_STATISTICS: dict[str, tuple[Callable[[numpy.ndarray], numpy.ndarray], numpy.ufunc]] = {
+    "abs_sum": (numpy.abs, numpy.add),
+    "square_sum": (numpy.square, numpy.add),
+    "positive_sum": (lambda x: numpy.maximum(x, 0), numpy.add),
+    "negative_sum": (lambda x: numpy.minimum(x, 0), numpy.add),
+    "negatives": (lambda x: numpy.less(x, 0).astype(numpy.float32), numpy.add),
+    "abs_max": (numpy.abs, numpy.maximum),
+}
+
+_TORCH_TRANSFORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "abs_sum": torch.abs,
+    "square_sum": torch.square,
+    "positive_sum": lambda x: x.clamp(min=0),
+    "negative_sum": lambda x: x.clamp(max=0),
+    "negatives": lambda x: (x < 0).to(x.dtype),
+    "abs_max": torch.abs,
+}
+
+
+def segment_statistic(
+    flat: torch.Tensor, segments: Segments, statistic: str, use_numpy: bool | None = None
+) -> numpy.ndarray:
+    """One float64 statistic per segment of the 1-D `flat` (0 for an empty segment): the sum of
+    |x|, of x^2, of the positive or of the negative entries, the count of negative entries, or the
+    largest |x| (NaN where a segment holds NaN), in one pass."""
+    transform, reduction = _SEGMENT_STATISTICS[statistic]
+    if flat.numel() != segments.numel:
+        raise ValueError(f"segments cover {segments.numel} elements, got {flat.numel()}")
+    result = numpy.zeros(len(segments), dtype=numpy.float64)
+    if not use_numpy_for(flat, use_numpy):
+        x = flat.detach().to(torch.float64)
+        values = _TORCH_TRANSFORMS[statistic](x)
+        reduce = "sum" if reduction is numpy.add else "amax"
+        out = torch.zeros(len(segments), dtype=torch.float64, device=flat.device)
+        out.scatter_reduce_(0, segments.ids(flat.device), values, reduce, include_self=True)
+        return out.cpu().numpy()
+
+    def work(start: int, end: int) -> tuple[numpy.ndarray, numpy.ndarray]:
+        ids, counts = segments.overlapping(start, end)
+        cuts = numpy.concatenate(([0], numpy.cumsum(counts)[:-1]))
+        chunk = as_numpy(flat[start:end])
+        with numpy.errstate(over="ignore", invalid="ignore"):
+            pieces = reduction.reduceat(transform(chunk), cuts)
+            if reduction is numpy.add and not numpy.isfinite(pieces).all():
+                pieces = reduction.reduceat(transform(chunk.astype(numpy.float64)), cuts)
+        return ids, pieces.astype(numpy.float64)
+
+    with numpy.errstate(invalid="ignore"):  # NaN stays NaN, as abs_max's does
+        for ids, pieces in map_spans(flat.numel(), work):
+            reduction.at(result, ids, pieces)
+    return result
+
+
+def expand_plane_segments(
+    plane: torch.Tensor,
+    segments: Segments,
+    clear: numpy.ndarray,
+    set_: numpy.ndarray,
+    device: torch.device,
+    use_numpy: bool | None = None,
+) -> torch.Tensor:
+    """Like `expand_plane` with a pair of values per segment: element i becomes clear[s] where
+    its bit is 0 and set_[s] where it is 1, s its segment (a fresh float32 tensor)."""
+    numel = segments.numel
+    clear32 = numpy.asarray(clear, dtype=numpy.float32)
+    set32 = numpy.asarray(set_, dtype=numpy.float32)
+    if not (device.type == "cpu" if use_numpy is None else use_numpy):
+        bits = bitpack.unpack(plane.to(device), 1, numel).bool()
+        chosen = PerSegment(segments, set32).expand(device)
+        return torch.where(bits, chosen, PerSegment(segments, clear32).expand(device))
+    # products with 0, 1 or -1 are exact, so each value is exactly its segment's clear or set
+    # value (numpy's masked selections are several times slower than this arithmetic)
+    opposite = bool(numpy.array_equal(set32, -clear32))
+    table = bitpack.plane_table(1.0, -1.0 if opposite else 0.0).numpy()
+    out = torch.empty(bitpack.plane_bytes(numel) * 8, dtype=torch.float32)
+    source, target = plane.numpy(), out.numpy()
+
+    def work(start: int, end: int) -> None:
+        rows = slice(start // 8, bitpack.plane_bytes(end))
+        numpy.take(table, source[rows], axis=0, out=target.reshape(-1, 8)[rows], mode="clip")
+        values = target[start:end]  # +-1 (opposite) or 1 where the bit is clear, 0 where set
+        clear_values = segments.repeat(clear32, start, end)
+        if opposite:
+            numpy.multiply(values, clear_values, out=values)
+            return
+        set_part = segments.repeat(set32, start, end)
+        numpy.multiply(set_part, numpy.subtract(1, values), out=set_part)
+        numpy.multiply(values, clear_values, out=values)
+        numpy.add(values, set_part, out=values)
+
+    map_spans(numel, work)
+    return out[:numel].to(device)

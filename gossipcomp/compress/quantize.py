@@ -14,6 +14,11 @@ bits from least to most significant (see bitpack). 4 + (1 + b) P bytes.
 - terngrad: c = max |x_i|, s = 1 (values -c, 0, c): 4 + 2P bytes.
 The decoder refuses a non-finite or negative scale and levels above s (so a tensor whose scale
 exceeds float32's range, or holds NaN/Inf, yields a payload every receiver refuses).
+
+A merged buffer of S tensors (compress/segmented.py, codec "qsgd/segments", "terngrad/segments")
+carries one scale per tensor (its own ||x||_2 or max |x|), then the planes over the whole
+buffer: 4 S + (1 + b) P bytes; each element is quantised against its own tensor's scale, so
+the error bound holds per tensor: E||Q(x) - x||^2 <= max over tensors of beta(d_t) ||x||^2.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy
 import torch
 
 from gossipcomp.compress import bitpack, kernels
@@ -31,7 +37,10 @@ from gossipcomp.compress.codec import (
     PayloadReader,
     PayloadWriter,
     as_float32,
+    as_float32_array,
     check_scale,
+    check_scales,
+    segmented_codec,
 )
 
 MAX_LEVELS = 127  # 7 level bits; floor(s|x|/c + 1 + u) is computed in a byte on the CPU
@@ -43,12 +52,16 @@ class _StochasticLevels(Codec):
 
     unbiased: ClassVar[bool] = True
     contractive: ClassVar[bool] = False  # unbiased: contractive only once scaled
+    segment_scalars: ClassVar[int] = 1
 
     @property
     def _levels(self) -> int:
         raise NotImplementedError
 
     def _scale(self, flat: torch.Tensor) -> float:
+        raise NotImplementedError
+
+    def _segment_scales(self, flat: torch.Tensor, segments: kernels.Segments) -> numpy.ndarray:
         raise NotImplementedError
 
     @property
@@ -91,6 +104,50 @@ class _StochasticLevels(Codec):
             )
         return values
 
+    def _encode_segments(
+        self,
+        flat: torch.Tensor,
+        segments: kernels.Segments,
+        ctx: CompressionContext,
+        out: PayloadWriter,
+    ) -> None:
+        numel, bits, levels = flat.numel(), self._level_bits, self._levels
+        scale_slots = out.section(torch.float32, len(segments))
+        planes = out.section(torch.uint8, (1 + bits) * bitpack.plane_bytes(numel))
+        planes = planes.view(1 + bits, -1)
+        scales = as_float32_array(self._segment_scales(flat, segments))  # what receivers use
+        scale_slots.copy_(torch.from_numpy(scales))
+        if not numpy.isfinite(scales).all():  # a non-finite input: every receiver refuses it
+            planes.zero_()
+            return
+        factors = numpy.divide(
+            float(levels), scales, out=numpy.zeros_like(scales), where=scales > 0
+        )  # a segment of zeros: factor 0, level 0 everywhere
+        seed = ctx.shared_seed() if flat.device.type == "cpu" else ctx.generator(flat.device)
+        kernels.stochastic_levels(flat, kernels.PerSegment(segments, factors), levels, seed, planes)
+
+    def _decode_segments(
+        self,
+        payload: PayloadReader,
+        segments: kernels.Segments,
+        ctx: CompressionContext,
+        device: torch.device,
+    ) -> torch.Tensor:
+        codec, numel = segmented_codec(self.codec), segments.numel
+        bits, levels = self._level_bits, self._levels
+        scales = payload.section(torch.float32, len(segments)).numpy().copy()
+        check_scales(scales, codec, "scale")
+        plane = bitpack.plane_bytes(numel)
+        packed = payload.section(torch.uint8, (1 + bits) * plane)
+        if not bitpack.padding_is_clear(packed, 1 + bits, numel):
+            raise PayloadError(f"{codec} payload bit-planes: expected zero padding bits")
+        steps = scales / numpy.float32(levels)
+        values = kernels.expand_plane_segments(packed[:plane], segments, steps, -steps, device)
+        largest = kernels.multiply_levels(values, packed[plane:].view(bits, -1), bits)
+        if largest > levels:
+            raise PayloadError(f"{codec} payload levels: expected at most {levels}, got {largest}")
+        return values
+
 
 @dataclass(frozen=True)
 class QSGD(_StochasticLevels):
@@ -119,6 +176,9 @@ class QSGD(_StochasticLevels):
     def _scale(self, flat: torch.Tensor) -> float:
         return kernels.l2_norm(flat)
 
+    def _segment_scales(self, flat: torch.Tensor, segments: kernels.Segments) -> numpy.ndarray:
+        return numpy.sqrt(kernels.segment_statistic(flat, segments, "square_sum"))
+
 
 @dataclass(frozen=True)
 class TernGrad(_StochasticLevels):
@@ -140,3 +200,6 @@ class TernGrad(_StochasticLevels):
 
     def _scale(self, flat: torch.Tensor) -> float:
         return kernels.abs_max(flat)
+
+    def _segment_scales(self, flat: torch.Tensor, segments: kernels.Segments) -> numpy.ndarray:
+        return kernels.segment_statistic(flat, segments, "abs_max")

@@ -6,6 +6,10 @@ a set bit marks x_i < 0, so sign(0) = +1 and -0.0 counts as 0):
   scale * sign(x); the squared error is exactly ||x||^2 - ||x||_1^2 / d.
 - onebit: float32 mean of the non-negative entries, float32 mean of the negative entries (0 when
   there are none), then the sign plane: 8 + P bytes. Decodes each entry to the mean of its side.
+
+A merged buffer of S tensors (compress/segmented.py, codec "sign/segments", "onebit/segments")
+carries these statistics once per tensor, segment by segment, then one sign plane over the whole
+buffer: 4 S + P bytes for sign, 8 S + P for onebit (the pair of means of each segment together).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy
 import torch
 
 from gossipcomp.compress import bitpack, kernels
@@ -22,10 +27,14 @@ from gossipcomp.compress.codec import (
     PayloadReader,
     PayloadWriter,
     as_float32,
+    as_float32_array,
     check_scale,
+    check_scales,
+    segmented_codec,
 )
 
 SIGN_CONSENSUS_STEP = 0.45  # Choco on ring8 digits (docs/benchmarks.md)
+_SIDES = ("positive", "negative")
 
 
 def _read_sign_plane(payload: PayloadReader, numel: int, codec: str) -> torch.Tensor:
@@ -41,6 +50,7 @@ class Sign(Codec):
 
     name: ClassVar[str] = "sign"
     unbiased: ClassVar[bool] = False
+    segment_scalars: ClassVar[int] = 1
 
     @property
     def consensus_step(self) -> float:
@@ -62,6 +72,31 @@ class Sign(Codec):
         plane = _read_sign_plane(payload, numel, self.codec)
         return kernels.expand_plane(plane, numel, scale, -scale, device)
 
+    def _encode_segments(
+        self,
+        flat: torch.Tensor,
+        segments: kernels.Segments,
+        ctx: CompressionContext,
+        out: PayloadWriter,
+    ) -> None:
+        scales = out.section(torch.float32, len(segments))
+        kernels.sign_pass(flat, out.section(torch.uint8, bitpack.plane_bytes(flat.numel())))
+        sums = kernels.segment_statistic(flat, segments, "abs_sum")
+        mean = sums / numpy.maximum(1, segments.numels)
+        scales.copy_(torch.from_numpy(as_float32_array(mean)))
+
+    def _decode_segments(
+        self,
+        payload: PayloadReader,
+        segments: kernels.Segments,
+        ctx: CompressionContext,
+        device: torch.device,
+    ) -> torch.Tensor:
+        scales = payload.section(torch.float32, len(segments)).numpy().copy()
+        check_scales(scales, segmented_codec(self.codec), "scale")
+        plane = _read_sign_plane(payload, segments.numel, segmented_codec(self.codec))
+        return kernels.expand_plane_segments(plane, segments, scales, -scales, device)
+
 
 @dataclass(frozen=True)
 class OneBit(Codec):
@@ -69,6 +104,7 @@ class OneBit(Codec):
 
     name: ClassVar[str] = "onebit"
     unbiased: ClassVar[bool] = False
+    segment_scalars: ClassVar[int] = 2
 
     @property
     def consensus_step(self) -> float:
@@ -93,3 +129,33 @@ class OneBit(Codec):
         check_scale(-negative, self.codec, "negated mean of the negative entries")
         plane = _read_sign_plane(payload, numel, self.codec)
         return kernels.expand_plane(plane, numel, positive, negative, device)
+
+    def _encode_segments(
+        self,
+        flat: torch.Tensor,
+        segments: kernels.Segments,
+        ctx: CompressionContext,
+        out: PayloadWriter,
+    ) -> None:
+        means = out.section(torch.float32, 2 * len(segments)).view(-1, 2)
+        kernels.sign_pass(flat, out.section(torch.uint8, bitpack.plane_bytes(flat.numel())))
+        negatives = kernels.segment_statistic(flat, segments, "negatives")
+        positives = segments.numels - negatives  # zeros count here: they add nothing
+        sums = [kernels.segment_statistic(flat, segments, f"{side}_sum") for side in _SIDES]
+        for column, (total, count) in enumerate(zip(sums, (positives, negatives), strict=True)):
+            mean = numpy.divide(total, count, out=numpy.zeros_like(total), where=count > 0)
+            means[:, column].copy_(torch.from_numpy(as_float32_array(mean)))
+
+    def _decode_segments(
+        self,
+        payload: PayloadReader,
+        segments: kernels.Segments,
+        ctx: CompressionContext,
+        device: torch.device,
+    ) -> torch.Tensor:
+        codec = segmented_codec(self.codec)
+        means = payload.section(torch.float32, 2 * len(segments)).numpy().reshape(-1, 2).copy()
+        check_scales(means[:, 0], codec, "mean of the non-negative entries")
+        check_scales(-means[:, 1], codec, "negated mean of the negative entries")
+        plane = _read_sign_plane(payload, segments.numel, codec)
+        return kernels.expand_plane_segments(plane, segments, means[:, 0], means[:, 1], device)

@@ -11,6 +11,11 @@ go through the per-parameter views and never depend on the grouping. Each group 
 compressor instance, so an error-feedback memory belongs to its group (key: receiver -1, the
 group's index) and is saved per parameter as well.
 
+A compressor whose decoded values hang on a statistic of its input (sign's mean |x|, QSGD's
+norm, ...) keeps that statistic per parameter inside a merged group (compress/segmented.py,
+`per_segment`): one scale over tensors of different magnitudes cost 2 to 3 accuracy points on
+a 102-tensor model; per tensor it costs 4 bytes per extra tensor and no extra call.
+
 The randomness of a compressed payload is derived from (seed, sender, round key, group index):
 both ends agree on it without sending it, as for single tensors before.
 """
@@ -23,7 +28,7 @@ from functools import partial
 
 import torch
 
-from gossipcomp.compress import ErrorFeedback, parse_spec
+from gossipcomp.compress import ErrorFeedback, parse_spec, per_segment
 from gossipcomp.compress.base import Compressed, Compressor
 from gossipcomp.compress.flat import FlatLayout
 from gossipcomp.gossip.base import NamedParams
@@ -63,15 +68,17 @@ class Grouping:
             check_cover(groups, names, contiguous=False)
             members = [tuple(sorted(position[n] for n in group.names)) for group in groups]
             specs = [group.compressor for group in groups]
-        self.groups = [
-            Group(
-                name=group_name([names[i] for i in indices]),
-                members=indices,
-                layout=FlatLayout.of([params[i][1] for i in indices]),
-                compressor=parse_spec(spec),
+        self.groups: list[Group] = []
+        for indices, spec in zip(members, specs, strict=True):
+            layout = FlatLayout.of([params[i][1] for i in indices])
+            self.groups.append(
+                Group(
+                    name=group_name([names[i] for i in indices]),
+                    members=indices,
+                    layout=layout,
+                    compressor=per_segment(parse_spec(spec), layout.numels),
+                )
             )
-            for indices, spec in zip(members, specs, strict=True)
-        ]
 
     def __len__(self) -> int:
         return len(self.groups)
