@@ -1,10 +1,11 @@
 """Bandwidth-adaptive compression: per link, the highest-fidelity level that fits a round budget.
 
 Each link's speed is estimated from the transfers training already makes (no probing traffic):
-the last `window` sends over the link, in either direction, fitted as latency + bytes x seconds
-per byte (`fit_line`, robust to outliers; when every send had the same size, the seconds per
-byte of the slowest recent send, latency 0). The window is short, so the estimate follows a link
-whose speed changes within a few rounds.
+each direction's last `window` sends, fitted as latency + bytes x seconds per byte (`fit_line`,
+robust to outliers; when every send had the same size, the seconds per byte of the slowest
+recent send, latency 0), and the same over the last half of them; the slower of the two counts,
+so a link that slows down shows within a few sends while one that speeds up must do so for the
+whole window.
 
 A level is a number on a ladder of one compressor family, from most compressed to none (for
 PowerGossip the rank: 1, 2, 4, ... up to the rank that averages every matrix exactly). For each
@@ -34,11 +35,11 @@ from gossipcomp.schedule.costs import LinkCost, check_sample, fit_line
 from gossipcomp.text import quoted
 
 MAX_LEVEL = 1 << 20  # a level (PowerGossip rank) beyond this is refused wherever it comes from
-DEFAULT_WINDOW = 6  # sends per link the estimate is fitted on
+DEFAULT_WINDOW = 8  # sends per link the estimate is fitted on (and on the last half of them)
 DEFAULT_RAISE_BELOW = 0.6  # a level goes up only when the higher one fits in 0.6 x budget
 DEFAULT_RAISE_AFTER = 3  # decisions in a row proposing a higher level before it is taken
 DEFAULT_LOWER_AFTER = 2  # and a lower one
-DEFAULT_DROP_AT = 2.0  # a level predicted over 2 x budget goes down at once
+DEFAULT_DROP_AT = 3.0  # a level predicted over 3 x budget goes down at once (noise: 2-3 x)
 
 Link = tuple[int, int]  # (lower rank, higher rank)
 
@@ -64,18 +65,29 @@ def rank_ladder(largest_useful: int) -> tuple[int, ...]:
 
 
 def estimate_link(samples: Sequence[tuple[int, float]], window: int = DEFAULT_WINDOW) -> LinkCost:
-    """Latency and seconds per byte of a link from its sends, oldest first (the last `window`
-    count); ValueError when there is none."""
+    """Latency and seconds per byte of a link from its sends, oldest first: the slower of the
+    fits over the last `window` sends and over the last half of them, compared at their mean
+    size. A link that slowed down shows within a few sends (a robust fit over the whole window
+    would take its first slow sends for outliers); one that sped up, only once the whole
+    window agrees. ValueError when there is no send."""
     recent = [check_sample(nbytes, seconds, "link estimate") for nbytes, seconds in samples]
     recent = [(b, s) for b, s in recent[-window:] if b > 0]
     if not recent:
         raise ValueError("link estimate: no send of at least one byte to estimate from")
-    sizes = [float(b) for b, _ in recent]
+    at = sum(b for b, _ in recent) / len(recent)
+    fits = (_fit(recent), _fit(recent[-max(2, window // 2) :]))
+    return max(fits, key=lambda cost: cost.seconds(at))
+
+
+def _fit(sends: Sequence[tuple[int, float]]) -> LinkCost:
+    """An alpha-beta fit of `sends` (robust to outliers), or, when they all have one size, the
+    slowest one's seconds per byte and no latency."""
+    sizes = [float(b) for b, _ in sends]
     if len(set(sizes)) >= 2:
-        latency, per_byte = fit_line(sizes, [s for _, s in recent], "link estimate")
+        latency, per_byte = fit_line(sizes, [s for _, s in sends], "link estimate")
         if per_byte > 0:
             return LinkCost(latency, per_byte)
-    return LinkCost(0.0, max(s / b for b, s in recent))
+    return LinkCost(0.0, max(s / b for b, s in sends))
 
 
 @dataclass(frozen=True)

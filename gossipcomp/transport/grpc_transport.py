@@ -99,7 +99,10 @@ class GrpcOptions:
     keys: PeerKeys | None = None  # sign and check every message with these keys (needs tls)
     clock_tolerance: float = DEFAULT_CLOCK_TOLERANCE  # seconds a signed timestamp may be off
     insecure: bool = False  # allow plaintext on an address other than loopback
-    first_chunk_timeout: float = 2.0  # seconds a stream has to send its header
+    # seconds a stream has to send its header (never beyond the stream's own deadline): on a
+    # slow link a header waits behind the previous envelope's bytes in the connection's
+    # buffers (10 Mbit/s and 4.5 MB envelopes: over 2 s, so 2 s failed exchanges there)
+    first_chunk_timeout: float = 10.0
     stream_timeout: float = 30.0  # seconds a stream has to deliver its whole envelope
     max_streams_per_caller: int = 8  # envelopes in flight per (sender, connection)
     max_streams_per_connection: int = 64  # HTTP/2 streams one connection may have open
