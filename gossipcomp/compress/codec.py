@@ -143,12 +143,6 @@ def as_float32(value: float) -> float:
     return float(numpy.float32(value))
 
 
-def as_float32_array(values: numpy.ndarray) -> numpy.ndarray:
-    """`as_float32` element-wise: beyond float32's range a value becomes +-Inf."""
-    with numpy.errstate(over="ignore"):
-        return numpy.asarray(values, dtype=numpy.float64).astype(numpy.float32)
-
-
 def resolve_device(device: Device) -> torch.device:
     return torch.device("cpu") if device is None else torch.device(device)
 

@@ -96,25 +96,30 @@ def take(flat: torch.Tensor, indices: numpy.ndarray) -> numpy.ndarray:
     return as_numpy(flat)[indices].astype(numpy.float32, copy=False)
 
 
-def sign_pass(flat: torch.Tensor, plane: torch.Tensor, use_numpy: bool | None = None) -> SignSums:
-    """Write the x < 0 bits of `flat` into the CPU uint8 `plane` and sum each side, in one pass.
+def sign_pass(
+    flat: torch.Tensor, plane: torch.Tensor | None, use_numpy: bool | None = None
+) -> SignSums:
+    """Write the x < 0 bits of `flat` into the CPU uint8 `plane` (None: no bits) and sum each
+    side, in one pass.
 
     Span sums are float32 (pairwise; float64 where float32 overflows), accumulated exactly.
     """
     if not use_numpy_for(flat, use_numpy):
         mask = flat < 0
-        plane.copy_(bitpack.pack(mask, 1))
+        if plane is not None:
+            plane.copy_(bitpack.pack(mask, 1))
         return SignSums(
             int(mask.sum()),
             float(flat.clamp(min=0).sum(dtype=torch.float64)),
             float(flat.clamp(max=0).sum(dtype=torch.float64)),
         )
-    target = plane.numpy()
+    target = None if plane is None else plane.numpy()
 
     def work(start: int, end: int) -> tuple[int, float, float]:
         chunk = as_numpy(flat[start:end])
         mask = numpy.less(chunk, 0)
-        target[start // 8 : bitpack.plane_bytes(end)] = bitpack.pack_numpy(mask, 1, True)[0]
+        if target is not None:
+            target[start // 8 : bitpack.plane_bytes(end)] = bitpack.pack_numpy(mask, 1, True)[0]
         side = numpy.maximum(chunk, 0)
         positive = _sum(side)
         negative = _sum(numpy.minimum(chunk, 0, out=side))
@@ -296,9 +301,10 @@ def add_into(target: torch.Tensor, source: torch.Tensor, alpha: float = 1.0) -> 
 class Segments:
     """Consecutive runs of a flat buffer: the tensors of a merged group, in order.
 
-    Codecs that keep a statistic per segment (compress/segmented.py) reduce and expand per span
-    as the other kernels do: `overlapping` says which segments a span touches and how many of
-    its elements each holds, so no pass needs a temporary of the whole buffer.
+    Codecs that keep a statistic per segment (compress/segmented.py) take it on each segment's
+    view with their one-tensor kernel (`views`), and expand per span as the other kernels do:
+    `overlapping` says which segments a span touches and how many of its elements each holds,
+    so no pass needs a temporary of the whole buffer.
     """
 
     def __init__(self, numels: Sequence[int]) -> None:
@@ -328,6 +334,12 @@ class Segments:
         ids, counts = self.overlapping(start, end)
         return numpy.repeat(values[ids], counts)
 
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each segment of the 1-D `flat` as a view (no copy)."""
+        if flat.numel() != self.numel:
+            raise ValueError(f"segments cover {self.numel} elements, got {flat.numel()}")
+        return list(torch.split(flat, self.numels.tolist()))
+
     def ids(self, device: torch.device) -> torch.Tensor:
         """The segment of every element, as an int64 tensor on `device` (torch path)."""
         sizes = torch.from_numpy(self.numels).to(device)
@@ -345,61 +357,6 @@ class PerSegment:
         """The value of every element's segment, on `device` (torch path)."""
         values = torch.from_numpy(numpy.ascontiguousarray(self.values, numpy.float32))
         return values.to(device)[self.segments.ids(device)]
-
-
-# statistic -> (element-wise transform, reduction); sums are float32 per piece (pairwise),
-# redone in float64 where float32 overflows, and accumulated over spans in float64
-_SEGMENT_STATISTICS: dict[str, tuple[Callable[[numpy.ndarray], numpy.ndarray], numpy.ufunc]] = {
-    "abs_sum": (numpy.abs, numpy.add),
-    "square_sum": (numpy.square, numpy.add),
-    "positive_sum": (lambda x: numpy.maximum(x, 0), numpy.add),
-    "negative_sum": (lambda x: numpy.minimum(x, 0), numpy.add),
-    "negatives": (lambda x: numpy.less(x, 0).astype(numpy.float32), numpy.add),
-    "abs_max": (numpy.abs, numpy.maximum),
-}
-
-_TORCH_TRANSFORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "abs_sum": torch.abs,
-    "square_sum": torch.square,
-    "positive_sum": lambda x: x.clamp(min=0),
-    "negative_sum": lambda x: x.clamp(max=0),
-    "negatives": lambda x: (x < 0).to(x.dtype),
-    "abs_max": torch.abs,
-}
-
-
-def segment_statistic(
-    flat: torch.Tensor, segments: Segments, statistic: str, use_numpy: bool | None = None
-) -> numpy.ndarray:
-    """One float64 statistic per segment of the 1-D `flat` (0 for an empty segment): the sum of
-    |x|, of x^2, of the positive or of the negative entries, the count of negative entries, or the
-    largest |x| (NaN where a segment holds NaN), in one pass."""
-    transform, reduction = _SEGMENT_STATISTICS[statistic]
-    if flat.numel() != segments.numel:
-        raise ValueError(f"segments cover {segments.numel} elements, got {flat.numel()}")
-    result = numpy.zeros(len(segments), dtype=numpy.float64)
-    if not use_numpy_for(flat, use_numpy):
-        x = flat.detach().to(torch.float64)
-        values = _TORCH_TRANSFORMS[statistic](x)
-        reduce = "sum" if reduction is numpy.add else "amax"
-        out = torch.zeros(len(segments), dtype=torch.float64, device=flat.device)
-        out.scatter_reduce_(0, segments.ids(flat.device), values, reduce, include_self=True)
-        return out.cpu().numpy()
-
-    def work(start: int, end: int) -> tuple[numpy.ndarray, numpy.ndarray]:
-        ids, counts = segments.overlapping(start, end)
-        cuts = numpy.concatenate(([0], numpy.cumsum(counts)[:-1]))
-        chunk = as_numpy(flat[start:end])
-        with numpy.errstate(over="ignore", invalid="ignore"):
-            pieces = reduction.reduceat(transform(chunk), cuts)
-            if reduction is numpy.add and not numpy.isfinite(pieces).all():
-                pieces = reduction.reduceat(transform(chunk.astype(numpy.float64)), cuts)
-        return ids, pieces.astype(numpy.float64)
-
-    with numpy.errstate(invalid="ignore"):  # NaN stays NaN, as abs_max's does
-        for ids, pieces in map_spans(flat.numel(), work):
-            reduction.at(result, ids, pieces)
-    return result
 
 
 def expand_plane_segments(

@@ -37,7 +37,6 @@ from gossipcomp.compress.codec import (
     PayloadReader,
     PayloadWriter,
     as_float32,
-    as_float32_array,
     check_scale,
     check_scales,
     segmented_codec,
@@ -59,9 +58,6 @@ class _StochasticLevels(Codec):
         raise NotImplementedError
 
     def _scale(self, flat: torch.Tensor) -> float:
-        raise NotImplementedError
-
-    def _segment_scales(self, flat: torch.Tensor, segments: kernels.Segments) -> numpy.ndarray:
         raise NotImplementedError
 
     @property
@@ -115,7 +111,10 @@ class _StochasticLevels(Codec):
         scale_slots = out.section(torch.float32, len(segments))
         planes = out.section(torch.uint8, (1 + bits) * bitpack.plane_bytes(numel))
         planes = planes.view(1 + bits, -1)
-        scales = as_float32_array(self._segment_scales(flat, segments))  # what receivers use
+        # each segment's scale as `_encode` takes it of that tensor alone: what receivers use
+        scales = numpy.array(
+            [as_float32(self._scale(view)) for view in segments.views(flat)], dtype=numpy.float32
+        )
         scale_slots.copy_(torch.from_numpy(scales))
         if not numpy.isfinite(scales).all():  # a non-finite input: every receiver refuses it
             planes.zero_()
@@ -176,9 +175,6 @@ class QSGD(_StochasticLevels):
     def _scale(self, flat: torch.Tensor) -> float:
         return kernels.l2_norm(flat)
 
-    def _segment_scales(self, flat: torch.Tensor, segments: kernels.Segments) -> numpy.ndarray:
-        return numpy.sqrt(kernels.segment_statistic(flat, segments, "square_sum"))
-
 
 @dataclass(frozen=True)
 class TernGrad(_StochasticLevels):
@@ -200,6 +196,3 @@ class TernGrad(_StochasticLevels):
 
     def _scale(self, flat: torch.Tensor) -> float:
         return kernels.abs_max(flat)
-
-    def _segment_scales(self, flat: torch.Tensor, segments: kernels.Segments) -> numpy.ndarray:
-        return kernels.segment_statistic(flat, segments, "abs_max")

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy
 import torch
 
 from gossipcomp.compress import bitpack, kernels
@@ -27,14 +26,12 @@ from gossipcomp.compress.codec import (
     PayloadReader,
     PayloadWriter,
     as_float32,
-    as_float32_array,
     check_scale,
     check_scales,
     segmented_codec,
 )
 
 SIGN_CONSENSUS_STEP = 0.45  # Choco on ring8 digits (docs/benchmarks.md)
-_SIDES = ("positive", "negative")
 
 
 def _read_sign_plane(payload: PayloadReader, numel: int, codec: str) -> torch.Tensor:
@@ -62,7 +59,11 @@ class Sign(Codec):
     def _encode(self, flat: torch.Tensor, ctx: CompressionContext, out: PayloadWriter) -> None:
         scale = out.section(torch.float32, 1)
         sums = kernels.sign_pass(flat, out.section(torch.uint8, bitpack.plane_bytes(flat.numel())))
-        scale.fill_(as_float32(sums.abs_sum / max(1, flat.numel())))
+        scale.fill_(self._scale(sums, flat.numel()))
+
+    @staticmethod
+    def _scale(sums: kernels.SignSums, numel: int) -> float:
+        return as_float32(sums.abs_sum / max(1, numel))
 
     def _decode(
         self, payload: PayloadReader, numel: int, ctx: CompressionContext, device: torch.device
@@ -81,9 +82,9 @@ class Sign(Codec):
     ) -> None:
         scales = out.section(torch.float32, len(segments))
         kernels.sign_pass(flat, out.section(torch.uint8, bitpack.plane_bytes(flat.numel())))
-        sums = kernels.segment_statistic(flat, segments, "abs_sum")
-        mean = sums / numpy.maximum(1, segments.numels)
-        scales.copy_(torch.from_numpy(as_float32_array(mean)))
+        # each segment's scale as `_encode` takes it of that tensor alone, bit for bit
+        values = [self._scale(kernels.sign_pass(v, None), v.numel()) for v in segments.views(flat)]
+        scales.copy_(torch.tensor(values, dtype=torch.float32))
 
     def _decode_segments(
         self,
@@ -117,9 +118,15 @@ class OneBit(Codec):
         means = out.section(torch.float32, 2)
         numel = flat.numel()
         sums = kernels.sign_pass(flat, out.section(torch.uint8, bitpack.plane_bytes(numel)))
+        means.copy_(torch.tensor(self._means(sums, numel), dtype=torch.float32))
+
+    @staticmethod
+    def _means(sums: kernels.SignSums, numel: int) -> tuple[float, float]:
         positives = numel - sums.negatives  # zeros count here: they add nothing to the sum
-        means[0] = as_float32(sums.positive_sum / positives if positives else 0.0)
-        means[1] = as_float32(sums.negative_sum / sums.negatives if sums.negatives else 0.0)
+        return (
+            as_float32(sums.positive_sum / positives if positives else 0.0),
+            as_float32(sums.negative_sum / sums.negatives if sums.negatives else 0.0),
+        )
 
     def _decode(
         self, payload: PayloadReader, numel: int, ctx: CompressionContext, device: torch.device
@@ -137,14 +144,11 @@ class OneBit(Codec):
         ctx: CompressionContext,
         out: PayloadWriter,
     ) -> None:
-        means = out.section(torch.float32, 2 * len(segments)).view(-1, 2)
+        means = out.section(torch.float32, 2 * len(segments))
         kernels.sign_pass(flat, out.section(torch.uint8, bitpack.plane_bytes(flat.numel())))
-        negatives = kernels.segment_statistic(flat, segments, "negatives")
-        positives = segments.numels - negatives  # zeros count here: they add nothing
-        sums = [kernels.segment_statistic(flat, segments, f"{side}_sum") for side in _SIDES]
-        for column, (total, count) in enumerate(zip(sums, (positives, negatives), strict=True)):
-            mean = numpy.divide(total, count, out=numpy.zeros_like(total), where=count > 0)
-            means[:, column].copy_(torch.from_numpy(as_float32_array(mean)))
+        # each segment's means as `_encode` takes them of that tensor alone, bit for bit
+        values = [self._means(kernels.sign_pass(v, None), v.numel()) for v in segments.views(flat)]
+        means.copy_(torch.tensor(values, dtype=torch.float32).view(-1))
 
     def _decode_segments(
         self,
