@@ -23,4 +23,9 @@ def test_merge_benchmark_writes_its_ratios(tmp_path):
     assert set(entry["round_seconds"]) == {"per-tensor", "single", "mergecomp"}
     assert entry["merged_speedup"] > 0 and entry["planned_vs_single"] > 0
     assert all(0.0 <= a <= 1.0 for a in entry["accuracy"].values())
+    # merged sign keeps each tensor's scale: the merged runs are the per-tensor run bit for bit
+    assert entry["accuracy"]["single"] == entry["accuracy"]["per-tensor"]
+    assert entry["accuracy_gap_vs_per_tensor"] == 0.0
+    if entry["planned_is_single"]:  # one schedule measured twice: pooled, not noise
+        assert entry["planned_vs_single"] == 1.0
     assert result["tensors"] == 102
