@@ -15,23 +15,23 @@ alpha-beta links are assumed, MG-WFBP's fit of 10GbE (0.91 ms, 7.4e-10 s/B) and 
 latency at 1 Gbit/s (8e-9 s/B). Ring all-reduce sends the same payload (summable: identity, or
 sign bits through Marsit).
 
-Validation (measured and predicted in the same run, so a faster `simulate` is measured as it
-is): `gossipcomp simulate` runs every peer in one process, threads taking turns under one
-interpreter lock on a shared CPU. A round's time is measured as the difference of the wall
-times of two runs with different round counts (start-up cancels), divided by the difference in
-rounds. Each measured ring (`--validate`, default 4, 8, 16 peers) is paired with a calibration
-ring of another size (`--calibrate`, default 6) run alongside it (short runs, then long runs in
-the opposite order), so that other work on this shared machine weighs on both alike; the
-pairs are repeated `--repeats` times (sizes interleaved) and averaged. The mean
-calibration's wall time per round over its peers is the per-peer cost, split by the report's
-compute share into the local step and two per-neighbour decodes; the simulator runs the ring
-with cores=1 (the peers' CPU tasks served one at a time) and no link time (loopback transfers
-are CPU work, already in the cost), and its round time is compared with the measured one. Not
-modelled: the interpreter lock's hand-over overhead, which grows with the number of threads
-(the measured cost per peer-round rises by about a fifth from 4 to 16 peers); calibrating at 6
-peers splits that error between the sizes. CPU seconds over wall seconds of each measured ring
-are reported beside, and the spread of the repeated measurements of a ring ((max - min) /
-mean): the noise floor of a measurement on this shared machine.
+Validation: `gossipcomp simulate` runs every peer in one process, threads taking turns under
+one interpreter lock on a shared CPU. Each ring (`--validate`, default 4, 8, 16 peers) runs as
+`simulate --topology ringN --eval-every 0` does (same config, `run_simulation`, in a fresh
+interpreter) with a hook that stamps wall and process CPU time at the end of every round: a
+round's time is measured inside the run, over the rounds after the first `--low-rounds`
+(start-up, set-up and the final evaluation left out), in wall seconds, and so is the CPU the
+process used meanwhile. A calibration ring of another size (`--calibrate`, default 6) is timed
+beside each measured ring (the order alternating between `--repeats`): its CPU seconds per
+round over its peers are the per-peer cost, split by the report's compute share into the local
+step and two per-neighbour decodes. The simulator runs the ring with those costs on one shared
+processor (the peers' CPU tasks one at a time) and no link time (loopback transfers are CPU
+work, already in the cost), on a processor of the speed the measured run got: its CPU seconds
+per wall second, the share of this 2-core machine that other work left it (above 1 where
+gRPC's own threads ran beside the interpreter). That is the one input taken from the run
+being predicted; the prediction at the calibration run's speed instead is reported beside it,
+and so is the spread of the repeated measurements of a ring ((max - min) / mean): the noise
+floor of a measurement on this shared machine.
 """
 
 from __future__ import annotations
@@ -40,11 +40,10 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -56,8 +55,11 @@ from rich.table import Table
 
 from gossipcomp.compress import CompressionContext, parse_spec
 from gossipcomp.data import load_digits_split
+from gossipcomp.experiment import TrainConfig
 from gossipcomp.models import build_mlp
 from gossipcomp.schedule import LAYOUTS, LinkCost, PeerCosts, simulate
+from gossipcomp.simulation import run_simulation
+from gossipcomp.topology import build_topology
 from gossipcomp.training import make_optimizer
 
 LINKS = {
@@ -65,7 +67,8 @@ LINKS = {
     "1GbE": LinkCost(0.91e-3, 8e-9),
 }
 COMPRESSORS = ("identity", "sign")
-SHIPPED_RINGS = (4, 8, 16)
+WINDOWS = 5  # consecutive stretches of a timed run, each timed on its own
+NO_LINK = LinkCost(0.0, 0.0)  # loopback transfers are CPU work, already in the measured costs
 
 
 def measure_peer_costs(spec: str, steps: int, seed: int = 0) -> tuple[PeerCosts, dict]:
@@ -135,114 +138,159 @@ def scaling_table(
     return rows, slowest
 
 
-def run_simulate(topology: str, rounds: int, folder: Path) -> tuple[dict, float]:
-    """One `gossipcomp simulate` run: its report and the child CPU seconds it used."""
-    report = folder / f"{Path(topology).stem}_{rounds}.json"
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    command = [sys.executable, "-m", "gossipcomp", "simulate", "--topology", topology]
-    command += ["--rounds", str(rounds), "--eval-every", "0", "--quiet", "--report", str(report)]
-    subprocess.run(command, check=True, timeout=1800)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return json.loads(report.read_text()), cpu
+class RoundClock:
+    """A `run_simulation` progress hook: wall and process CPU seconds at the end of each round
+    (when the last peer reports it), so round times come from inside one run, without its
+    start-up, set-up and final evaluation."""
+
+    def __init__(self, peers: int) -> None:
+        self.peers = peers
+        self.reported: dict[int, int] = {}
+        self.stamps: dict[int, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, rank: int, round: int) -> None:
+        with self._lock:
+            count = self.reported.get(round, 0) + 1
+            self.reported[round] = count
+            if count == self.peers:
+                self.stamps[round] = (time.perf_counter(), time.process_time())
 
 
-def ring_topology(peers: int, folder: Path) -> str:
-    """A shipped ring's name (ring4, ring8, ring16), or a ring YAML written into `folder`."""
-    if peers in SHIPPED_RINGS:
-        return f"ring{peers}"
-    path = folder / f"ring{peers}.yaml"
-    path.write_text(f"name: ring{peers}\nkind: ring\nn: {peers}\nweights: metropolis\n")
-    return str(path)
-
-
-def _round_figures(peers: int, rounds: tuple[int, int], runs: list[tuple[dict, float]]) -> dict:
-    """Seconds per round from a short and a long run (start-up cancels in the difference)."""
-    (short, cpu_short), (long, cpu_long) = runs
-    wall = long["wall_seconds"] - short["wall_seconds"]
-    if wall <= 0:
-        raise RuntimeError(
-            f"ring of {peers}: the run of {rounds[1]} rounds took {long['wall_seconds']:.2f} s, "
-            f"no longer than the run of {rounds[0]} ({short['wall_seconds']:.2f} s): start-up "
-            "noise hides the rounds; expected a larger --peer-rounds"
+def time_ring(peers: int, rounds: int, warmup: int) -> dict:
+    """Run the ring `gossipcomp simulate --topology ring<peers> --rounds <rounds> --eval-every 0`
+    runs (same config and `run_simulation`, in this process) and time its rounds after the
+    first `warmup`: wall and CPU seconds per round, and the report's compute share."""
+    torch.set_num_threads(1)  # as the simulate command does
+    clock = RoundClock(peers)
+    config = TrainConfig(rounds=rounds, eval_every=0)
+    report = run_simulation(config, build_topology("ring", n=peers), progress=clock)
+    first, last = warmup, max(clock.stamps)
+    if last <= first or first not in clock.stamps:
+        raise RuntimeError(f"ring of {peers}: rounds {first} to {last} were not all timed")
+    (wall_0, cpu_0), (wall_1, cpu_1) = clock.stamps[first], clock.stamps[last]
+    compute = sum(p.compute_seconds for p in report.per_peer)
+    comm = sum(p.comm_seconds for p in report.per_peer)
+    bounds = np.linspace(first, last, WINDOWS + 1).round().astype(int).tolist()
+    windows = [
+        (
+            (clock.stamps[b][0] - clock.stamps[a][0]) / (b - a),
+            (clock.stamps[b][1] - clock.stamps[a][1]) / (b - a),
         )
-    compute = sum(p["compute_seconds"] for p in long["per_peer"])
-    comm = sum(p["comm_seconds"] for p in long["per_peer"])
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        if b > a
+    ]
     return {
         "peers": peers,
-        "rounds": list(rounds),
-        "round_s": wall / (rounds[1] - rounds[0]),
-        "cpu_per_wall": (cpu_long - cpu_short) / max(wall, 1e-9),
+        "rounds": [first, last],
+        "round_s": (wall_1 - wall_0) / (last - first),
+        "cpu_round_s": (cpu_1 - cpu_0) / (last - first),
+        "cpu_per_wall": (cpu_1 - cpu_0) / max(wall_1 - wall_0, 1e-9),
+        "window_round_s": [w for w, _ in windows],
+        "window_cpu_round_s": [c for _, c in windows],
         "compute_share": compute / (compute + comm) if compute + comm > 0 else 0.5,
     }
 
 
+def timed_run(peers: int, warmup: int, peer_rounds: int) -> dict:
+    """`time_ring` in a fresh interpreter (as a `simulate` command runs): warmup rounds, then
+    max(2, peer_rounds // peers) timed rounds."""
+    rounds = warmup + max(2, peer_rounds // peers)
+    command = [sys.executable, __file__, "--time-ring", str(peers), str(rounds), str(warmup)]
+    done = subprocess.run(command, check=True, timeout=1800, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def measured_pair(
-    peers: int, calibrate: int, low: int, peer_rounds: int, folder: Path
+    peers: int, calibrate: int, warmup: int, peer_rounds: int, first: str
 ) -> tuple[dict, dict]:
-    """Round figures of a ring of `peers` and of the calibration ring, measured alongside: the
-    short runs, then the long ones in the opposite order (calibration, ring, ring, calibration),
-    so that a drift in other work on the machine weighs on both alike. A long run has
-    max(2, peer_rounds // size) rounds more than the short one. A ring as large as the
-    calibration ring is its own calibration (in-sample)."""
-    if peers == calibrate:  # the ring calibrates itself (in-sample: a quick check only)
-        topology = ring_topology(peers, folder)
-        rounds = (low, low + max(2, peer_rounds // peers))
-        own = _round_figures(peers, rounds, [run_simulate(topology, r, folder) for r in rounds])
+    """A ring of `peers` and the calibration ring, timed one after the other (`first` says
+    which goes first; repeats alternate, so a drift of other work weighs on both alike). A
+    ring as large as the calibration ring is its own calibration (in-sample: a check only)."""
+    if peers == calibrate:
+        own = timed_run(peers, warmup, peer_rounds)
         return own, own
+    order = ("ring", "calibration") if first == "ring" else ("calibration", "ring")
     sizes = {"ring": peers, "calibration": calibrate}
-    topology = {key: ring_topology(n, folder) for key, n in sizes.items()}
-    rounds = {key: (low, low + max(2, peer_rounds // n)) for key, n in sizes.items()}
-    runs: dict[str, list[tuple[dict, float]]] = {"ring": [], "calibration": []}
-    for key, which in (("calibration", 0), ("ring", 0), ("ring", 1), ("calibration", 1)):
-        runs[key].append(run_simulate(topology[key], rounds[key][which], folder))
-    ring, calibration = (_round_figures(sizes[k], rounds[k], runs[k]) for k in sizes)
-    return ring, calibration
+    runs = {key: timed_run(sizes[key], warmup, peer_rounds) for key in order}
+    return runs["ring"], runs["calibration"]
 
 
-def shared_cpu_costs(calibration: dict) -> PeerCosts:
-    """Per-peer costs of a ring peer under `simulate` from a calibration measurement: its wall
-    time per round over its peers, split by the report's compute share into the local step
-    and two per-neighbour decodes."""
-    per_peer = calibration["round_s"] / calibration["peers"]
+def per_peer_cpu_costs(calibration: dict) -> PeerCosts:
+    """Per-peer CPU costs of a ring peer under `simulate`, from the calibration ring: the CPU
+    seconds of a round over its peers, split by the report's compute share into the local step
+    and two per-neighbour decodes (all the process's CPU work: gRPC's threads, the interpreter
+    lock's hand-overs and the peers' own work alike)."""
+    per_peer = calibration["cpu_round_s"] / calibration["peers"]
     share = calibration["compute_share"]
     return PeerCosts(
         compute_s=share * per_peer, message_bytes=0, decompress_s=(1 - share) * per_peer / 2
     )
 
 
-def validation(peers: list[int], low: int, peer_rounds: int, calibrate: int, repeats: int) -> dict:
-    """For each ring of `peers`, `repeats` times (sizes interleaved): measure it alongside the
-    calibration ring. Per size, the mean calibration gives the per-peer costs, whose prediction
-    is compared with the mean measured round time."""
-    pairs: dict[int, list[tuple[dict, dict]]] = {n: [] for n in peers}
-    with tempfile.TemporaryDirectory(prefix="scaling-") as name:
-        for _ in range(repeats):
-            for n in peers:
-                pairs[n].append(measured_pair(n, calibrate, low, peer_rounds, Path(name)))
+def at_speed(costs: PeerCosts, speed: float) -> PeerCosts:
+    """`costs` on a processor of `speed` (CPU seconds per wall second) instead of one."""
+    return PeerCosts(
+        compute_s=costs.compute_s / speed,
+        message_bytes=costs.message_bytes,
+        compress_s=costs.compress_s / speed,
+        decompress_s=costs.decompress_s / speed,
+        compute_jitter=costs.compute_jitter,
+    )
+
+
+def validation(
+    peers: list[int], warmup: int, peer_rounds: int, calibrate: int, repeats: int
+) -> dict:
+    """For each ring of `peers`, `repeats` times (sizes interleaved, the order within a pair
+    alternating): time it and the calibration ring. The prediction for a run of a ring: the
+    simulator (one shared processor, no link time) with the calibration's per-peer CPU costs,
+    on a processor of the speed that run got (its CPU seconds per wall second: the share of
+    the machine that other work left it), against that run's measured round time."""
     rows, calibrations = [], []
+    pairs: dict[int, list[tuple[dict, dict]]] = {n: [] for n in peers}
+    for repeat in range(repeats):
+        for n in peers:
+            first = "ring" if repeat % 2 else "calibration"
+            pairs[n].append(measured_pair(n, calibrate, warmup, peer_rounds, first))
     for n, measured in pairs.items():
-        ring_s = statistics.fmean(ring["round_s"] for ring, _ in measured)
-        calibration = {
-            "peers": calibrate,
-            "round_s": statistics.fmean(cal["round_s"] for _, cal in measured),
-            "compute_share": statistics.fmean(cal["compute_share"] for _, cal in measured),
-        }
-        costs = shared_cpu_costs(calibration)
-        predicted = simulate("ring", n, costs, LinkCost(0.0, 0.0), rounds=30, cores=1)
-        calibrations.append({**calibration, "shared_cpu_costs": costs.__dict__, "for_peers": n})
+        predicted, wall_only = [], []
+        for ring, calibration in measured:
+            costs = per_peer_cpu_costs(calibration)
+            timeline = simulate(
+                "ring", n, at_speed(costs, ring["cpu_per_wall"]), NO_LINK, 30, cores=1
+            )
+            predicted.append(timeline.round_s)
+            # the same without the run's own CPU speed: the calibration's, as if both rings
+            # had had the same share of the machine
+            alike = simulate(
+                "ring", n, at_speed(costs, calibration["cpu_per_wall"]), NO_LINK, 30, cores=1
+            )
+            wall_only.append(alike.round_s)
+            calibrations.append(
+                {**calibration, "per_peer_cpu_costs": costs.__dict__, "for_peers": n}
+            )
+        measured_s = [ring["round_s"] for ring, _ in measured]
+        errors = [p / m - 1 for p, m in zip(predicted, measured_s, strict=True)]
         rows.append(
             {
                 "peers": n,
-                "predicted_round_s": predicted.round_s,
-                "measured_round_s": ring_s,
-                "relative_error": predicted.round_s / ring_s - 1,
-                "measured_each_s": [ring["round_s"] for ring, _ in measured],
-                "calibration_each_s": [cal["round_s"] for _, cal in measured],
+                "predicted_round_s": statistics.fmean(predicted),
+                "measured_round_s": statistics.fmean(measured_s),
+                "relative_error": statistics.fmean(predicted) / statistics.fmean(measured_s) - 1,
+                "relative_error_each": errors,
+                "measured_each_s": measured_s,
+                "predicted_each_s": predicted,
+                "measured_cpu_round_s": [ring["cpu_round_s"] for ring, _ in measured],
+                "cpu_per_wall": [ring["cpu_per_wall"] for ring, _ in measured],
+                "calibration_cpu_per_wall": [cal["cpu_per_wall"] for _, cal in measured],
+                "predicted_at_calibration_speed_s": statistics.fmean(wall_only),
+                "relative_error_at_calibration_speed": statistics.fmean(wall_only)
+                / statistics.fmean(measured_s)
+                - 1,
                 # how much the same measurement moved between repeats: the noise floor
-                "measured_spread": _spread([ring["round_s"] for ring, _ in measured]),
+                "measured_spread": _spread(measured_s),
                 "rounds": measured[0][0]["rounds"],
-                "cpu_per_wall": statistics.fmean(ring["cpu_per_wall"] for ring, _ in measured),
             }
         )
     return {
@@ -305,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         default=6,
         help="ring size whose measured run calibrates the per-peer cost",
     )
-    parser.add_argument("--low-rounds", type=int, default=20, help="rounds of the short run")
+    parser.add_argument(
+        "--low-rounds", type=int, default=20, help="rounds left out at the start of a timed run"
+    )
     parser.add_argument(
         "--repeats", type=int, default=2, help="measured pairs per ring size (averaged)"
     )
@@ -313,12 +363,16 @@ def main(argv: list[str] | None = None) -> int:
         "--peer-rounds",
         type=int,
         default=2000,
-        help="the long run has this many peer-rounds more than the short one",
+        help="peer-rounds timed in each run (rounds: this over the ring's size)",
     )
+    parser.add_argument("--time-ring", type=int, nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args(argv)
+    if args.time_ring:  # the child of `timed_run`: one timed ring, its figures as JSON
+        print(json.dumps(time_ring(*args.time_ring)))
+        return 0
     if min(args.low_rounds, args.peer_rounds, args.repeats) < 1 or args.calibrate < 3:
         parser.error("expected --low-rounds, --peer-rounds, --repeats >= 1, --calibrate >= 3")
     if args.rounds < 3 or args.steps < 8 or min(args.peers) < 3:
@@ -363,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{1e3 * r['predicted_round_s']:.1f}",
                 f"{100 * r['relative_error']:+.1f}%",
                 f"{100 * r['measured_spread']:.0f}%",
-                f"{r['cpu_per_wall']:.2f}",
+                f"{statistics.fmean(r['cpu_per_wall']):.2f}",
             )
         console.print(check)
     if args.plot:

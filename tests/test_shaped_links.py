@@ -113,8 +113,13 @@ def test_self_check_measures_the_configured_rates_and_leaves_nothing(tmp_path: P
     assert process.returncode == 0, stderr
     result = json.loads(out.read_text())
     assert result["configured_mbit"] == [100.0, 10.0]
+    # tbf caps the rate: TCP payload is ~95% of the frames it counts, so never above ~1.2x. A
+    # loaded 2-core machine cannot always keep a Python sender saturated for 1.5 s (CI measured
+    # 0.75x once), so the floor only rules out a link that is not shaped at the rate at all
     for ratio in result["measured_vs_configured"]:
-        assert 0.8 <= ratio <= 1.2  # TCP payload is ~95% of the frames tbf counts
+        assert 0.5 <= ratio <= 1.2
+    fast, slow = result["measured_mbit"]
+    assert slow < 0.3 * fast  # the change to a tenth of the rate took effect mid-run
     assert "rate 100Mbit" in result["qdisc"][0] and "rate 10Mbit" in result["qdisc"][1]
     assert result["namespace_prefix"] == f"{shaped_links.PREFIX}{process.pid}n0"
     assert _ours(process.pid) == []
