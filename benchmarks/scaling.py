@@ -15,23 +15,22 @@ alpha-beta links are assumed, MG-WFBP's fit of 10GbE (0.91 ms, 7.4e-10 s/B) and 
 latency at 1 Gbit/s (8e-9 s/B). Ring all-reduce sends the same payload (summable: identity, or
 sign bits through Marsit).
 
-Validation: `gossipcomp simulate` runs every peer in one process, threads taking turns under
-one interpreter lock on a shared CPU. Each ring (`--validate`, default 4, 8, 16 peers) runs as
-`simulate --topology ringN --eval-every 0` does (same config, `run_simulation`, in a fresh
-interpreter) with a hook that stamps wall and process CPU time at the end of every round: a
-round's time is measured inside the run, over the rounds after the first `--low-rounds`
-(start-up, set-up and the final evaluation left out), in wall seconds, and so is the CPU the
-process used meanwhile. A calibration ring of another size (`--calibrate`, default 6) is timed
-beside each measured ring (the order alternating between `--repeats`): its CPU seconds per
-round over its peers are the per-peer cost, split by the report's compute share into the local
-step and two per-neighbour decodes. The simulator runs the ring with those costs on one shared
-processor (the peers' CPU tasks one at a time) and no link time (loopback transfers are CPU
-work, already in the cost), on a processor of the speed the measured run got: its CPU seconds
-per wall second, the share of this 2-core machine that other work left it (above 1 where
-gRPC's own threads ran beside the interpreter). That is the one input taken from the run
-being predicted; the prediction at the calibration run's speed instead is reported beside it,
-and so is the spread of the repeated measurements of a ring ((max - min) / mean): the noise
-floor of a measurement on this shared machine.
+Validation: each ring (`--validate`, default 4, 8, 16 peers) runs as `gossipcomp simulate
+--topology ringN --eval-every 0 --workers N` does (same config, `run_simulation`, in a fresh
+interpreter): a process per peer, as `gossipcomp peer` runs them, talking gRPC over loopback,
+every process sharing this machine's cores. A hook stamps the wall time at the end of every
+round, so a round's time is measured inside the run, over the rounds after the first
+`--low-rounds` (start-up, set-up and the final evaluation left out). A calibration ring of
+another size (`--calibrate`, default 6) is timed beside each measured ring (the order
+alternating between `--repeats`). The simulator models the same thing: peers whose CPU tasks
+(a local step, two per-neighbour decodes, in the report's compute share) are served by the
+machine's usable cores, no link time (loopback transfers are CPU work, already in the costs);
+the costs are scaled so that it reproduces the calibration ring's measured round time, and
+then predict the other sizes. Nothing of a predicted run goes into its prediction. Reported
+beside: the spread of the repeated measurements of a ring ((max - min) / mean), the noise floor
+of a measurement on this shared machine. With every peer in one process instead (`--workers
+1`) the cost of a peer-round grows with the number of peers (threads contending for one
+interpreter lock), which no per-peer cost can model; see docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -139,14 +138,14 @@ def scaling_table(
 
 
 class RoundClock:
-    """A `run_simulation` progress hook: wall and process CPU seconds at the end of each round
-    (when the last peer reports it), so round times come from inside one run, without its
-    start-up, set-up and final evaluation."""
+    """A `run_simulation` progress hook: the wall time at the end of each round (when the last
+    peer reports it), so round times come from inside one run, without its start-up, set-up
+    and final evaluation."""
 
     def __init__(self, peers: int) -> None:
         self.peers = peers
         self.reported: dict[int, int] = {}
-        self.stamps: dict[int, tuple[float, float]] = {}
+        self.stamps: dict[int, float] = {}
         self._lock = threading.Lock()
 
     def __call__(self, rank: int, round: int) -> None:
@@ -154,40 +153,33 @@ class RoundClock:
             count = self.reported.get(round, 0) + 1
             self.reported[round] = count
             if count == self.peers:
-                self.stamps[round] = (time.perf_counter(), time.process_time())
+                self.stamps[round] = time.perf_counter()
 
 
 def time_ring(peers: int, rounds: int, warmup: int) -> dict:
-    """Run the ring `gossipcomp simulate --topology ring<peers> --rounds <rounds> --eval-every 0`
-    runs (same config and `run_simulation`, in this process) and time its rounds after the
-    first `warmup`: wall and CPU seconds per round, and the report's compute share."""
+    """Run the ring as `gossipcomp simulate --topology ring<peers> --rounds <rounds>
+    --eval-every 0 --workers <peers>` does (same config, `run_simulation`, a process per peer
+    talking gRPC over loopback) and time its rounds after the first `warmup`: wall seconds per
+    round, per stretch of the run, and the report's compute share."""
     torch.set_num_threads(1)  # as the simulate command does
     clock = RoundClock(peers)
     config = TrainConfig(rounds=rounds, eval_every=0)
-    report = run_simulation(config, build_topology("ring", n=peers), progress=clock)
+    report = run_simulation(config, build_topology("ring", n=peers), progress=clock, workers=peers)
     first, last = warmup, max(clock.stamps)
     if last <= first or first not in clock.stamps:
         raise RuntimeError(f"ring of {peers}: rounds {first} to {last} were not all timed")
-    (wall_0, cpu_0), (wall_1, cpu_1) = clock.stamps[first], clock.stamps[last]
     compute = sum(p.compute_seconds for p in report.per_peer)
     comm = sum(p.comm_seconds for p in report.per_peer)
     bounds = np.linspace(first, last, WINDOWS + 1).round().astype(int).tolist()
-    windows = [
-        (
-            (clock.stamps[b][0] - clock.stamps[a][0]) / (b - a),
-            (clock.stamps[b][1] - clock.stamps[a][1]) / (b - a),
-        )
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-        if b > a
-    ]
     return {
         "peers": peers,
         "rounds": [first, last],
-        "round_s": (wall_1 - wall_0) / (last - first),
-        "cpu_round_s": (cpu_1 - cpu_0) / (last - first),
-        "cpu_per_wall": (cpu_1 - cpu_0) / max(wall_1 - wall_0, 1e-9),
-        "window_round_s": [w for w, _ in windows],
-        "window_cpu_round_s": [c for _, c in windows],
+        "round_s": (clock.stamps[last] - clock.stamps[first]) / (last - first),
+        "window_round_s": [
+            (clock.stamps[b] - clock.stamps[a]) / (b - a)
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+            if b > a
+        ],
         "compute_share": compute / (compute + comm) if compute + comm > 0 else 0.5,
     }
 
@@ -216,37 +208,44 @@ def measured_pair(
     return runs["ring"], runs["calibration"]
 
 
-def per_peer_cpu_costs(calibration: dict) -> PeerCosts:
-    """Per-peer CPU costs of a ring peer under `simulate`, from the calibration ring: the CPU
-    seconds of a round over its peers, split by the report's compute share into the local step
-    and two per-neighbour decodes (all the process's CPU work: gRPC's threads, the interpreter
-    lock's hand-overs and the peers' own work alike)."""
-    per_peer = calibration["cpu_round_s"] / calibration["peers"]
+def calibrated_costs(calibration: dict, cores: int) -> PeerCosts:
+    """Per-peer costs that make the simulator reproduce the calibration ring: a local step and
+    two per-neighbour decodes in the report's compute share, scaled so that the simulated ring
+    of the calibration's size on `cores` shared processors (no link time: loopback transfers
+    are CPU work, inside the costs) takes the calibration's measured round time. Every cost
+    of the peers' processes (gRPC's threads, process switches, the peers' own work) is in
+    that one scale."""
     share = calibration["compute_share"]
-    return PeerCosts(
-        compute_s=share * per_peer, message_bytes=0, decompress_s=(1 - share) * per_peer / 2
-    )
+    unit = PeerCosts(compute_s=share, message_bytes=0, decompress_s=(1 - share) / 2)
+    unit_round = simulate("ring", calibration["peers"], unit, NO_LINK, 30, cores=cores).round_s
+    return scaled(unit, calibration["round_s"] / unit_round)
 
 
-def at_speed(costs: PeerCosts, speed: float) -> PeerCosts:
-    """`costs` on a processor of `speed` (CPU seconds per wall second) instead of one."""
+def scaled(costs: PeerCosts, factor: float) -> PeerCosts:
+    """`costs` with every CPU task `factor` times as long."""
     return PeerCosts(
-        compute_s=costs.compute_s / speed,
+        compute_s=costs.compute_s * factor,
         message_bytes=costs.message_bytes,
-        compress_s=costs.compress_s / speed,
-        decompress_s=costs.decompress_s / speed,
+        compress_s=costs.compress_s * factor,
+        decompress_s=costs.decompress_s * factor,
         compute_jitter=costs.compute_jitter,
     )
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (what the peers' processes share)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def validation(
     peers: list[int], warmup: int, peer_rounds: int, calibrate: int, repeats: int
 ) -> dict:
     """For each ring of `peers`, `repeats` times (sizes interleaved, the order within a pair
-    alternating): time it and the calibration ring. The prediction for a run of a ring: the
-    simulator (one shared processor, no link time) with the calibration's per-peer CPU costs,
-    on a processor of the speed that run got (its CPU seconds per wall second: the share of
-    the machine that other work left it), against that run's measured round time."""
+    alternating): time it and the calibration ring, each peer in its own process. The
+    prediction for a run of a ring: the simulator with the costs calibrated on the ring timed
+    beside it, on the machine's usable cores shared by all peers, against the run's measured
+    round time. Nothing of the predicted run goes into its prediction."""
+    cores = usable_cores()
     rows, calibrations = [], []
     pairs: dict[int, list[tuple[dict, dict]]] = {n: [] for n in peers}
     for repeat in range(repeats):
@@ -254,46 +253,30 @@ def validation(
             first = "ring" if repeat % 2 else "calibration"
             pairs[n].append(measured_pair(n, calibrate, warmup, peer_rounds, first))
     for n, measured in pairs.items():
-        predicted, wall_only = [], []
-        for ring, calibration in measured:
-            costs = per_peer_cpu_costs(calibration)
-            timeline = simulate(
-                "ring", n, at_speed(costs, ring["cpu_per_wall"]), NO_LINK, 30, cores=1
-            )
-            predicted.append(timeline.round_s)
-            # the same without the run's own CPU speed: the calibration's, as if both rings
-            # had had the same share of the machine
-            alike = simulate(
-                "ring", n, at_speed(costs, calibration["cpu_per_wall"]), NO_LINK, 30, cores=1
-            )
-            wall_only.append(alike.round_s)
-            calibrations.append(
-                {**calibration, "per_peer_cpu_costs": costs.__dict__, "for_peers": n}
-            )
+        predicted = []
+        for _, calibration in measured:
+            costs = calibrated_costs(calibration, cores)
+            predicted.append(simulate("ring", n, costs, NO_LINK, 30, cores=cores).round_s)
+            calibrations.append({**calibration, "per_peer_costs": costs.__dict__, "for_peers": n})
         measured_s = [ring["round_s"] for ring, _ in measured]
-        errors = [p / m - 1 for p, m in zip(predicted, measured_s, strict=True)]
         rows.append(
             {
                 "peers": n,
                 "predicted_round_s": statistics.fmean(predicted),
                 "measured_round_s": statistics.fmean(measured_s),
                 "relative_error": statistics.fmean(predicted) / statistics.fmean(measured_s) - 1,
-                "relative_error_each": errors,
+                "relative_error_each": [
+                    p / m - 1 for p, m in zip(predicted, measured_s, strict=True)
+                ],
                 "measured_each_s": measured_s,
                 "predicted_each_s": predicted,
-                "measured_cpu_round_s": [ring["cpu_round_s"] for ring, _ in measured],
-                "cpu_per_wall": [ring["cpu_per_wall"] for ring, _ in measured],
-                "calibration_cpu_per_wall": [cal["cpu_per_wall"] for _, cal in measured],
-                "predicted_at_calibration_speed_s": statistics.fmean(wall_only),
-                "relative_error_at_calibration_speed": statistics.fmean(wall_only)
-                / statistics.fmean(measured_s)
-                - 1,
                 # how much the same measurement moved between repeats: the noise floor
                 "measured_spread": _spread(measured_s),
                 "rounds": measured[0][0]["rounds"],
             }
         )
     return {
+        "cores": cores,
         "calibrations": calibrations,
         "validation": rows,
         "max_relative_error": max(abs(r["relative_error"]) for r in rows),
@@ -408,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         check = Table(
             title=f"simulate vs predicted round time (calibrated on ring{args.calibrate})"
         )
-        for column in ("peers", "measured ms", "predicted ms", "error", "spread", "cpu/wall"):
+        for column in ("peers", "measured ms", "predicted ms", "error", "spread"):
             check.add_column(column, justify="right")
         for r in checked["validation"]:
             check.add_row(
@@ -417,7 +400,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{1e3 * r['predicted_round_s']:.1f}",
                 f"{100 * r['relative_error']:+.1f}%",
                 f"{100 * r['measured_spread']:.0f}%",
-                f"{statistics.fmean(r['cpu_per_wall']):.2f}",
             )
         console.print(check)
     if args.plot:
@@ -437,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             "validation": checked["validation"] if checked else [],
             "max_relative_error": checked["max_relative_error"] if checked else None,
             "max_measured_spread": checked["max_measured_spread"] if checked else None,
+            "validation_cores": checked["cores"] if checked else None,
             "calibration": checked and {k: checked[k] for k in ("calibrations",)},
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
