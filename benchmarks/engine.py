@@ -45,7 +45,7 @@ from gossipcomp.data import load_digits_split
 from gossipcomp.experiment import PeerTrainer, TrainConfig, build_algorithm
 from gossipcomp.models import build_model, model_signature
 from gossipcomp.peer import Peer
-from gossipcomp.simulation import run_simulation
+from gossipcomp.simulation import run_simulation, usable_cores
 from gossipcomp.topology import Topology, build_topology
 from gossipcomp.transport.base import Identity
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
@@ -247,7 +247,7 @@ def main() -> None:
     if min(args.peers) < 3:
         parser.error(f"a ring needs at least 3 peers, got {min(args.peers)}")
     torch.set_num_threads(1)
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     console = Console()
     rows = []
     for peers in args.peers:

@@ -44,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import matplotlib
@@ -57,7 +58,7 @@ from gossipcomp.data import load_digits_split
 from gossipcomp.experiment import TrainConfig
 from gossipcomp.models import build_mlp
 from gossipcomp.schedule import LAYOUTS, LinkCost, PeerCosts, simulate
-from gossipcomp.simulation import run_simulation
+from gossipcomp.simulation import MAX_WORKERS, run_simulation, usable_cores
 from gossipcomp.topology import build_topology
 from gossipcomp.training import make_optimizer
 
@@ -154,6 +155,7 @@ class RoundClock:
             self.reported[round] = count
             if count == self.peers:
                 self.stamps[round] = time.perf_counter()
+                del self.reported[round]  # counts only for rounds still in progress
 
 
 def time_ring(peers: int, rounds: int, warmup: int) -> dict:
@@ -223,18 +225,12 @@ def calibrated_costs(calibration: dict, cores: int) -> PeerCosts:
 
 def scaled(costs: PeerCosts, factor: float) -> PeerCosts:
     """`costs` with every CPU task `factor` times as long."""
-    return PeerCosts(
+    return replace(
+        costs,
         compute_s=costs.compute_s * factor,
-        message_bytes=costs.message_bytes,
         compress_s=costs.compress_s * factor,
         decompress_s=costs.decompress_s * factor,
-        compute_jitter=costs.compute_jitter,
     )
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (what the peers' processes share)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def validation(
@@ -358,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if min(args.low_rounds, args.peer_rounds, args.repeats) < 1 or args.calibrate < 3:
         parser.error("expected --low-rounds, --peer-rounds, --repeats >= 1, --calibrate >= 3")
+    sizes = [*args.validate, args.calibrate] if args.validate else []
+    if not all(3 <= n <= MAX_WORKERS for n in sizes):
+        parser.error(f"--validate, --calibrate: expected ring sizes of 3 to {MAX_WORKERS}")
     if args.rounds < 3 or args.steps < 8 or min(args.peers) < 3:
         parser.error("expected --rounds >= 3, --steps >= 8, --peers >= 3")
 

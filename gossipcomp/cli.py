@@ -60,7 +60,13 @@ from gossipcomp.security.signing_keys import (
     record_in_allowlist,
     write_signing_key,
 )
-from gossipcomp.simulation import MAX_WORKERS, CheckpointPolicy, run_peer, run_simulation
+from gossipcomp.simulation import (
+    MAX_WORKERS,
+    CheckpointPolicy,
+    run_peer,
+    run_simulation,
+    usable_cores,
+)
 from gossipcomp.text import quoted
 from gossipcomp.topology import Topology, TopologyError, load_topology
 from gossipcomp.transport.base import HandshakeError, PeerUnreachableError
@@ -156,8 +162,7 @@ def _worker_count(workers: str | int, peers: int, authenticate: bool) -> int:
         return int(workers)
     if authenticate:
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(cores or 1, peers // 4, MAX_WORKERS))
+    return max(1, min(usable_cores(), peers // 4, MAX_WORKERS))
 
 
 def _link_change(text: str) -> RateChange:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -214,6 +215,13 @@ def run_simulation(
 
 MAX_WORKERS = 64
 WORKER_START_SECONDS = 120.0  # a worker process imports torch and builds its peers in this
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: what worker processes, or peers' processes, share."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _check_workers(workers: int, topology: Topology, authenticate: bool) -> None:

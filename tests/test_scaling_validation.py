@@ -78,3 +78,13 @@ def test_a_ring_calibrating_itself_is_predicted_exactly(scaling):
     assert abs(row["relative_error"]) < 1e-9
     assert row["rounds"] == [2, 32]
     assert result["cores"] == scaling.usable_cores()
+
+
+@pytest.mark.parametrize("sizes", [["2"], ["4", "65"]])
+def test_ring_sizes_a_process_per_peer_cannot_run_are_refused_before_anything_runs(
+    scaling, sizes, capsys
+):
+    with pytest.raises(SystemExit) as stopped:
+        scaling.main(["--validate", *sizes, "--calibrate", "4"])
+    assert stopped.value.code == 2
+    assert "expected ring sizes of 3 to 64" in capsys.readouterr().err
