@@ -15,7 +15,7 @@ import grpc
 import torch
 
 from gossipcomp.coordinator import schedule_from_proto
-from gossipcomp.gossip.base import LinkLeveled
+from gossipcomp.gossip.base import LinkLeveled, PeerLeveled
 from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
@@ -66,7 +66,9 @@ class CoordinatorClient:
         self._signature = peer.signature
         algorithm = peer.algorithm
         self._levels = (
-            algorithm.level_costs(peer.gossiped) if isinstance(algorithm, LinkLeveled) else None
+            algorithm.level_costs(peer.gossiped)
+            if isinstance(algorithm, LinkLeveled | PeerLeveled)
+            else None
         )
         self._pending: grpc.Future | None = None
         self._unreachable = False

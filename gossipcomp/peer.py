@@ -34,6 +34,7 @@ from gossipcomp.gossip.base import (
     LinkStats,
     NamedParams,
     Neighbourhood,
+    PeerLeveled,
     Regroupable,
     Resumable,
 )
@@ -43,6 +44,7 @@ from gossipcomp.gossip.state import checked_tensors
 from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
 from gossipcomp.models import gossiped_tensors, model_signature
 from gossipcomp.schedule.costs import TransferLog
+from gossipcomp.schedule.rate import peer_levels
 from gossipcomp.schedule.schedule import Schedule, ScheduleBook, ScheduleRefused
 from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
@@ -84,6 +86,8 @@ class PeerStats:
     link_levels: tuple[dict[str, Any], ...] = ()
     # per neighbour: the median seconds of the last sends there (what a round's transfer takes)
     send_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
+    # each change of the level it broadcasts at (choco, def): {round, level: label}
+    peer_levels: tuple[dict[str, Any], ...] = ()
 
     @property
     def bytes_sent_total(self) -> int:
@@ -154,6 +158,7 @@ class Peer:
         self.alone = False  # the last round reached no neighbour
         neighbours = topology.neighbors(rank)
         self._level_changes: list[dict[str, Any]] = []
+        self._peer_level_changes: list[dict[str, Any]] = []
         self._edges = sorted((min(a, b), max(a, b)) for a, b in topology.graph.edges)
         self.schedules = ScheduleBook([name for name, _ in self._params], self._edges)
         self.links = LinkMonitor(
@@ -212,7 +217,16 @@ class Peer:
         schedule.check([name for name, _ in self._params])
         schedule.check_links(self._edges)
         specs = dict(self._specs)
-        if schedule.links:
+        if isinstance(self.algorithm, PeerLeveled):
+            try:
+                specs.update(
+                    self.algorithm.peer_specs(
+                        self._params, schedule.groups or None, self._peer_levels(schedule)
+                    )
+                )
+            except ValueError as error:
+                raise ScheduleRefused(f"schedule epoch {schedule.epoch}: {error}") from None
+        elif schedule.links:
             if not isinstance(self.algorithm, LinkLeveled):
                 raise ScheduleRefused(
                     f"schedule epoch {schedule.epoch}: algorithm {self.algorithm.name!r} has no "
@@ -255,6 +269,8 @@ class Peer:
             self.algorithm.regroup(self._params, schedule.groups or None)
         if isinstance(self.algorithm, LinkLeveled):
             self._switch_levels(self.schedules.history[-2], schedule)
+        if isinstance(self.algorithm, PeerLeveled):
+            self._switch_peer_levels(self.schedules.history[-2], schedule)
         self.transport.forget_epochs_before(previous)
         log.info(
             "peer %d: schedule epoch %d (%s, %d groups) in force from round %d",
@@ -279,6 +295,41 @@ class Peer:
             self._level_changes.append({"round": self.round, "link": edge, "level": label})
             if self.rank < j:  # one line per link
                 levels_log.info("link %d-%d: %s from round %d", *edge, label, self.round)
+
+    def _peer_levels(self, schedule: Schedule) -> dict[int, int]:
+        """The level this peer and each neighbour broadcast at under `schedule` (the algorithm
+        is PeerLeveled): each one's slowest link's; ScheduleRefused for a link level that is
+        not on the algorithm's ladder, wherever it is (a schedule comes from the network)."""
+        assert isinstance(self.algorithm, PeerLeveled)
+        top = max(self.algorithm.level_costs(self._params).levels)
+        for x in schedule.links:
+            if x.level > top:
+                raise ScheduleRefused(
+                    f"schedule epoch {schedule.epoch}: link {x.low}-{x.high} level {x.level}, "
+                    f"expected a level in [1, {top}] (the ladder of {self.algorithm.name})"
+                )
+        table = {(x.low, x.high): x.level for x in schedule.links}
+        around = {p: self.topology.neighbors(p) for p in (self.rank, *self._weights)}
+        return peer_levels(table, around, self.algorithm.default_level())
+
+    def _switch_peer_levels(self, before: Schedule, after: Schedule) -> None:
+        """Put `after`'s levels in force (the algorithm is PeerLeveled), logging the change of
+        this peer's own level and of each of its links' level."""
+        assert isinstance(self.algorithm, PeerLeveled)
+        old, new = self._peer_levels(before), self._peer_levels(after)
+        self.algorithm.set_peer_levels(self._params, new, after.effective_round)
+        if old[self.rank] != new[self.rank]:
+            label = self.algorithm.level_label(new[self.rank])
+            self._peer_level_changes.append({"round": self.round, "level": label})
+            levels_log.info("peer %d: %s from round %d", self.rank, label, self.round)
+        links_before, links_after = before.levels_of(self.rank), after.levels_of(self.rank)
+        for j in sorted(set(links_before) | set(links_after)):
+            if links_before.get(j) != links_after.get(j):
+                label = (
+                    self.algorithm.level_label(links_after[j]) if j in links_after else "default"
+                )
+                edge = [min(self.rank, j), max(self.rank, j)]
+                self._level_changes.append({"round": self.round, "link": edge, "level": label})
 
     @classmethod
     def over_grpc(
@@ -633,6 +684,9 @@ class Peer:
         # everything below was checked above: nothing can fail half-way
         if isinstance(self.algorithm, Regroupable):
             self.algorithm.regroup(self._params, schedules.current.groups or None)
+        if isinstance(self.algorithm, PeerLeveled):
+            levels = self._peer_levels(schedules.current)  # checked with the specs above
+            self.algorithm.set_peer_levels(self._params, levels, schedules.current.effective_round)
         self.schedules = schedules
         for epoch, epoch_specs in specs.items():
             self._expect_epoch(epoch, epoch_specs)
@@ -689,6 +743,7 @@ class Peer:
             schedule_epochs=tuple(self.schedules.history),
             local_steps=self._steps_taken,
             link_levels=tuple(self._level_changes),
+            peer_levels=tuple(self._peer_level_changes),
             send_seconds={
                 j: statistics.median(s for _, s in self._links.sends.samples(j))
                 for j in self._links.sends.links()

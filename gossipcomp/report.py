@@ -35,6 +35,8 @@ class PeerReport:
     link_levels: list[dict[str, Any]] = field(default_factory=list)
     # per neighbour: median seconds of its last 16 sends there (a round's transfer on that link)
     send_seconds: dict[int, float] = field(default_factory=dict)
+    # each change of the level it broadcasts at (choco, def under --adaptive): {round, level}
+    peer_levels: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,7 @@ def peer_reports(
             gossip_rounds=o.stats.rounds,
             link_levels=[dict(c) for c in o.stats.link_levels],
             send_seconds=dict(o.stats.send_seconds),
+            peer_levels=[dict(c) for c in o.stats.peer_levels],
         )
         for o, d in zip(outcomes, distances, strict=True)
     ]

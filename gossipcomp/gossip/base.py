@@ -212,3 +212,42 @@ class LinkLeveled(Protocol):
     def set_levels(self, levels: Mapping[int, int], round: int) -> None:
         """Use `levels` from this round on (at the round a schedule takes effect)."""
         ...
+
+
+@runtime_checkable
+class PeerLeveled(Protocol):
+    """An algorithm that broadcasts one compressed payload per step to every neighbour
+    (Choco-SGD, DEF-ATC), so its compression level belongs to the sender, not to a link: each
+    peer compresses at the lowest level among its links (schedule/rate.py `peer_levels`, from
+    a schedule's link table), and each neighbour, holding the same table and topology, decodes
+    at that level. All switch at the round a schedule takes effect. (A level per link would
+    need one public copy per edge: docs/design.md, "Bandwidth-adaptive levels".)"""
+
+    def level_costs(self, params: NamedParams) -> LevelCosts:
+        """Its ladder of levels with the bytes one round sends each neighbour at each."""
+        ...
+
+    def level_label(self, level: int) -> str:
+        """How a level reads in logs and reports: its compressor spec."""
+        ...
+
+    def default_level(self) -> int:
+        """The level of the algorithm's own compressor: what a link no schedule lists counts
+        as (after `setup`)."""
+        ...
+
+    def peer_specs(
+        self,
+        params: NamedParams,
+        groups: Sequence[TensorGroup] | None,
+        levels: Mapping[int, int],
+    ) -> dict[str, Mapping[int, PayloadSpec] | PayloadSpec]:
+        """Per phase, what each neighbour's envelope holds under `groups` when peers compress
+        at `levels` (this peer and its neighbours -> level; one not listed: the default),
+        changing nothing; ValueError naming the peer for a level not on the ladder."""
+        ...
+
+    def set_peer_levels(self, params: NamedParams, levels: Mapping[int, int], round: int) -> None:
+        """Compress at this peer's level and decode each neighbour at its own, from `round`
+        on (at the round a schedule takes effect); levels checked by `peer_specs` first."""
+        ...

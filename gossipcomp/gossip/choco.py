@@ -17,6 +17,13 @@ its output by 1 / (1 + beta), as the Choco paper does; both ends scale the same 
 factor, so the public copies stay identical. gamma is the consensus step; by default the
 compressor's `consensus_step`, measured on ring8 digits (docs/benchmarks.md).
 
+Bandwidth-adaptive levels (`PeerLeveled`, gossip/levels.py): a peer compresses at its own
+level (the lowest among its links in the schedule) and decodes each neighbour at that
+neighbour's, computed from the same schedule. The 1 / (1 + beta) scale of a payload is its
+sender's level's, at both ends. The consensus step of edge (i, j) is the smaller of the two
+ends' levels' steps (unless a step is given), the same at both ends, so the network sum is kept
+when neighbours compress at different levels.
+
 With `clipping`, each neighbour's xh_j - xh_i (over the whole model) is clipped to the round's
 radius before mixing (gossip/clipping.py); the public copies themselves are tracked unclipped,
 so both ends of every edge still agree on them exactly.
@@ -33,6 +40,8 @@ from gossipcomp.compress import parse_spec
 from gossipcomp.compress.base import Compressor
 from gossipcomp.gossip.base import RESUME_PHASE, NamedParams, Neighbourhood
 from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
+from gossipcomp.gossip.grouping import Grouping
+from gossipcomp.gossip.levels import BroadcastLevels
 from gossipcomp.gossip.merged import MergedCodec
 from gossipcomp.gossip.specs import AUTO, BuildContext, Option, check_steps
 from gossipcomp.gossip.state import (
@@ -45,6 +54,7 @@ from gossipcomp.gossip.state import (
     save_edge_tensors,
 )
 from gossipcomp.schedule.groups import TensorGroup
+from gossipcomp.schedule.rate import LevelCosts
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
 
 PHASE = "choco"
@@ -99,8 +109,11 @@ class Choco:
         self.steps = steps
         self.clipping = clipping
         self._codec: MergedCodec | None = None
-        self._scales: list[float] = []  # 1 / (1 + beta) per group
-        self._steps: list[float] = []  # gamma per group
+        self._levels: BroadcastLevels | None = None
+        self._groups: tuple[TensorGroup, ...] | None = None  # the schedule's (None: default)
+        self._me = 0
+        self._scales: dict[int, list[float]] = {}  # peer -> 1 / (1 + beta) per group, its level
+        self._steps: dict[int, list[float]] = {}  # peer -> gamma per group at its level
         self.public: list[torch.Tensor] = []  # xh_i, one flat buffer per group
         self.neighbour_public: dict[int, list[torch.Tensor]] = {}  # xh_j as tracked here
 
@@ -108,7 +121,9 @@ class Choco:
         self, params: NamedParams, rank: int, neighbours: Sequence[int]
     ) -> dict[str, PayloadSpec]:
         self._codec = MergedCodec(params, self.compressor, self.seed, rank)
-        self._adopt_grouping(self._codec)
+        self._levels = BroadcastLevels(params, self.compressor, rank, neighbours)
+        self._me, self._groups = rank, None
+        self._adopt_levels(params)
         self.public = self._codec.zeros()
         self.neighbour_public = {j: self._codec.zeros() for j in neighbours}
         return self.specs(params, None)
@@ -132,18 +147,70 @@ class Choco:
         codec = self._require_codec()
         public = codec.per_parameter(self.public)
         tracked = {j: codec.per_parameter(t) for j, t in self.neighbour_public.items()}
-        memories = codec.feedback_memories()
-        codec.use(codec.regrouped(params, groups))
-        codec.load_feedback_memories(memories)
-        self._adopt_grouping(codec)
+        self._groups = tuple(groups) if groups else None
+        levels = self._require_levels()
+        levels.switch(params, self._groups, levels.levels, codec)
+        self._adopt_levels(params)
         self.public = codec.flats(public)
         self.neighbour_public = {j: codec.flats(t) for j, t in tracked.items()}
 
-    def _adopt_grouping(self, codec: MergedCodec) -> None:
-        groups = codec.grouping.groups
-        self._scales = [1.0 / (1.0 + g.compressor.variance_bound(g.layout.numel)) for g in groups]
+    def level_costs(self, params: NamedParams) -> LevelCosts:
+        """The ladder of its compressor, with the bytes a round (`steps` payloads) sends."""
+        return self._require_levels().costs(self.steps)
+
+    def level_label(self, level: int) -> str:
+        return self._require_levels().ladder.spec(level)
+
+    def default_level(self) -> int:
+        return self._require_levels().ladder.default
+
+    def peer_specs(
+        self,
+        params: NamedParams,
+        groups: Sequence[TensorGroup] | None,
+        levels: Mapping[int, int],
+    ) -> dict[str, Mapping[int, PayloadSpec] | PayloadSpec]:
+        """Per phase, each neighbour's envelope under `groups`, compressed at its level."""
+        codec, ladder = self._require_codec(), self._require_levels()
+        specs: dict[str, Mapping[int, PayloadSpec] | PayloadSpec] = {
+            f"{PHASE}{s}": ladder.specs_for(
+                params, groups, levels, codec, lambda round, s=s: round * self.steps + s
+            )
+            for s in range(self.steps)
+        }
+        specs[RESUME_PHASE] = raw_copy_spec(params)
+        return specs
+
+    def set_peer_levels(self, params: NamedParams, levels: Mapping[int, int], round: int) -> None:
+        """Compress at this peer's level in `levels` from now on, scaling and stepping each
+        neighbour's payloads at its own."""
+        self._require_levels().switch(params, self._groups, levels, self._require_codec())
+        self._adopt_levels(params)
+
+    def _adopt_levels(self, params: NamedParams) -> None:
+        """Each peer's scales and steps per group at its level (the own ones from the codec's
+        grouping, which compresses at this peer's level)."""
+        ladder = self._require_levels()
+        by_level = {ladder.own: self._require_codec().grouping}
+        for level in set(ladder.levels.values()) - set(by_level):
+            by_level[level] = ladder.grouping(params, self._groups, level)
+        scales = {level: self._group_scales(g) for level, g in by_level.items()}
+        steps = {level: self._group_steps(g) for level, g in by_level.items()}
+        self._scales = {p: scales[level] for p, level in ladder.levels.items()}
+        self._steps = {p: steps[level] for p, level in ladder.levels.items()}
+
+    @staticmethod
+    def _group_scales(grouping: Grouping) -> list[float]:
+        return [1.0 / (1.0 + g.compressor.variance_bound(g.layout.numel)) for g in grouping.groups]
+
+    def _group_steps(self, grouping: Grouping) -> list[float]:
         given = self._given_step
-        self._steps = [g.compressor.consensus_step if given is None else given for g in groups]
+        return [g.compressor.consensus_step if given is None else given for g in grouping.groups]
+
+    def _require_levels(self) -> BroadcastLevels:
+        if self._levels is None:
+            raise RuntimeError("Choco used before setup")
+        return self._levels
 
     def _require_codec(self) -> MergedCodec:
         if self._codec is None:
@@ -166,10 +233,12 @@ class Choco:
             result = hood.exchange(f"{PHASE}{s}", codec.payload(sent))
             # first every group's public copies (own and tracked), then the mixing weights
             # (clipping needs the distances over all groups), then the mixing
-            for g, scale in enumerate(self._scales):
+            for g, scale in enumerate(self._scales[self._me]):
                 self.public[g].add_(codec.decompress_own(sent[g], key, g), alpha=scale)
                 for j, envelope in result.received.items():
-                    self.neighbour_public[j][g].add_(codec.decoded(envelope, g), alpha=scale)
+                    self.neighbour_public[j][g].add_(
+                        codec.decoded(envelope, g), alpha=self._scales[j][g]
+                    )
             # only neighbours heard this step mix in; the others' weight stays with the peer
             weights = {j: hood.weights[j] for j in result.received}
             if self.clipping is not None:
@@ -177,14 +246,17 @@ class Choco:
                     j: difference_norm(self.neighbour_public[j], self.public) for j in weights
                 }
                 weights = clipped_weights(weights, distances, self.clipping)
-            heard = sum(weights.values())
             pulls = []
             for g, public in enumerate(self.public):
-                # pull = gamma sum_j w_ij (xh_j - xh_i) over them
-                pull = public * -heard
-                for j, w in weights.items():
+                # pull = sum_j gamma_ij w_ij (xh_j - xh_i) over them, with gamma_ij the smaller
+                # of both ends' steps (symmetric: the network sum is kept), as gamma_i times
+                # w_ij gamma_ij / gamma_i (w_ij itself when the ends' steps are equal)
+                step = self._steps[self._me][g]
+                edge = {j: w * (min(step, self._steps[j][g]) / step) for j, w in weights.items()}
+                pull = public * -sum(edge.values())
+                for j, w in edge.items():
                     pull.add_(self.neighbour_public[j][g], alpha=w)
-                pulls.append(pull.mul_(self._steps[g]))
+                pulls.append(pull.mul_(step))
             codec.add_into(params, pulls)
 
     def resume_payload(self, params: NamedParams) -> Payload | None:

@@ -12,6 +12,12 @@ that fails a round keeps its last reference in the combine; a neighbour left out
 gives its weight to the peer, and when the edge comes back both ends send their own reference
 exactly once (`resume_payload`), so each end's copy of the other's reference is exact again.
 
+Bandwidth-adaptive levels (`PeerLeveled`, gossip/levels.py): a peer compresses at its own
+level (the lowest among its links in the schedule) and decodes each neighbour at that
+neighbour's, computed from the same schedule. zeta and gamma stay those of the configured
+compressor at every level: zeta must be the sender's at every end that tracks its reference,
+and one pair for all keeps that true without a table of pairs.
+
 The combine is w_k = phi_k + gamma sum_l a_lk (phi_l - phi_k) (l in N(k)), computed as above with
 a_kk = 1 - sum_l a_lk. With `clipping`, each phi_l - phi_k (over the whole model) is clipped to
 the round's radius, i.e. a_lk becomes a_lk min(1, tau / ||phi_l - phi_k||) and a_kk takes the
@@ -29,6 +35,7 @@ from gossipcomp.compress import parse_spec
 from gossipcomp.compress.base import Compressor
 from gossipcomp.gossip.base import RESUME_PHASE, NamedParams, Neighbourhood
 from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
+from gossipcomp.gossip.levels import BroadcastLevels
 from gossipcomp.gossip.merged import MergedCodec
 from gossipcomp.gossip.specs import BuildContext, Option
 from gossipcomp.gossip.state import (
@@ -41,6 +48,7 @@ from gossipcomp.gossip.state import (
     save_edge_tensors,
 )
 from gossipcomp.schedule.groups import TensorGroup
+from gossipcomp.schedule.rate import LevelCosts
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
 
 PHASE = "def"
@@ -101,6 +109,8 @@ class DEFATC:
         self.seed = seed
         self.clipping = clipping
         self._codec: MergedCodec | None = None
+        self._levels: BroadcastLevels | None = None
+        self._groups: tuple[TensorGroup, ...] | None = None  # the schedule's (None: default)
         self.reference: list[torch.Tensor] = []  # phi_k, one flat buffer per group
         self.neighbour_references: dict[int, list[torch.Tensor]] = {}  # phi_l
         self.error: list[torch.Tensor] = []  # z
@@ -109,6 +119,8 @@ class DEFATC:
         self, params: NamedParams, rank: int, neighbours: Sequence[int]
     ) -> dict[str, PayloadSpec]:
         self._codec = MergedCodec(params, self.compressor, self.seed, rank)
+        self._levels = BroadcastLevels(params, self.compressor, rank, neighbours)
+        self._groups = None
         initial = self._codec.flats([p for _, p in params])
         self.reference = [t.clone() for t in initial]
         self.neighbour_references = {j: [t.clone() for t in initial] for j in neighbours}
@@ -132,11 +144,44 @@ class DEFATC:
         codec = self._require_codec()
         reference, error = codec.per_parameter(self.reference), codec.per_parameter(self.error)
         tracked = {j: codec.per_parameter(t) for j, t in self.neighbour_references.items()}
-        memories = codec.feedback_memories()
-        codec.use(codec.regrouped(params, groups))
-        codec.load_feedback_memories(memories)
+        self._groups = tuple(groups) if groups else None
+        levels = self._require_levels()
+        levels.switch(params, self._groups, levels.levels, codec)
         self.reference, self.error = codec.flats(reference), codec.flats(error)
         self.neighbour_references = {j: codec.flats(t) for j, t in tracked.items()}
+
+    def level_costs(self, params: NamedParams) -> LevelCosts:
+        """The ladder of its compressor, with the bytes a round sends each neighbour."""
+        return self._require_levels().costs(1)
+
+    def level_label(self, level: int) -> str:
+        return self._require_levels().ladder.spec(level)
+
+    def default_level(self) -> int:
+        return self._require_levels().ladder.default
+
+    def peer_specs(
+        self,
+        params: NamedParams,
+        groups: Sequence[TensorGroup] | None,
+        levels: Mapping[int, int],
+    ) -> dict[str, Mapping[int, PayloadSpec] | PayloadSpec]:
+        """Per phase, each neighbour's envelope under `groups`, compressed at its level."""
+        codec, ladder = self._require_codec(), self._require_levels()
+        return {
+            PHASE: ladder.specs_for(params, groups, levels, codec, lambda round: round),
+            RESUME_PHASE: raw_copy_spec(params),
+        }
+
+    def set_peer_levels(self, params: NamedParams, levels: Mapping[int, int], round: int) -> None:
+        """Compress at this peer's level in `levels` from now on (neighbours' payloads are
+        decoded at theirs by the transport, from `peer_specs`)."""
+        self._require_levels().switch(params, self._groups, levels, self._require_codec())
+
+    def _require_levels(self) -> BroadcastLevels:
+        if self._levels is None:
+            raise RuntimeError("DEF-ATC used before setup")
+        return self._levels
 
     def _require_codec(self) -> MergedCodec:
         if self._codec is None:

@@ -64,6 +64,20 @@ def rank_ladder(largest_useful: int) -> tuple[int, ...]:
     return tuple(ranks)
 
 
+def peer_levels(
+    links: Mapping[Link, int], neighbours: Mapping[int, Sequence[int]], default: int
+) -> dict[int, int]:
+    """The level of each peer of `neighbours` (peer -> its neighbours) when it broadcasts one
+    payload to all of them (Choco-SGD, DEF-ATC): the lowest level among its links in `links`,
+    a link not listed counting as `default`, so what it sends fits its slowest link. Every
+    peer holding the same table computes the same levels for a sender, so a receiver knows the
+    level a neighbour's payload was compressed at without being told."""
+    return {
+        peer: min((links.get(link(peer, j), default) for j in around), default=default)
+        for peer, around in neighbours.items()
+    }
+
+
 def estimate_link(samples: Sequence[tuple[int, float]], window: int = DEFAULT_WINDOW) -> LinkCost:
     """Latency and seconds per byte of a link from its sends, oldest first: the slower of the
     fits over the last `window` sends and over the last half of them, compared at their mean
