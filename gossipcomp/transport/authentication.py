@@ -11,8 +11,9 @@ bytes, so it is the same for any implementation:
     the bytes.
 
     envelope:  protocol_version, sender, receiver, round, phase, schedule_epoch, tensor count,
-               per tensor (name, dtype, ndim, each dim, codec, nbytes), then the proof's key_id,
-               timestamp_ms, nonce, content_sha256
+               per tensor (name, dtype, ndim, each dim, codec, nbytes), whether a level notice
+               is present (0 or 1), its level and effective_round (0 and 0 when absent), then
+               the proof's content_sha256, key_id, timestamp_ms, nonce
     hello:     protocol_version, sender, receiver, topology_hash, model_signature, round,
                proposed_resume_round, alone, schedule_epoch, key_id, timestamp_ms, nonce
     reply:     protocol_version, replier, requester, topology_hash, model_signature, round,
@@ -92,6 +93,8 @@ def _envelope_string(header: pb.EnvelopeHeader) -> bytes:
     for tensor in header.tensors:
         string.blob(tensor.name, tensor.dtype).number(len(tensor.shape), *tensor.shape)
         string.blob(tensor.codec).unsigned(tensor.nbytes)
+    notice = header.level_notice
+    string.number(header.HasField("level_notice"), notice.level, notice.effective_round)
     return string.blob(proof.content_sha256).proof(proof)
 
 

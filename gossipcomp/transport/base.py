@@ -38,6 +38,25 @@ Payload = tuple[WireTensor, ...]
 
 
 @dataclass(frozen=True)
+class LevelNotice:
+    """A link's compression level and the round from which both ends of the edge use it: what
+    the lower-ranked end announces in its envelopes when peers set levels without a
+    coordinator (transport/notices.py checks one at receipt)."""
+
+    level: int
+    effective_round: int
+
+
+@dataclass(frozen=True)
+class NoticeRules:
+    """The level notices a receiver accepts: a level in `levels` (the algorithm's ladder), an
+    effective round after the envelope's and at most `lead` rounds after it."""
+
+    levels: frozenset[int]
+    lead: int
+
+
+@dataclass(frozen=True)
 class Envelope:
     """A payload together with who sent it, for which round and phase, under which schedule."""
 
@@ -50,6 +69,7 @@ class Envelope:
     # per tensor, what the spec's decoder made of it at receipt (None for raw tensors): a
     # compressed payload is validated by decoding it, and the algorithm uses that result
     decoded: tuple[object, ...] = ()
+    notice: LevelNotice | None = None  # the sender's announced level for this edge, if any
 
     def tensor(self, name: str) -> WireTensor:
         for t in self.tensors:
@@ -192,6 +212,26 @@ class Transport(Protocol):
 
     def forget_epochs_before(self, schedule_epoch: int) -> None:
         """Stop accepting envelopes of schedule epochs older than `schedule_epoch`."""
+        ...
+
+    def expect_from(
+        self,
+        sender: int,
+        round: int,
+        specs: Mapping[str, PayloadSpec],
+        schedule_epoch: int = 0,
+    ) -> None:
+        """From `round` on, `sender`'s envelopes of `schedule_epoch` hold `specs` (per phase)
+        instead of what `expect` declared: a link level changing at that round. Replaces the
+        sender's earlier one under that epoch; empty `specs` drops it."""
+        ...
+
+    def accept_notices(self, rules: NoticeRules | None) -> None:
+        """Accept level notices in neighbours' envelopes under `rules` (None: refuse any)."""
+        ...
+
+    def announce(self, neighbour: int, notice: LevelNotice | None) -> None:
+        """Carry `notice` in every envelope sent to `neighbour` from now on (None: none)."""
         ...
 
     def open_round(self, round: int) -> None:

@@ -31,7 +31,7 @@ from collections.abc import (
     Mapping,
 )
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -54,6 +54,8 @@ from gossipcomp.transport.base import (
     HelloAnswer,
     HelloHandler,
     Identity,
+    LevelNotice,
+    NoticeRules,
     Payload,
     PayloadSpec,
     PeerNotReady,
@@ -456,6 +458,7 @@ class GrpcTransport:
         self._stubs: dict[int, pb_grpc.GossipStub] = {}
         self._pushers: dict[int, grpc.StreamUnaryMultiCallable] = {}
         self._push_ones: dict[int, grpc.UnaryUnaryMultiCallable] = {}
+        self._notices: dict[int, LevelNotice] = {}  # neighbour -> what its envelopes carry
         self._closed = False
 
     async def _start_server(self, bind: str, credentials: grpc.ServerCredentials | None) -> int:
@@ -492,6 +495,24 @@ class GrpcTransport:
 
     def forget_epochs_before(self, schedule_epoch: int) -> None:
         self._inbox.forget_epochs_before(schedule_epoch)
+
+    def expect_from(
+        self,
+        sender: int,
+        round: int,
+        specs: Mapping[str, PayloadSpec],
+        schedule_epoch: int = 0,
+    ) -> None:
+        self._inbox.expect_from(sender, round, specs, schedule_epoch)
+
+    def accept_notices(self, rules: NoticeRules | None) -> None:
+        self._inbox.accept_notices(rules)
+
+    def announce(self, neighbour: int, notice: LevelNotice | None) -> None:
+        if notice is None:
+            self._notices.pop(neighbour, None)
+        else:
+            self._notices[neighbour] = notice
 
     def open_round(self, round: int) -> None:
         self._inbox.mailbox.open_round(round)
@@ -688,8 +709,9 @@ class GrpcTransport:
         sizes: dict[int, int] = {}
         mailbox = self._inbox.mailbox
         for j, payload in outgoing.items():
+            notice = self._notices.get(j)
             if receivers[id(payload)] == 1 and _data_bytes(payload) > self._options.chunk_bytes:
-                envelope = Envelope(self.rank, round, phase, payload, schedule_epoch)
+                envelope = Envelope(self.rank, round, phase, payload, schedule_epoch, notice=notice)
                 pushes[j] = self._pool.submit(self.send, j, envelope, deadline)
                 pushes[j].add_done_callback(_abandon_on_failure(mailbox, round, phase, j))
                 continue
@@ -699,9 +721,13 @@ class GrpcTransport:
                 content = content_sha256(envelope) if self._auth is not None else b""
                 chunked[id(payload)] = (envelope, chunks, content)
             envelope, chunks, content = chunked[id(payload)]
+            if notice is not None:  # this neighbour's own header: the edge's level notice
+                envelope = replace(envelope, notice=notice)
             if self._auth is not None:
                 header = _signed_header(self._auth, envelope, j, content)
                 chunks = [with_header(chunks[0], header), *chunks[1:]]
+            elif notice is not None:
+                chunks = [with_header(chunks[0], header_of(envelope)), *chunks[1:]]
             sizes[j] = sum(len(c) for c in chunks)
             if len(chunks) == 1:  # one unary call, issued asynchronously: no thread per push
                 remaining = max(0.001, deadline - time.monotonic())

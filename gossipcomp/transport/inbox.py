@@ -8,6 +8,9 @@ floats), then the mailbox's round and duplicate checks. Only then can an algorit
 Expectations are keyed by (schedule epoch, phase): a peer that staged a new schedule accepts
 envelopes laid out by it as soon as a neighbour switches, and `collect` hands an exchange only
 the envelopes sent under the epoch the exchange itself uses, so no exchange ever mixes two.
+A sender's link level may change at a round within an epoch (levels set by peers without a
+coordinator): `expect_from` declares what its envelopes hold from that round on, chosen by the
+header's round. Level notices in headers are checked with the header (transport/notices.py).
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ import threading
 from collections.abc import Collection, Iterable, Mapping
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
-from gossipcomp.transport.base import Envelope, PayloadSpec
+from gossipcomp.transport.base import Envelope, NoticeRules, PayloadSpec
 from gossipcomp.transport.codec import check_finite, decode_payloads, validate_header
 from gossipcomp.transport.mailbox import Mailbox
+from gossipcomp.transport.notices import check_notice
+
+SpecTable = Mapping[tuple[int, str], Mapping[int, PayloadSpec]]
 
 
 class Inbox:
@@ -37,6 +43,9 @@ class Inbox:
         self.mailbox = Mailbox(mailbox_window)
         self._max_envelope_bytes = max_envelope_bytes
         self._specs: dict[tuple[int, str], dict[int, PayloadSpec]] = {}
+        # (epoch, phase, sender) -> (round, what its envelopes hold from that round on)
+        self._from_round: dict[tuple[int, str, int], tuple[int, PayloadSpec]] = {}
+        self._notice_rules: NoticeRules | None = None
         self._lock = threading.Lock()
 
     def expect(
@@ -60,6 +69,33 @@ class Inbox:
         """Drop the expectations of epochs older than `schedule_epoch` (no longer in use)."""
         with self._lock:
             self._specs = {k: v for k, v in self._specs.items() if k[0] >= schedule_epoch}
+            self._from_round = {k: v for k, v in self._from_round.items() if k[0] >= schedule_epoch}
+
+    def expect_from(
+        self,
+        sender: int,
+        round: int,
+        specs: Mapping[str, PayloadSpec],
+        schedule_epoch: int = 0,
+    ) -> None:
+        """From `round` on, `sender`'s envelopes of `schedule_epoch` hold `specs` (per phase)
+        instead of what `expect` declared: a link level changing at that round. Replaces the
+        sender's earlier one under that epoch; empty `specs` drops it."""
+        if sender not in self.neighbours:
+            raise ValueError(f"peer {self.rank}: specs given for non-neighbour {sender}")
+        with self._lock:
+            kept = {
+                k: v
+                for k, v in self._from_round.items()
+                if not (k[0] == schedule_epoch and k[2] == sender)
+            }
+            for phase, spec in specs.items():
+                kept[(schedule_epoch, phase, sender)] = (round, spec)
+            self._from_round = kept
+
+    def accept_notices(self, rules: NoticeRules | None) -> None:
+        """Accept level notices in neighbours' envelopes under `rules` (None: refuse any)."""
+        self._notice_rules = rules
 
     def collect(
         self,
@@ -81,8 +117,9 @@ class Inbox:
         return {j: v for j, v in arrived.items() if j not in mismatched}, mismatched
 
     def check_header(self, header: pb.EnvelopeHeader) -> PayloadSpec:
-        """Validate a header before any data is read; return the spec it matched."""
-        return validate_header(
+        """Validate a header (its level notice included) before any data is read; return the
+        spec it matched."""
+        spec = validate_header(
             protocol_version=header.protocol_version,
             round=header.round,
             schedule_epoch=header.schedule_epoch,
@@ -90,9 +127,21 @@ class Inbox:
             phase=header.phase,
             tensors=list(header.tensors),
             neighbours=self.neighbours,
-            specs=self._specs,
+            specs=self._specs_at(header),
             max_envelope_bytes=self._max_envelope_bytes,
         )
+        check_notice(header, self.rank, self._notice_rules)
+        return spec
+
+    def _specs_at(self, header: pb.EnvelopeHeader) -> SpecTable:
+        """The expectations that hold for this header's round: `expect`'s, with the sender's
+        `expect_from` spec for the phase once its round has come."""
+        specs, changes = self._specs, self._from_round
+        change = changes.get((header.schedule_epoch, header.phase, header.sender))
+        key = (header.schedule_epoch, header.phase)
+        if change is None or header.round < change[0] or key not in specs:
+            return specs
+        return {**specs, key: {**specs[key], header.sender: change[1]}}
 
     def accept(
         self, envelope: Envelope, spec: PayloadSpec, wire_bytes: int, values_checked: bool = False

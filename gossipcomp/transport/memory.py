@@ -24,6 +24,8 @@ from gossipcomp.transport.base import (
     HelloAnswer,
     HelloHandler,
     Identity,
+    LevelNotice,
+    NoticeRules,
     Payload,
     PayloadSpec,
     PeerNotReady,
@@ -108,6 +110,7 @@ class InMemoryTransport:
         self._hub = hub
         self._inbox = Inbox(self.rank, neighbours, max_envelope_bytes)
         self._on_hello: HelloHandler = no_rejoin
+        self._notices: dict[int, LevelNotice] = {}  # neighbour -> what its envelopes carry
         hub.register(self)
 
     def expect(
@@ -120,6 +123,24 @@ class InMemoryTransport:
 
     def forget_epochs_before(self, schedule_epoch: int) -> None:
         self._inbox.forget_epochs_before(schedule_epoch)
+
+    def expect_from(
+        self,
+        sender: int,
+        round: int,
+        specs: Mapping[str, PayloadSpec],
+        schedule_epoch: int = 0,
+    ) -> None:
+        self._inbox.expect_from(sender, round, specs, schedule_epoch)
+
+    def accept_notices(self, rules: NoticeRules | None) -> None:
+        self._inbox.accept_notices(rules)
+
+    def announce(self, neighbour: int, notice: LevelNotice | None) -> None:
+        if notice is None:
+            self._notices.pop(neighbour, None)
+        else:
+            self._notices[neighbour] = notice
 
     def open_round(self, round: int) -> None:
         self._inbox.mailbox.open_round(round)
@@ -225,8 +246,9 @@ class InMemoryTransport:
             try:
                 if target is None or fault is Fault.LOST:
                     raise PeerUnreachableError("not on the hub" if target is None else "lost")
+                notice = self._notices.get(j)
                 result.bytes_sent[j] = target.receive(
-                    Envelope(self.rank, round, phase, payload, schedule_epoch)
+                    Envelope(self.rank, round, phase, payload, schedule_epoch, notice=notice)
                 )
                 if fault is Fault.ACK_LOST:
                     raise PeerUnreachableError("acknowledgement lost")

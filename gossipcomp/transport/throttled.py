@@ -22,6 +22,8 @@ from gossipcomp.transport.base import (
     ExchangeResult,
     HelloAnswer,
     HelloHandler,
+    LevelNotice,
+    NoticeRules,
     Payload,
     PayloadSpec,
     Transport,
@@ -133,6 +135,21 @@ class ThrottledTransport:
 
     def forget_epochs_before(self, schedule_epoch: int) -> None:
         self._inner.forget_epochs_before(schedule_epoch)
+
+    def expect_from(
+        self,
+        sender: int,
+        round: int,
+        specs: Mapping[str, PayloadSpec],
+        schedule_epoch: int = 0,
+    ) -> None:
+        self._inner.expect_from(sender, round, specs, schedule_epoch)
+
+    def accept_notices(self, rules: NoticeRules | None) -> None:
+        self._inner.accept_notices(rules)
+
+    def announce(self, neighbour: int, notice: LevelNotice | None) -> None:
+        self._inner.announce(neighbour, notice)
 
     def open_round(self, round: int) -> None:
         self._inner.open_round(round)

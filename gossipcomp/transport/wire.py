@@ -25,6 +25,7 @@ from gossipcomp.transport.base import (
     WireTensor,
 )
 from gossipcomp.transport.codec import FiniteScanner
+from gossipcomp.transport.notices import notice_message, notice_of
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 _HEADER_TAG = b"\x0a"  # EnvelopeChunk field 1 (header), length-delimited
@@ -57,7 +58,7 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
 
 
 def header_of(envelope: Envelope) -> pb.EnvelopeHeader:
-    return pb.EnvelopeHeader(
+    header = pb.EnvelopeHeader(
         protocol_version=envelope.protocol_version,
         sender=envelope.sender,
         round=envelope.round,
@@ -70,6 +71,9 @@ def header_of(envelope: Envelope) -> pb.EnvelopeHeader:
             for t in envelope.tensors
         ],
     )
+    if envelope.notice is not None:
+        header.level_notice.CopyFrom(notice_message(envelope.notice))
+    return header
 
 
 def _chunk(header: bytes | None, pieces: list[memoryview], size: int) -> bytes:
@@ -247,6 +251,7 @@ class EnvelopeReader:
             tensors=tuple(tensors),
             schedule_epoch=header.schedule_epoch,
             protocol_version=header.protocol_version,
+            notice=notice_of(header),
         )
         return envelope, self.spec, self.wire_bytes
 

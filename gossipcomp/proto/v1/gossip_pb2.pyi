@@ -36,8 +36,16 @@ class SenderProof(_message.Message):
     signature: bytes
     def __init__(self, key_id: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., receiver: _Optional[int] = ..., content_sha256: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
+class LevelNotice(_message.Message):
+    __slots__ = ("level", "effective_round")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    effective_round: int
+    def __init__(self, level: _Optional[int] = ..., effective_round: _Optional[int] = ...) -> None: ...
+
 class EnvelopeHeader(_message.Message):
-    __slots__ = ("protocol_version", "sender", "round", "phase", "schedule_epoch", "tensors", "proof")
+    __slots__ = ("protocol_version", "sender", "round", "phase", "schedule_epoch", "tensors", "proof", "level_notice")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +53,7 @@ class EnvelopeHeader(_message.Message):
     SCHEDULE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_NOTICE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     sender: int
     round: int
@@ -52,7 +61,8 @@ class EnvelopeHeader(_message.Message):
     schedule_epoch: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
     proof: SenderProof
-    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., schedule_epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., proof: _Optional[_Union[SenderProof, _Mapping]] = ...) -> None: ...
+    level_notice: LevelNotice
+    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., schedule_epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., proof: _Optional[_Union[SenderProof, _Mapping]] = ..., level_notice: _Optional[_Union[LevelNotice, _Mapping]] = ...) -> None: ...
 
 class EnvelopeChunk(_message.Message):
     __slots__ = ("header", "data")

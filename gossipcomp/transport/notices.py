@@ -1,0 +1,73 @@
+"""Level notices in envelope headers: how they travel and what a receiver accepts.
+
+Without a coordinator, the lower-ranked end of an edge sets the edge's compression level and
+announces (level, effective round) in every envelope it sends the other end until that round
+(schedule/announce.py decides and keeps the levels, peer.py applies them). The notice comes from
+the network, so the receiver checks it with the rest of the header, before any data is read
+and before anything can change:
+
+- the receiver takes notices at all: it sets levels with its neighbours (FAILED_PRECONDITION
+  otherwise: its levels are fixed or come from a coordinator's schedules);
+- the sender is the lower-ranked end of the edge (PERMISSION_DENIED): only that end decides;
+- the level is on the algorithm's ladder (INVALID_ARGUMENT);
+- the effective round lies after the envelope's round and at most `NoticeRules.lead` rounds
+  after it (INVALID_ARGUMENT): never in the past, never parked far ahead.
+
+A notice carries no edge: it can only ever name the edge between its sender and its receiver,
+so a neighbour cannot change any level but its own edge's. Signed headers cover it
+(transport/authentication.py).
+"""
+
+from __future__ import annotations
+
+from gossipcomp.proto.v1 import gossip_pb2 as pb
+from gossipcomp.transport.base import EnvelopeRejected, LevelNotice, NoticeRules, RejectCode
+
+MAX_NOTICE_LEAD = 64  # rounds a notice may take effect after its envelope's round, at most
+
+
+def notice_message(notice: LevelNotice) -> pb.LevelNotice:
+    return pb.LevelNotice(level=notice.level, effective_round=notice.effective_round)
+
+
+def notice_of(header: pb.EnvelopeHeader) -> LevelNotice | None:
+    """The header's notice (checked already by `check_notice`), None when it has none."""
+    if not header.HasField("level_notice"):
+        return None
+    return LevelNotice(header.level_notice.level, header.level_notice.effective_round)
+
+
+def check_notice(header: pb.EnvelopeHeader, receiver: int, rules: NoticeRules | None) -> None:
+    """Refuse a header whose level notice this receiver must not take (module docstring),
+    with EnvelopeRejected naming the field; nothing when it carries none."""
+    if not header.HasField("level_notice"):
+        return
+    sender, round = header.sender, header.round
+    level, effective = header.level_notice.level, header.level_notice.effective_round
+    if rules is None:
+        raise EnvelopeRejected(
+            RejectCode.FAILED_PRECONDITION,
+            f"level_notice: peer {receiver} takes no link levels from its neighbours (its "
+            "levels are fixed or set by a coordinator's schedules); expected no level_notice",
+        )
+    if sender > receiver:
+        raise EnvelopeRejected(
+            RejectCode.PERMISSION_DENIED,
+            f"level_notice: peer {sender} is the higher-ranked end of edge {receiver}-{sender}; "
+            f"only the lower-ranked end (peer {receiver}) announces the edge's level",
+        )
+    if level not in rules.levels:
+        raise EnvelopeRejected(
+            RejectCode.INVALID_ARGUMENT,
+            f"level_notice.level: expected a level of the ladder {sorted(rules.levels)}, "
+            f"got {level}",
+        )
+    if not round < effective <= round + rules.lead:
+        raise EnvelopeRejected(
+            RejectCode.INVALID_ARGUMENT,
+            f"level_notice.effective_round: expected a round in [{round + 1}, "
+            f"{round + rules.lead}] (after the envelope's round {round}, at most {rules.lead} "
+            f"ahead), got {effective}",
+            public=f"level_notice.effective_round: expected a round after the envelope's round "
+            f"{round}, at most {rules.lead} ahead, got {effective}",
+        )
