@@ -1,0 +1,339 @@
+"""Bandwidth-adaptive levels for Choco-SGD and DEF-ATC: ladders per compressor family, one level
+per peer (its slowest link's), decoded by every neighbour from the schedule's link table.
+
+Ladders are checked on their own (ordered by bytes, no compression at the top); peers on a
+ring with different levels keep both ends' tracked copies identical and Choco's network sum;
+hostile levels are refused naming the field; and a throttled ring reporting to a real
+coordinator lowers the levels of a link's ends when its bandwidth drops tenfold and raises them
+when it recovers, with both ends of every edge always in step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_network, gossip_round, run_in_threads, stacked
+
+from gossipcomp.compress import parse_spec
+from gossipcomp.compress.ladder import ladder_for
+from gossipcomp.coordinator import Coordinator, CoordinatorServer
+from gossipcomp.coordinator_client import CoordinatorClient
+from gossipcomp.gossip import DEFATC, Choco
+from gossipcomp.gossip.base import PeerLeveled
+from gossipcomp.models import build_mlp, model_signature
+from gossipcomp.peer import Peer
+from gossipcomp.schedule.costs import LinkCost
+from gossipcomp.schedule.rate import peer_levels
+from gossipcomp.schedule.schedule import LinkLevel, Schedule, ScheduleRefused
+from gossipcomp.topology import build_topology
+from gossipcomp.transport.base import Identity
+from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
+from gossipcomp.transport.throttled import LinkRates, RateChange, ThrottledTransport
+
+RING4 = build_topology("ring", n=4)
+RING8 = build_topology("ring", n=8)
+NUMELS = [64 * 256, 256, 256 * 256, 256, 2560, 10]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "topk:ratio=0.01",
+        "randomk:ratio=0.01,unbiased=false",
+        "randomk:ratio=0.03",
+        "qsgd:levels=16",
+        "ef+topk:ratio=0.05",
+        "dgc:ratio=0.001",
+        "sign",
+    ],
+)
+def test_a_ladder_is_ordered_by_bytes_with_no_compression_at_the_top(spec):
+    ladder = ladder_for(spec, NUMELS)
+    assert len(ladder.specs) == len(ladder.nbytes) >= 3
+    assert list(ladder.nbytes) == sorted(set(ladder.nbytes))  # strictly increasing
+    for level, (rung, nbytes) in enumerate(zip(ladder.specs, ladder.nbytes, strict=True), 1):
+        assert sum(parse_spec(rung).wire_bytes(n) for n in NUMELS) == nbytes
+        assert ladder.spec(level) == rung
+    top = parse_spec(ladder.specs[-1])
+    assert top.name.removeprefix("ef+") == "identity"
+    assert ladder.nbytes[-1] == 4 * sum(NUMELS)
+    assert ladder.specs[ladder.default - 1] == parse_spec(spec).spec  # the configured one
+    assert all(s.startswith("ef+") == spec.startswith("ef+") for s in ladder.specs)
+
+
+def test_qsgd_rungs_are_the_most_levels_each_bit_width_carries():
+    ladder = ladder_for("qsgd:levels=7", NUMELS)
+    assert ladder.specs == tuple(f"qsgd:levels={s}" for s in (1, 3, 7, 15, 31, 63, 127)) + (
+        "identity",
+    )
+    # levels=16 needs 5 bits, like 31: the configured one takes that rung
+    assert "qsgd:levels=16" in ladder_for("qsgd:levels=16", NUMELS).specs
+    assert "qsgd:levels=31" not in ladder_for("qsgd:levels=16", NUMELS).specs
+
+
+@pytest.mark.parametrize("level", [0, -1, 13, 1 << 40, True, "3", 2.0])
+def test_a_level_off_the_ladder_is_refused_naming_it(level):
+    ladder = ladder_for("topk:ratio=0.01", NUMELS)
+    assert ladder.top == 12
+    with pytest.raises(ValueError, match=r"level of peer 3 .*expected a level in \[1, 12\]"):
+        ladder.check(level, "level of peer 3")
+
+
+def test_a_peer_broadcasts_at_its_slowest_links_level():
+    around = {p: RING8.neighbors(p) for p in range(8)}
+    levels = peer_levels({(0, 1): 2, (1, 2): 9, (3, 4): 5, (0, 7): 4}, around, default=7)
+    assert levels == {0: 2, 1: 2, 2: 7, 3: 5, 4: 5, 5: 7, 6: 7, 7: 4}
+    assert peer_levels({}, around, default=7) == dict.fromkeys(range(8), 7)
+
+
+def _models(n: int, hidden: int = 32, same: bool = False) -> list[torch.nn.Module]:
+    return [
+        build_mlp(0 if same else seed, input_dim=16, hidden=(hidden, hidden), num_classes=4)
+        for seed in range(n)
+    ]
+
+
+def _local_step(peers: list[Peer], generator: torch.Generator) -> None:
+    """Move every peer's model its own way, as a local optimizer step would."""
+    with torch.no_grad():
+        for peer in peers:
+            for p in peer.model.parameters():
+                p.add_(torch.randn(p.shape, generator=generator), alpha=0.01)
+
+
+def _schedule(epoch: int, at: int, levels: dict[tuple[int, int], int]) -> Schedule:
+    links = tuple(LinkLevel(a, b, level) for (a, b), level in sorted(levels.items()))
+    return Schedule(epoch, at, planner="adaptive", links=links, budget_s=0.1)
+
+
+def _tracked(peer: Peer) -> tuple[list[torch.Tensor], dict[int, list[torch.Tensor]]]:
+    """A peer's own broadcast state and its copies of its neighbours' (Choco: public copies,
+    DEF-ATC: references), per parameter."""
+    algorithm = peer.algorithm
+    codec = algorithm._require_codec()
+    if isinstance(algorithm, Choco):
+        own, copies = algorithm.public, algorithm.neighbour_public
+    else:
+        own, copies = algorithm.reference, algorithm.neighbour_references
+    return codec.per_parameter(own), {j: codec.per_parameter(t) for j, t in copies.items()}
+
+
+def _assert_ends_agree(peers: list[Peer]) -> None:
+    for peer in peers:
+        own, _ = _tracked(peer)
+        for j in peer.topology.neighbors(peer.rank):
+            theirs = _tracked(peers[j])[1][peer.rank]
+            for a, b in zip(own, theirs, strict=True):
+                assert torch.equal(a, b), (peer.rank, j)
+
+
+@pytest.mark.parametrize("algorithm", ["choco", "def"])
+@pytest.mark.parametrize(
+    "spec", ["topk:ratio=0.05", "qsgd:levels=16", "randomk:ratio=0.05", "ef+topk:ratio=0.05"]
+)
+def test_peers_at_different_levels_keep_both_ends_in_step(algorithm, spec):
+    """Two schedules give the ring's links different levels, so peers broadcast at different
+    levels and change them mid-run: every exchange is accepted, each peer's own copy equals
+    what its neighbours track bit for bit, Choco keeps the network sum, and a peer at a lower
+    level sends fewer bytes."""
+    kind = Choco if algorithm == "choco" else DEFATC
+    # identical initial models (DEF-ATC's references start at them), then local steps apart
+    peers = build_network(RING4, _models(4, same=True), lambda: kind(parse_spec(spec)))
+    generator = torch.Generator().manual_seed(0)
+    try:
+        assert isinstance(peers[0].algorithm, PeerLeveled)
+        top = peers[0].algorithm.level_costs(peers[0].gossiped).levels[-1]
+        first = _schedule(1, 2, {(0, 1): 1, (1, 2): top, (2, 3): 3, (0, 3): top})
+        second = _schedule(2, 5, {(0, 1): top, (0, 3): 2})
+        for peer in peers:
+            peer.apply(first)
+            peer.apply(second)
+        sent = []
+        for _ in range(8):
+            _local_step(peers, generator)
+            before = [x.sum(0) for x in stacked(peers)]
+            start = [p.stats.bytes_sent_total for p in peers]
+            gossip_round(peers)
+            sent.append([p.stats.bytes_sent_total - s for p, s in zip(peers, start, strict=True)])
+            if algorithm == "choco":  # the network sum is kept
+                for a, b in zip(before, [x.sum(0) for x in stacked(peers)], strict=True):
+                    torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        for peer in peers:
+            assert peer.stats.failed_exchanges == {}
+            assert peer.stats.mismatched_epoch_exchanges == 0
+        _assert_ends_agree(peers)
+
+        # headers differ by a byte or two (sender ids): "alike" is within 16 bytes
+        def alike(a: int, b: int) -> bool:
+            return abs(a - b) <= 16
+
+        # round 3 (first schedule): peers 0 and 1 at level 1, peers 2 and 3 at level 3
+        assert alike(sent[3][0], sent[3][1]) and alike(sent[3][2], sent[3][3])
+        assert sent[3][0] + 16 < sent[3][3]
+        # round 6 (second): peers 0 and 3 at level 2, peers 1 and 2 at the default
+        assert alike(sent[6][0], sent[6][3]) and alike(sent[6][1], sent[6][2])
+        assert sent[6][0] + 16 < sent[6][1]
+        labels = [c["level"] for c in peers[0].stats.peer_levels]
+        assert [parse_spec(x).spec for x in labels] == labels and len(labels) == 2
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+@pytest.mark.parametrize(
+    ("links", "message"),
+    [
+        ({(0, 1): 10_000}, "link 0-1 level 10000, expected a level in"),
+        ({(2, 3): 13}, "link 2-3 level 13, expected a level in"),  # a neighbour's link
+        ({(0, 2): 2}, "not an edge"),
+    ],
+)
+def test_a_hostile_schedule_level_is_refused_naming_the_field_and_nothing_changes(links, message):
+    peers = build_network(RING4, _models(4), lambda: Choco(parse_spec("topk:ratio=0.05")))
+    try:
+        with pytest.raises(ScheduleRefused, match=message):
+            peers[0].apply(_schedule(1, 5, links))
+        assert peers[0].schedules.newest.epoch == 0
+        gossip_round(peers)
+        assert all(p.stats.failed_exchanges == {} for p in peers)
+        with pytest.raises(ValueError, match="level of peer 1"):
+            peers[0].algorithm.peer_specs(peers[0].gossiped, None, {1: 0})
+        with pytest.raises(ValueError, match="level for peer 2: expected this peer"):
+            peers[0].algorithm.peer_specs(peers[0].gossiped, None, {2: 1})
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def test_a_checkpoint_restores_the_level_in_force():
+    peers = build_network(
+        RING4, _models(4, same=True), lambda: DEFATC(parse_spec("topk:ratio=0.05"))
+    )
+    try:
+        for peer in peers:
+            peer.apply(_schedule(1, 1, {(0, 1): 2}))
+        gossip_round(peers)
+        gossip_round(peers)
+        state = peers[0].state_dict()
+        assert peers[0].algorithm._levels.own == 2
+    finally:
+        for peer in peers:
+            peer.close()
+    fresh = build_network(
+        RING4, _models(4, same=True), lambda: DEFATC(parse_spec("topk:ratio=0.05"))
+    )
+    try:
+        fresh[0].load_state_dict(state)
+        assert fresh[0].algorithm._levels.levels == {
+            0: 2,
+            1: 2,
+            3: fresh[0].algorithm.default_level(),
+        }
+    finally:
+        for peer in fresh:
+            peer.close()
+
+
+def _throttled_ring(rates: LinkRates, spec: str) -> list[Peer]:
+    hub = InMemoryHub()
+    peers = []
+    for rank, model in enumerate(_models(4, hidden=256)):
+        identity = Identity(rank, RING4.hash, model_signature(model))
+        inner = InMemoryTransport(identity, RING4.neighbors(rank), hub)
+        transport = ThrottledTransport(inner, rates)
+        peers.append(Peer(model, RING4, rank, Choco(parse_spec(spec)), transport))
+    for peer in peers:
+        peer.start(5, {})
+    return peers
+
+
+def _run_adaptive(peers: list[Peer], budget: float, rounds: int, on_round=None) -> None:
+    coordinator = Coordinator(RING4, report_every=1, adaptive=True, round_budget=budget)
+    server = CoordinatorServer(coordinator, "127.0.0.1:0")
+    clients = [CoordinatorClient(server.address, p, None, report_every=1) for p in peers]
+
+    def train(peer: Peer, client: CoordinatorClient) -> None:
+        for _ in range(rounds):
+            peer.gossip()
+            client.after_round()
+            if on_round is not None:
+                on_round(peer)
+
+    try:
+        run_in_threads(
+            [lambda p=p, c=c: train(p, c) for p, c in zip(peers, clients, strict=True)], 120
+        )
+    finally:
+        for client in clients:
+            client.close()
+        server.stop()
+
+
+def _level_by_round(peer: Peer, rounds: int) -> dict[int, int]:
+    """The level `peer` broadcast at in each round, from its reported changes."""
+    ladder = peer.algorithm._levels.ladder
+    changes = {c["round"]: ladder.specs.index(c["level"]) + 1 for c in peer.stats.peer_levels}
+    level, by_round = ladder.default, {}
+    for r in range(rounds + 1):
+        level = changes.get(r, level)
+        by_round[r] = level
+    return by_round
+
+
+def test_a_link_that_slows_tenfold_lowers_its_ends_levels_and_they_rise_when_it_recovers(
+    one_thread,
+):
+    """Choco with top-k on ring4 over the throttled transport, a coordinator choosing levels
+    every 2 rounds within a 60 ms budget. Link 0-1 drops from 16 to 1.6 Mbit/s at round 16 and
+    recovers at round 40. Peers 0 and 1 fall to a level whose payload fits the slow link within
+    12 rounds, the link's transfers fit the budget again before it recovers, and the levels
+    rise after it. No exchange fails or mismatches, and both ends track the same copies."""
+    budget, rounds, drop, back = 0.06, 64, 16, 40
+    rates = LinkRates(16, [RateChange(0, 1, 1.6, drop), RateChange(0, 1, 16, back)])
+    peers = _throttled_ring(rates, "topk:ratio=0.01")
+    slow_sends: list[float] = []
+
+    def watch(peer: Peer) -> None:
+        if peer.rank == 0 and peer.round == back - 1:
+            slow_sends.extend(s for _, s in peer.sends.samples(1)[-2:])
+
+    try:
+        _run_adaptive(peers, budget, rounds, watch)
+        costs = peers[0].algorithm.level_costs(peers[0].gossiped)
+        slow = LinkCost(0.0, 8 / 1.6e6)
+        fits_slow = max(x for x in costs.levels if costs.seconds(x, slow) <= budget)
+        for rank in (0, 1):
+            level = _level_by_round(peers[rank], rounds)
+            assert level[drop - 1] > fits_slow, (level, fits_slow)
+            assert level[drop + 12] <= fits_slow, (level, fits_slow)
+            assert level[rounds] > level[back - 1], level
+        assert slow_sends and max(slow_sends) <= 1.25 * budget, slow_sends
+        for a, b in ((0, 1), (1, 2), (2, 3), (0, 3)):
+            ends = [[c for c in peers[r].stats.link_levels if c["link"] == [a, b]] for r in (a, b)]
+            assert ends[0] == ends[1]
+        for peer in peers:
+            assert peer.stats.failed_exchanges == {}
+            assert peer.stats.mismatched_epoch_exchanges == 0
+        _assert_ends_agree(peers)
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+@pytest.mark.parametrize(("budget", "where"), [(1e4, "top"), (1e-6, "bottom")])
+def test_a_very_high_budget_sends_uncompressed_and_a_very_low_one_the_lowest_level(
+    one_thread, budget, where
+):
+    peers = _throttled_ring(LinkRates(100), "qsgd:levels=16")
+    try:
+        _run_adaptive(peers, budget, 10)
+        ladder = peers[0].algorithm._levels.ladder
+        expected = ladder.top if where == "top" else 1
+        assert all(p.algorithm._levels.own == expected for p in peers)
+        if where == "top":
+            assert ladder.spec(expected) == "identity"
+        assert all(p.stats.mismatched_epoch_exchanges == 0 for p in peers)
+        _assert_ends_agree(peers)
+    finally:
+        for peer in peers:
+            peer.close()
