@@ -22,6 +22,7 @@ import math
 import statistics
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.state import checked_tensors
 from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
 from gossipcomp.models import gossiped_tensors, model_signature
+from gossipcomp.schedule.announce import EdgeLevels, LocalRateControl, NoticeConflict
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.rate import peer_levels
 from gossipcomp.schedule.schedule import Schedule, ScheduleBook, ScheduleRefused
@@ -52,11 +54,13 @@ from gossipcomp.transport.base import (
     MAX_WIRE_ROUND,
     HelloAnswer,
     Identity,
+    NoticeRules,
     PayloadSpec,
     PeerNotReady,
     Transport,
 )
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
+from gossipcomp.transport.notices import MAX_NOTICE_LEAD
 from gossipcomp.transport.throttled import LinkRates, ThrottledTransport
 
 AVERAGE_PHASE = "average"
@@ -158,6 +162,10 @@ class Peer:
         self.alone = False  # the last round reached no neighbour
         neighbours = topology.neighbors(rank)
         self._level_changes: list[dict[str, Any]] = []
+        # levels set with the neighbours, without a coordinator (`adapt_levels`); None: fixed
+        # or a coordinator's
+        self._edge_levels: EdgeLevels | None = None
+        self._rate: LocalRateControl | None = None
         self._peer_level_changes: list[dict[str, Any]] = []
         self._edges = sorted((min(a, b), max(a, b)) for a, b in topology.graph.edges)
         self.schedules = ScheduleBook([name for name, _ in self._params], self._edges)
@@ -198,6 +206,30 @@ class Peer:
         answer = self.links.answer_hello(sender, their_round, proposed, alone, self.round)
         return dataclasses.replace(answer, schedule_epoch=newest)
 
+    def adapt_levels(self, round_budget: float | None = None) -> None:
+        """Set link levels with the neighbours, without a coordinator (schedule/announce.py).
+        For each edge to a higher-ranked neighbour, this peer's rate controller picks the
+        level from its own sends over it and announces it in its envelopes; lower-ranked
+        neighbours' notices set the other edges. `round_budget`: seconds a round's transfers
+        over one link may take (None: this peer's median compute time per round). Call before
+        `start()` and before restoring a checkpoint; every peer of the network must (a peer
+        that does not refuses notices). From then on schedules with link levels are refused:
+        levels come from a coordinator or from the peers, never both."""
+        if not isinstance(self.algorithm, LinkLeveled):
+            raise ValueError(
+                f"levels set by peers: algorithm {self.algorithm.name!r} has no level per link "
+                "(powergossip has; choco and def take levels from a coordinator's schedules)"
+            )
+        if any(s.links for s in (self.schedules.current, *self.schedules.staged)):
+            raise ValueError(
+                "levels set by peers: this peer holds a schedule with link levels (a "
+                "coordinator's); expected none"
+            )
+        costs = self.algorithm.level_costs(self._params)
+        self._rate = LocalRateControl(costs, round_budget)
+        self._edge_levels = EdgeLevels(self.rank, self._weights)
+        self.transport.accept_notices(NoticeRules(frozenset(costs.levels), MAX_NOTICE_LEAD))
+
     def apply(self, schedule: Schedule) -> None:
         """Stage `schedule` to take effect at its effective round (every peer switches then).
 
@@ -211,11 +243,21 @@ class Peer:
         self.schedules.stage(schedule, self.round)
         self._expect_epoch(schedule.epoch, specs)
 
-    def _schedule_specs(self, schedule: Schedule) -> dict[str, PayloadSpec]:
-        """Per phase, what neighbours' envelopes hold under `schedule`; ScheduleRefused when it
-        does not fit this peer's model or algorithm."""
+    def _schedule_specs(
+        self, schedule: Schedule, edge_levels: EdgeLevels | None = None
+    ) -> dict[str, PayloadSpec]:
+        """Per phase, what neighbours' envelopes hold under `schedule` (with the levels in
+        force in `edge_levels`, default this peer's, when peers set them); ScheduleRefused
+        when it does not fit this peer's model or algorithm."""
         schedule.check([name for name, _ in self._params])
         schedule.check_links(self._edges)
+        edge_levels = edge_levels or self._edge_levels
+        if edge_levels is not None and schedule.links:
+            raise ScheduleRefused(
+                f"schedule epoch {schedule.epoch}: link levels, but this peer sets its links' "
+                "levels with its neighbours (adaptive without a coordinator); expected a "
+                "schedule without links"
+            )
         specs = dict(self._specs)
         if isinstance(self.algorithm, PeerLeveled):
             try:
@@ -250,7 +292,38 @@ class Peer:
                 f"schedule epoch {schedule.epoch}: algorithm {self.algorithm.name!r} sends no "
                 "compressed groups; expected a schedule without groups"
             )
+        if edge_levels is not None:
+            try:
+                specs.update(self._level_specs(schedule, edge_levels.in_force))
+            except ValueError as error:
+                raise ScheduleRefused(f"schedule epoch {schedule.epoch}: {error}") from None
         return specs
+
+    def _level_specs(
+        self, schedule: Schedule, levels: Mapping[int, int]
+    ) -> dict[str, Mapping[int, PayloadSpec] | PayloadSpec]:
+        """Per phase, each neighbour's envelope under `schedule`'s groups at `levels`."""
+        assert isinstance(self.algorithm, LinkLeveled)
+        return self.algorithm.link_specs(self._params, schedule.groups or None, levels)
+
+    def _expect_local_levels(self) -> None:
+        """Declare, under every schedule in use, what each neighbour's envelopes hold at the
+        level in force now and, from its round on, at the level a waiting notice sets (the
+        transport picks by the envelope's round). Called whenever levels set with the
+        neighbours change."""
+        assert self._edge_levels is not None
+        in_force, waiting = self._edge_levels.in_force, self._edge_levels.waiting()
+        for schedule in (self.schedules.current, *self.schedules.staged):
+            for phase, spec in self._level_specs(schedule, in_force).items():
+                self.transport.expect(phase, spec, schedule.epoch)
+            for j in self._weights:
+                later: dict[str, PayloadSpec] = {}
+                if j in waiting:
+                    changed = {**in_force, j: waiting[j].level}
+                    for phase, spec in self._level_specs(schedule, changed).items():
+                        later[phase] = spec[j] if isinstance(spec, Mapping) else spec
+                round = waiting[j].effective_round if j in waiting else 0
+                self.transport.expect_from(j, round, later, schedule.epoch)
 
     def _expect_epoch(self, epoch: int, specs: dict[str, PayloadSpec]) -> None:
         for phase, spec in specs.items():
@@ -267,7 +340,7 @@ class Peer:
             return
         if isinstance(self.algorithm, Regroupable):
             self.algorithm.regroup(self._params, schedule.groups or None)
-        if isinstance(self.algorithm, LinkLeveled):
+        if isinstance(self.algorithm, LinkLeveled) and self._edge_levels is None:
             self._switch_levels(self.schedules.history[-2], schedule)
         if isinstance(self.algorithm, PeerLeveled):
             self._switch_peer_levels(self.schedules.history[-2], schedule)
@@ -486,6 +559,10 @@ class Peer:
         due = self.links.resuming_at(self.round)
         if not due:
             return
+        if self._edge_levels is not None:  # both ends: back to the algorithm's own level
+            reset = {j: None for j in due if self._edge_levels.reset(j)}
+            if reset:
+                self._put_local_levels(reset)
         resumable = isinstance(self.algorithm, Resumable)
         payload = self.algorithm.resume_payload(self._params) if resumable else None
         hood = self._neighbourhood(self._links, due)
@@ -527,17 +604,22 @@ class Peer:
         now = time.perf_counter()
         if self._last_mark is not None:
             self._compute_seconds += now - self._last_mark
+            if self._rate is not None:
+                self._rate.note_compute(now - self._last_mark)
         if self._in_step_since is not None:
             self.links.pace.record(now - self._in_step_since)
         self.links.poll_probes(self.round, self.transport.probe)
         self._catch_up()
         self._switch_schedule()
+        self._switch_local_levels()
         self._resume_edges()
+        self._decide_levels()
         hood = self._neighbourhood(self._links, self.links.live())
         before = [p.detach().clone() for _, p in self._params]
         self.algorithm.step(self._params, hood)
         for j, reason in hood.failed.items():
             self.links.failed(j, self.round, reason)
+        self._hear_levels(hood)
         heard = [j for j in hood.weights if j not in hood.failed]
         if heard and not self._acceptable(before):
             self._refuse_round(before, self._to_blame(hood, heard, before))
@@ -548,6 +630,59 @@ class Peer:
         self.round += 1
         self._comm_seconds += hood.comm_seconds
         self._last_mark = time.perf_counter()
+
+    def _switch_local_levels(self) -> None:
+        """Put in force the levels set with the neighbours whose round has come."""
+        if self._edge_levels is not None:
+            changes = self._edge_levels.due(self.round)
+            if changes:
+                self._put_local_levels(changes)
+
+    def _put_local_levels(self, changed: Mapping[int, int | None]) -> None:
+        """Use the levels set with the neighbours from this round on (`changed`: the edges
+        whose level changes, None for the algorithm's own), logging each change."""
+        assert isinstance(self.algorithm, LinkLeveled) and self._edge_levels is not None
+        self.algorithm.set_levels(self._edge_levels.in_force, self.round)
+        for j, level in sorted(changed.items()):
+            label = "default" if level is None else self.algorithm.level_label(level)
+            edge = [min(self.rank, j), max(self.rank, j)]
+            self._level_changes.append({"round": self.round, "link": edge, "level": label})
+            if self.rank < j:  # one line per link
+                levels_log.info("link %d-%d: %s from round %d", *edge, label, self.round)
+        self._expect_local_levels()
+
+    def _decide_levels(self) -> None:
+        """The lower-ranked end's decisions for its live edges, and the notices this round's
+        envelopes carry (each repeats until its round)."""
+        if self._rate is None or self._edge_levels is None:
+            return
+        decided = self._rate.decide(
+            self._edge_levels, self.links.live(), self._links.sends, self.round
+        )
+        if decided:
+            self._expect_local_levels()
+        for j in self._weights:
+            self.transport.announce(j, self._edge_levels.notice_for(j))
+
+    def _hear_levels(self, hood: Neighbourhood) -> None:
+        """Take in the notices lower-ranked neighbours sent this round (checked at receipt).
+        One contradicting a notice of its own that still waits loses its edge, which comes
+        back through a resume at the algorithm's own level."""
+        if self._edge_levels is None:
+            return
+        heard = False
+        for j, envelopes in hood.received.items():
+            if j > self.rank or j in hood.failed:
+                continue
+            for notice in {e.notice for e in envelopes if e.notice is not None}:
+                try:
+                    heard |= self._edge_levels.hear(j, notice, self.round)
+                except NoticeConflict as error:
+                    log.warning("peer %d: %s; edge taken down to resynchronise", self.rank, error)
+                    self.links.failed(j, self.round, str(error))
+                    break
+        if heard:
+            self._expect_local_levels()
 
     def _acceptable(self, before: list[torch.Tensor]) -> bool:
         """Whether the model after this round's gossip is finite and moved no more than
@@ -599,6 +734,8 @@ class Peer:
         `stats`. Every peer must call it at the same point with the same `rounds`.
         """
         rounds = self.averaging_rounds() if rounds is None else rounds
+        for j in self._weights:  # no level notice outlives training
+            self.transport.announce(j, None)
         copies = [(name, p.detach().clone()) for name, p in self._params]
         for _ in range(rounds):
             self._averager.step(copies, self._neighbourhood(LinkStats(), self.links.live()))
@@ -607,7 +744,7 @@ class Peer:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint holds of this peer: round, model, algorithm state and counters."""
-        return {
+        state: dict[str, Any] = {
             "round": self.round,
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
             "algorithm": self.algorithm.state_dict(),
@@ -619,6 +756,9 @@ class Peer:
             "seconds_per_round": self.links.pace.seconds_per_round(),
             "schedules": self.schedules.state_dict(),
         }
+        if self._edge_levels is not None:  # levels set with the neighbours shape the state
+            state["link_levels"] = self._edge_levels.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint before `start()`: every part is checked against this peer's
@@ -632,7 +772,8 @@ class Peer:
             "failures",
             "down",
         }
-        optional = {"saved_at", "seconds_per_round", "schedules"}  # absent from older ones
+        # absent from older ones; link_levels only when peers set levels
+        optional = {"saved_at", "seconds_per_round", "schedules", "link_levels"}
         if not isinstance(state, dict) or not expected <= set(state) <= expected | optional:
             keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
@@ -678,9 +819,13 @@ class Peer:
                     f"peer checkpoint: schedule epoch {schedules.current.epoch} in force from "
                     f"round {schedules.current.effective_round}, after the checkpoint's {round}"
                 )
+        edge_levels = self._saved_levels(state.get("link_levels"))
         in_use = (schedules.current, *schedules.staged)
-        specs = {s.epoch: self._schedule_specs(s) for s in in_use}  # checks they fit
-        self._load_algorithm(state["algorithm"], schedules.current, round)
+        specs = {s.epoch: self._schedule_specs(s, edge_levels) for s in in_use}  # checks they fit
+        levels = (
+            schedules.current.levels_of(self.rank) if edge_levels is None else edge_levels.in_force
+        )
+        self._load_algorithm(state["algorithm"], levels, schedules.current.effective_round)
         # everything below was checked above: nothing can fail half-way
         if isinstance(self.algorithm, Regroupable):
             self.algorithm.regroup(self._params, schedules.current.groups or None)
@@ -690,6 +835,9 @@ class Peer:
         self.schedules = schedules
         for epoch, epoch_specs in specs.items():
             self._expect_epoch(epoch, epoch_specs)
+        if edge_levels is not None:
+            self._edge_levels = edge_levels
+            self._expect_local_levels()
         self.transport.forget_epochs_before(schedules.current.epoch)
         self.model.load_state_dict(saved)
         self.round = round
@@ -703,15 +851,34 @@ class Peer:
         if seconds_per_round is not None:
             self.links.pace.assume(seconds_per_round)
 
-    def _load_algorithm(self, state: Any, schedule: Schedule, round: int) -> None:
-        """Restore the algorithm's state saved under `schedule` (its link levels shape the
-        state); on a mismatch, ValueError with the algorithm as it was."""
+    def _saved_levels(self, saved: Any) -> EdgeLevels | None:
+        """The levels set with the neighbours that a checkpoint holds, checked (None when this
+        peer does not set levels so); ValueError when they do not fit this peer."""
+        if self._edge_levels is None:
+            if saved is not None:
+                raise ValueError(
+                    "peer checkpoint: link levels set with neighbours (adaptive without a "
+                    "coordinator), but this peer does not set levels so; expected none"
+                )
+            return None
+        edge_levels = EdgeLevels(self.rank, self._weights)
+        if saved is not None:
+            edge_levels.load_state_dict(saved)
+        return edge_levels
+
+    def _load_algorithm(self, state: Any, levels: Mapping[int, int], round: int) -> None:
+        """Restore the algorithm's state saved at link `levels` (they shape the state, as
+        from `round`); on a mismatch, ValueError with the algorithm as it was."""
         if not isinstance(self.algorithm, LinkLeveled):
             self.algorithm.load_state_dict(state)  # checks everything, then assigns
             return
         before = self.algorithm.state_dict()
-        in_force = self.schedules.current.levels_of(self.rank)
-        self.algorithm.set_levels(schedule.levels_of(self.rank), schedule.effective_round)
+        in_force = (
+            self.schedules.current.levels_of(self.rank)
+            if self._edge_levels is None
+            else self._edge_levels.in_force
+        )
+        self.algorithm.set_levels(levels, round)
         try:
             self.algorithm.load_state_dict(state)
         except Exception:

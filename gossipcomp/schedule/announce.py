@@ -1,0 +1,227 @@
+"""Link levels that peers set among themselves, without a coordinator.
+
+The lower-ranked end of each edge decides the edge's level: its own rate controller
+(schedule/rate.py) estimates the link from this peer's sends over it and picks the highest
+level whose transfers fit the round budget (given, or this peer's median compute time per
+round). A decision becomes a notice (level, effective round `NOTICE_LEAD` rounds ahead) that
+the lower end carries in every envelope it sends the other end until that round; both ends put
+the level in force at the top of that round. While a notice waits, that edge gets no new one.
+
+Why the lead suffices: the higher end takes a notice in after the exchange that brought it, and
+must have done so before the lower end's first envelope of the effective round R arrives (its
+spec changes there). That envelope leaves only after the lower end finished round R - 1, which
+needed the higher end's envelope of R - 1, sent after it finished R - 2. So a notice heard by
+round R - 2 is in time, and with a lead of 4 the lower end sends it in at least three rounds
+(R - 4 to R - 2). A round in which the higher end does not hear it is a round whose exchange
+with the lower end failed: the edge is then down at that end (links.py) and comes back only
+through a resume, at which both ends put the edge back at the algorithm's own level and forget
+any waiting notice. Nothing on the wire is needed to agree then, so a lost notice can never
+leave the two ends at different levels while the edge carries gossip.
+
+`EdgeLevels` keeps one peer's levels and waiting notices; `LocalRateControl` makes the lower
+end's decisions. Pure bookkeeping: no clock, no networking.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from gossipcomp.schedule.costs import TransferLog
+from gossipcomp.schedule.rate import DEFAULT_WINDOW, MAX_LEVEL, LevelCosts, RateController, link
+from gossipcomp.schedule.schedule import MAX_ROUND
+from gossipcomp.text import quoted
+from gossipcomp.transport.base import LevelNotice
+
+NOTICE_LEAD = 4  # rounds between a decision and the round both ends switch (module docstring)
+MIN_SENDS = DEFAULT_WINDOW // 2  # sends over a link before its first decision
+COMPUTE_WINDOW = 16  # recent rounds whose median compute time is the default budget
+MIN_COMPUTE_ROUNDS = 3  # rounds timed before the default budget is believed
+
+
+class NoticeConflict(ValueError):
+    """A neighbour announced a change while another one it announced still waits."""
+
+
+class EdgeLevels:
+    """One peer's link levels set with its neighbours: the level in force on each edge (absent:
+    the algorithm's own) and at most one announced change per edge waiting for its round."""
+
+    def __init__(self, rank: int, neighbours: Collection[int]) -> None:
+        self.rank = rank
+        self.neighbours = frozenset(neighbours)
+        self._in_force: dict[int, int] = {}
+        self._waiting: dict[int, LevelNotice] = {}
+
+    @property
+    def in_force(self) -> dict[int, int]:
+        """Neighbour -> the level its edge uses now (edges at the algorithm's own level left
+        out)."""
+        return dict(self._in_force)
+
+    def level(self, neighbour: int) -> int | None:
+        return self._in_force.get(neighbour)
+
+    def waiting(self) -> dict[int, LevelNotice]:
+        """Neighbour -> the change announced for its edge, not yet in force."""
+        return dict(self._waiting)
+
+    def decide(self, neighbour: int, level: int, round: int) -> LevelNotice:
+        """This peer, the lower-ranked end, changes the edge to `neighbour` to `level`: the
+        notice it announces, in force `NOTICE_LEAD` rounds after `round`."""
+        if neighbour not in self.neighbours or neighbour < self.rank:
+            raise ValueError(
+                f"peer {self.rank}: decides levels only for its edges to higher-ranked "
+                f"neighbours, not for peer {neighbour}"
+            )
+        if neighbour in self._waiting:
+            raise ValueError(f"peer {self.rank}: a notice for edge to {neighbour} already waits")
+        notice = LevelNotice(level, round + NOTICE_LEAD)
+        self._waiting[neighbour] = notice
+        return notice
+
+    def hear(self, neighbour: int, notice: LevelNotice, round: int) -> bool:
+        """Take in a lower-ranked neighbour's notice (checked at receipt: transport/notices.py)
+        during `round`; True when it is new. NoticeConflict when another change from it still
+        waits, or the notice's round has passed (it cannot be honoured as announced)."""
+        if neighbour not in self.neighbours or neighbour > self.rank:
+            raise NoticeConflict(
+                f"peer {self.rank}: level notice from peer {neighbour}, which is not a "
+                "lower-ranked neighbour"
+            )
+        if notice.effective_round <= round:
+            raise NoticeConflict(
+                f"peer {self.rank}: level notice from peer {neighbour} for round "
+                f"{notice.effective_round}, heard in round {round}"
+            )
+        waiting = self._waiting.get(neighbour)
+        if waiting == notice:
+            return False
+        if waiting is not None:
+            raise NoticeConflict(
+                f"peer {self.rank}: peer {neighbour} announced level {notice.level} from round "
+                f"{notice.effective_round} while level {waiting.level} from round "
+                f"{waiting.effective_round} still waits"
+            )
+        self._waiting[neighbour] = notice
+        return True
+
+    def notice_for(self, neighbour: int) -> LevelNotice | None:
+        """What this peer's envelopes to `neighbour` carry: its own waiting decision for that
+        edge (only the lower-ranked end has any)."""
+        return self._waiting.get(neighbour) if self.rank < neighbour else None
+
+    def due(self, round: int) -> dict[int, int]:
+        """Put in force the changes whose round has come (a peer that jumped rounds takes
+        those it passed); return them, neighbour -> level."""
+        changes = {j: n.level for j, n in self._waiting.items() if n.effective_round <= round}
+        for j, level in changes.items():
+            del self._waiting[j]
+            self._in_force[j] = level
+        return changes
+
+    def reset(self, neighbour: int) -> bool:
+        """The edge resumes: back to the algorithm's own level, any waiting notice forgotten
+        (both ends do this at the resume round). True when the level in force changed."""
+        self._waiting.pop(neighbour, None)
+        return self._in_force.pop(neighbour, None) is not None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "in_force": [[j, level] for j, level in sorted(self._in_force.items())],
+            "waiting": [[j, n.level, n.effective_round] for j, n in sorted(self._waiting.items())],
+        }
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore what `state_dict` returned; ValueError naming the part (nothing changed)
+        when malformed, naming a peer that is not a neighbour, or out of range."""
+        if not isinstance(state, Mapping) or set(state) != {"in_force", "waiting"}:
+            raise ValueError("link levels: expected keys ['in_force', 'waiting']")
+        in_force = {
+            j: level for j, level in self._rows(state["in_force"], "in_force", 2, MAX_LEVEL)
+        }
+        waiting = {
+            j: LevelNotice(level, effective)
+            for j, level, effective in self._rows(state["waiting"], "waiting", 3, MAX_LEVEL)
+        }
+        self._in_force, self._waiting = in_force, waiting
+
+    def _rows(self, rows: Any, what: str, width: int, top: int) -> list[list[int]]:
+        """Checked rows [neighbour, level(, round)], one per neighbour at most."""
+        if not isinstance(rows, list) or len(rows) > len(self.neighbours):
+            raise ValueError(
+                f"link levels {what}: expected a list of at most {len(self.neighbours)} rows"
+            )
+        seen: set[int] = set()
+        for row in rows:
+            highs = (MAX_ROUND, top, MAX_ROUND)[:width]
+            if (
+                not isinstance(row, list)
+                or len(row) != width
+                or any(isinstance(x, bool) or not isinstance(x, int) for x in row)
+                or row[0] not in self.neighbours
+                or row[0] in seen
+                or not all(1 <= x <= high for x, high in zip(row[1:], highs[1:], strict=True))
+            ):
+                raise ValueError(
+                    f"link levels {what}: expected rows [neighbour, level"
+                    f"{', round' if width == 3 else ''}] with distinct neighbours of peer "
+                    f"{self.rank} and levels in [1, {top}], got {quoted(row)}"
+                )
+            seen.add(row[0])
+        return rows
+
+
+class LocalRateControl:
+    """The rate controller of one peer for the edges where it is the lower-ranked end (module
+    docstring): decides from this peer's own sends, one edge at a time, never while a notice
+    for that edge waits."""
+
+    def __init__(self, costs: LevelCosts, budget_s: float | None = None) -> None:
+        """`budget_s`: seconds a round's transfers over one link may take; None: this peer's
+        median compute time per round."""
+        if budget_s is not None and not 0.0 < budget_s <= 86_400.0:
+            raise ValueError(f"round budget: expected seconds in (0, 86400], got {budget_s}")
+        self.costs = costs
+        self.controller = RateController(costs)
+        self.fixed_budget = budget_s
+        self._compute: deque[float] = deque(maxlen=COMPUTE_WINDOW)
+
+    def note_compute(self, seconds: float) -> None:
+        """One round's local computation took `seconds`."""
+        if seconds > 0.0:
+            self._compute.append(seconds)
+
+    def budget(self) -> float | None:
+        """The round budget in force (None while the default one is not yet measured)."""
+        if self.fixed_budget is not None:
+            return self.fixed_budget
+        if len(self._compute) < MIN_COMPUTE_ROUNDS:
+            return None
+        return statistics.median(self._compute)
+
+    def decide(
+        self, levels: EdgeLevels, live: Collection[int], sends: TransferLog, round: int
+    ) -> dict[int, LevelNotice]:
+        """Decisions for the live edges to higher-ranked neighbours without a waiting notice
+        and with enough sends to estimate from: neighbour -> the notice announcing a new
+        level (edges whose level stays are left out)."""
+        budget = self.budget()
+        if budget is None:
+            return {}
+        waiting = levels.waiting()
+        notices = {}
+        for j in sorted(live):
+            samples = sends.samples(j)
+            if j < levels.rank or j in waiting or len(samples) < MIN_SENDS:
+                continue
+            key = link(levels.rank, j)
+            current = levels.level(j)
+            chosen = self.controller.update(
+                {} if current is None else {key: current}, {key: [samples]}, budget
+            )[key]
+            if chosen != current:
+                notices[j] = levels.decide(j, chosen, round)
+        return notices
