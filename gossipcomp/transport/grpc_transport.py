@@ -43,6 +43,7 @@ from gossipcomp.proto.v1 import gossip_pb2_grpc as pb_grpc
 from gossipcomp.security.signing_keys import PeerKeys
 from gossipcomp.security.tls import TlsFiles, channel_credentials, server_credentials
 from gossipcomp.text import quoted
+from gossipcomp.transport.allocator import keep_heap_warm
 from gossipcomp.transport.authentication import DEFAULT_CLOCK_TOLERANCE, Authenticator
 from gossipcomp.transport.base import (
     MAX_SCHEDULE_EPOCH,
@@ -64,6 +65,7 @@ from gossipcomp.transport.base import (
     epoch_mismatch,
     no_rejoin,
 )
+from gossipcomp.transport.buffers import BufferPool
 from gossipcomp.transport.inbox import Inbox
 from gossipcomp.transport.mailbox import Mailbox
 from gossipcomp.transport.wire import (
@@ -108,6 +110,12 @@ class GrpcOptions:
     stream_timeout: float = 30.0  # seconds a stream has to deliver its whole envelope
     max_streams_per_caller: int = 8  # envelopes in flight per (sender, connection)
     max_streams_per_connection: int = 64  # HTTP/2 streams one connection may have open
+    # receive buffers (>= 1 MiB) reused once nothing refers to them, at most this many bytes
+    # in all; 0: a fresh buffer per envelope (faulted and zeroed by the kernel every time)
+    receive_pool_bytes: int = 256 << 20
+    # glibc serves gRPC's megabyte buffers from a warm heap instead of fresh pages, for the
+    # whole process (transport/allocator.py); False leaves the C library's defaults
+    warm_heap: bool = True
 
     def __post_init__(self) -> None:
         for name in ("hello_timeout", "first_chunk_timeout", "stream_timeout", "clock_tolerance"):
@@ -124,6 +132,10 @@ class GrpcOptions:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"GrpcOptions.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.receive_pool_bytes < 0:
+            raise ValueError(
+                f"GrpcOptions.receive_pool_bytes: expected >= 0, got {self.receive_pool_bytes}"
+            )
 
     def channel_options(self) -> list[tuple[str, int]]:
         return [
@@ -171,6 +183,7 @@ class _GossipService:
         self._options = options
         self._callers_verified = callers_verified
         self._in_flight: dict[tuple[int, str], int] = {}
+        self._buffers = BufferPool(options.receive_pool_bytes)
         self.on_hello: HelloHandler = no_rejoin
 
     async def _refuse(self, context: grpc.aio.ServicerContext, refused: EnvelopeRejected) -> None:
@@ -268,7 +281,9 @@ class _GossipService:
             min(deadline, loop.time() + self._options.first_chunk_timeout),
         )
         try:
-            reader = EnvelopeReader(first, self._check_header, self._check_content())
+            reader = EnvelopeReader(
+                first, self._check_header, self._check_content(), self._buffers.take
+            )
         except EnvelopeRejected as refused:
             await self._refuse(context, refused)
         caller = (reader.sender, context.peer())
@@ -280,8 +295,7 @@ class _GossipService:
             )
         self._in_flight[caller] = self._in_flight.get(caller, 0) + 1
         try:
-            while (raw := await self._next_chunk(request_iterator, context, deadline)) is not None:
-                reader.add(raw)
+            await self._read_rest(request_iterator, reader, context, deadline)
             envelope, spec, wire_bytes = reader.finish()
             self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
         except EnvelopeRejected as refused:
@@ -300,19 +314,39 @@ class _GossipService:
     ) -> bytes | None:
         """The stream's next chunk, None at its end; aborts the call with DEADLINE_EXCEEDED
         if it does not come by `deadline` (the event loop's clock)."""
-        remaining = deadline - asyncio.get_running_loop().time()
         try:
-            return await asyncio.wait_for(anext(chunks), max(0.0, remaining))
+            async with asyncio.timeout_at(deadline):
+                return await anext(chunks)
         except StopAsyncIteration:
             return None
         except TimeoutError:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                "stream: header or data not received in time (a stream must send its header "
-                f"within {self._options.first_chunk_timeout:g} s and finish within "
-                f"{self._options.stream_timeout:g} s)",
-            )
+            await self._abort_late(context)
             raise  # abort raises; this keeps type checkers aware
+
+    async def _read_rest(
+        self,
+        chunks: AsyncIterator[bytes],
+        reader: EnvelopeReader,
+        context: grpc.aio.ServicerContext,
+        deadline: float,
+    ) -> None:
+        """Feed the stream's remaining chunks to `reader`, aborting the call with
+        DEADLINE_EXCEEDED if the stream has not ended by `deadline`: one timer for the whole
+        stream (a timer per chunk cost a task per chunk)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for raw in chunks:
+                    reader.add(raw)
+        except TimeoutError:
+            await self._abort_late(context)
+
+    async def _abort_late(self, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "stream: header or data not received in time (a stream must send its header "
+            f"within {self._options.first_chunk_timeout:g} s and finish within "
+            f"{self._options.stream_timeout:g} s)",
+        )
 
     async def PushOne(self, request: bytes, context: grpc.aio.ServicerContext) -> pb.PushReply:
         try:
@@ -432,6 +466,8 @@ class GrpcTransport:
                 "(--tls-cert/--tls-key/--tls-ca; GrpcOptions.tls), or accept the risk with "
                 "--insecure (GrpcOptions.insecure)"
             )
+        if self._options.warm_heap:
+            keep_heap_warm()
         credentials = server_credentials(tls) if tls else None  # files checked before starting
         self._channel_credentials = channel_credentials(tls) if tls else None
         self._auth = Authenticator(self.rank, keys, self._options.clock_tolerance) if keys else None

@@ -162,6 +162,10 @@ def parse_chunk(raw: bytes) -> tuple[pb.EnvelopeHeader | None, memoryview]:
     return header, memoryview(message.data)
 
 
+def _fresh_buffer(nbytes: int) -> memoryview:
+    return memoryview(numpy.empty(nbytes, dtype=numpy.uint8))
+
+
 HeaderCheck = Callable[[pb.EnvelopeHeader], PayloadSpec]
 ContentCheck = Callable[[pb.EnvelopeHeader, bytes], None]
 
@@ -174,9 +178,11 @@ class EnvelopeReader:
     remaining chunks with `add`, and closed with `finish`. Raw float tensors are checked for
     NaN/Inf as their bytes arrive. With `check_content`, the data's SHA-256 is computed as it
     arrives and handed to it with the header at the end (it raises EnvelopeRejected when the
-    digest is not the signed one). Raises EnvelopeRejected for a missing or repeated header, a
-    byte count other than the header declared, or NaN/Inf. Used by both the streaming server
-    (one chunk at a time, with time limits between them) and `read_envelope`.
+    digest is not the signed one). `allocate` gives the buffer the data is assembled in (a
+    fresh one by default; the server reuses buffers, transport/buffers.py). Raises
+    EnvelopeRejected for a missing or repeated header, a byte count other than the header
+    declared, or NaN/Inf. Used by both the streaming server (one chunk at a time, with time
+    limits between them) and `read_envelope`.
     """
 
     def __init__(
@@ -184,6 +190,7 @@ class EnvelopeReader:
         first: bytes | None,
         check_header: HeaderCheck,
         check_content: ContentCheck | None = None,
+        allocate: Callable[[int], memoryview] | None = None,
     ) -> None:
         header, data = parse_chunk(first) if first is not None else (None, memoryview(b""))
         if header is None:
@@ -196,7 +203,7 @@ class EnvelopeReader:
         self._scanner = FiniteScanner(header.tensors, self.spec)
         self._total = sum(t.nbytes for t in header.tensors)
         # no memset: every byte is written before use
-        self._buffer = memoryview(numpy.empty(self._total, dtype=numpy.uint8))
+        self._buffer = (allocate or _fresh_buffer)(self._total)
         self._filled = 0
         self._digest = hashlib.sha256() if check_content is not None else None
         self.wire_bytes = len(first) if first is not None else 0
