@@ -1,0 +1,419 @@
+"""Link levels set by the peers themselves, without a coordinator (schedule/announce.py).
+
+The lower-ranked end of each edge decides and announces (level, effective round) in its
+envelopes. Shown here: a link that slows tenfold is lowered within a few rounds and its transfers
+fit the budget again, and raised when it recovers (throttled in-process ring); a very high
+budget takes every link to no compression and a very low one to the lowest level, over real
+gRPC as over the in-process transport; both ends of every live edge are at the same level after
+every round, no exchange fails or mismatches and the network sum is kept; a lost announcement
+takes the edge down and both ends meet again at the algorithm's own level; every hostile
+notice is refused at the door naming the field, and a neighbour can move only its own edge.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import grpc
+import pytest
+import torch
+from conftest import build_network, gossip_round, run_in_threads, stacked
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from gossipcomp.gossip import DPSGD, PowerGossip
+from gossipcomp.links import Backoff, LinkState
+from gossipcomp.models import build_mlp, model_signature
+from gossipcomp.peer import Peer
+from gossipcomp.schedule.announce import MIN_SENDS, NOTICE_LEAD, EdgeLevels
+from gossipcomp.schedule.costs import LinkCost
+from gossipcomp.schedule.schedule import LinkLevel, Schedule, ScheduleRefused
+from gossipcomp.security import PeerKeys
+from gossipcomp.topology import build_topology
+from gossipcomp.transport.authentication import Authenticator
+from gossipcomp.transport.base import (
+    Envelope,
+    EnvelopeRejected,
+    Identity,
+    LevelNotice,
+    NoticeRules,
+)
+from gossipcomp.transport.codec import encode_raw, tensor_spec
+from gossipcomp.transport.memory import Fault, InMemoryHub, InMemoryTransport
+from gossipcomp.transport.notices import MAX_NOTICE_LEAD
+from gossipcomp.transport.throttled import LinkRates, RateChange, ThrottledTransport
+from gossipcomp.transport.wire import content_sha256, header_of
+
+RING4 = build_topology("ring", n=4)
+EDGES = ((0, 1), (1, 2), (2, 3), (0, 3))
+
+
+def _models(n: int, hidden: int = 32) -> list[torch.nn.Module]:
+    return [
+        build_mlp(seed, input_dim=16, hidden=(hidden, hidden), num_classes=4) for seed in range(n)
+    ]
+
+
+def _rank(peer: Peer, neighbour: int) -> int:
+    return peer.algorithm._link_ranks[neighbour]
+
+
+def _assert_ends_agree(peers: Sequence[Peer]) -> None:
+    """Every edge up at both ends uses one level, and its power vectors are equal."""
+    for a, b in EDGES:
+        if peers[a].links.state(b) is LinkState.UP and peers[b].links.state(a) is LinkState.UP:
+            assert _rank(peers[a], b) == _rank(peers[b], a), (a, b)
+            mine, theirs = peers[a].algorithm._state, peers[b].algorithm._state
+            for (j, i, side), vector in mine.items():
+                if j == b:
+                    torch.testing.assert_close(vector, theirs[(a, i, side)], rtol=0, atol=0)
+
+
+def _close(peers: Sequence[Peer]) -> None:
+    for peer in peers:
+        peer.close()
+
+
+@pytest.mark.parametrize("transport", ["memory", "grpc"])
+@pytest.mark.parametrize(("budget", "expected"), [(1e3, "top"), (1e-9, "bottom")])
+def test_a_very_high_budget_takes_links_to_the_top_and_a_very_low_one_to_the_lowest(
+    one_thread, transport, budget, expected
+):
+    """PowerGossip at rank 2 on a ring: within a few rounds every link is at the ladder's top
+    (no compression) or its lowest level (rank 1), both ends switching at the same round;
+    nothing fails and the network sum is kept."""
+    peers = build_network(RING4, _models(4), lambda: PowerGossip(rank=2), transport=transport)
+    try:
+        for peer in peers:
+            peer.adapt_levels(budget)
+        ladder = peers[0].algorithm.level_costs(peers[0].gossiped).levels
+        target = ladder[-1] if expected == "top" else ladder[0]
+        before = [x.sum(0) for x in stacked(peers)]
+        for _ in range(MIN_SENDS + NOTICE_LEAD + 4):
+            gossip_round(peers)
+            _assert_ends_agree(peers)
+        for a, b in EDGES:
+            assert _rank(peers[a], b) == _rank(peers[b], a) == target
+            ends = [
+                [
+                    (c["round"], c["level"])
+                    for c in peers[r].stats.link_levels
+                    if c["link"] == [a, b]
+                ]
+                for r in (a, b)
+            ]
+            # the first decision as soon as MIN_SENDS sends are timed (a send whose timing
+            # came too late over gRPC delays it by a round)
+            assert ends[0] == ends[1] and len(ends[0]) == 1, ends
+            assert ends[0][0][1] == f"rank={target}"
+            assert MIN_SENDS + NOTICE_LEAD <= ends[0][0][0] <= MIN_SENDS + NOTICE_LEAD + 2
+        for peer in peers:
+            assert peer.stats.failed_exchanges == {}
+            assert peer.stats.mismatched_epoch_exchanges == 0
+        for a, b in zip(before, [x.sum(0) for x in stacked(peers)], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    finally:
+        _close(peers)
+
+
+def _throttled_ring(rates: LinkRates, budget: float) -> list[Peer]:
+    hub = InMemoryHub()
+    peers = []
+    for rank, model in enumerate(_models(4, hidden=256)):
+        identity = Identity(rank, RING4.hash, model_signature(model))
+        inner = InMemoryTransport(identity, RING4.neighbors(rank), hub)
+        transport = ThrottledTransport(inner, rates)
+        peers.append(Peer(model, RING4, rank, PowerGossip(rank=1), transport))
+        peers[-1].adapt_levels(budget)
+    for peer in peers:
+        peer.start(5, {})
+    return peers
+
+
+def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_when_it_recovers(
+    one_thread,
+):
+    """ring4 over the throttled transport, each lower-ranked end deciding every round within a
+    60 ms budget. Link 0-1 drops from 16 to 1.6 Mbit/s at round 16 and recovers at round 40:
+    its rank falls to one whose transfers fit the slow link within 12 rounds (two decisions,
+    each announced 4 rounds ahead) and a round's transfers fit the budget again; after the recovery it rises again. Both ends of every edge
+    change levels at the same rounds; no exchange fails or mismatches; the sum is kept."""
+    budget, rounds, drop, back = 0.06, 64, 16, 40
+    rates = LinkRates(16, [RateChange(0, 1, 1.6, drop), RateChange(0, 1, 16, back)])
+    peers = _throttled_ring(rates, budget)
+    slow_sends: list[float] = []  # link 0-1's last sends before it recovers
+
+    def train(peer: Peer) -> None:
+        for _ in range(rounds):
+            peer.gossip()
+            if peer.rank == 0 and peer.round == back - 1:
+                slow_sends.extend(s for _, s in peer.sends.samples(1)[-2:])
+
+    try:
+        before = [x.sum(0) for x in stacked(peers)]
+        run_in_threads([lambda p=p: train(p) for p in peers], 120)
+        costs = peers[0].algorithm.level_costs(peers[0].gossiped)
+        fits_slow = max(
+            x for x in costs.levels if costs.seconds(x, LinkCost(0.0, 8 / 1.6e6)) <= budget
+        )
+        for a, b in EDGES:
+            ends = [[c for c in peers[r].stats.link_levels if c["link"] == [a, b]] for r in (a, b)]
+            assert ends[0] == ends[1], (a, b)
+        level = {}  # link 0-1's level by round, from peer 0's changes
+        current = 1
+        changes = {
+            c["round"]: int(c["level"].split("=")[1])
+            for c in peers[0].stats.link_levels
+            if c["link"] == [0, 1]
+        }
+        for r in range(rounds + 1):
+            current = changes.get(r, current)
+            level[r] = current
+        assert level[drop - 1] > fits_slow, (level, fits_slow)  # above what the slow link allows
+        assert level[drop + 12] <= fits_slow, (level, fits_slow)  # lowered within 12 rounds
+        assert level[rounds] > level[back - 1], level  # raised again after the recovery
+        # a round's transfers (the mean of a right and a left step) fit the budget again
+        assert len(slow_sends) == 2 and sum(slow_sends) / 2 <= budget, slow_sends
+        for peer in peers:
+            assert peer.stats.failed_exchanges == {}
+            assert peer.stats.mismatched_epoch_exchanges == 0
+        for a, b in zip(before, [x.sum(0) for x in stacked(peers)], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+    finally:
+        _close(peers)
+
+
+def _memory_ring(
+    models: Sequence[torch.nn.Module], algorithm: type = PowerGossip
+) -> tuple[list[Peer], InMemoryHub]:
+    """ring4 in this process, PowerGossip at rank 2 (or `algorithm`), lost neighbours probed at
+    once (rounds take milliseconds here)."""
+    hub = InMemoryHub()
+    peers = []
+    for r, model in enumerate(models):
+        identity = Identity(r, RING4.hash, model_signature(model))
+        transport = InMemoryTransport(identity, RING4.neighbors(r), hub)
+        made = PowerGossip(rank=2) if algorithm is PowerGossip else algorithm()
+        backoff = Backoff(0.001, 0.01)
+        peers.append(Peer(model, RING4, r, made, transport, round_timeout=0.5, backoff=backoff))
+    return peers, hub
+
+
+def test_a_lost_announcement_takes_the_edge_down_and_both_ends_resume_at_the_own_level(
+    one_thread,
+):
+    """Peer 0 decides link 0-1's level in round MIN_SENDS (its first decision), and every
+    message from 0 to 1 is lost in that round, so peer 1 never hears the notice. The edge fails
+    at both ends; peer 0 alone passes the effective round (the edge is down); at the resume
+    round both ends go back to rank 2 and the controller raises the link again by a new notice.
+    At no round do the two ends of a live edge differ, and the sum is kept."""
+    peers, hub = _memory_ring(_models(4))
+    try:
+        for peer in peers:
+            peer.adapt_levels(1e3)
+            peer.start(5, {})
+        before = [x.sum(0) for x in stacked(peers)]
+        for r in range(40):
+            if r == MIN_SENDS:
+                hub.inject(0, 1, Fault.LOST)
+            gossip_round(peers)
+            if r == MIN_SENDS:
+                assert peers[0]._edge_levels.waiting()[1].level == 32
+                assert 0 not in peers[1]._edge_levels.waiting()
+                hub.heal()
+            _assert_ends_agree(peers)
+        assert peers[1].stats.failed_exchanges == {0: 1}
+        assert peers[0].stats.failed_exchanges == {1: 1}
+        assert _rank(peers[0], 1) == _rank(peers[1], 0) == 32  # raised again after the resume
+        link01 = [
+            [(c["round"], c["level"]) for c in peers[r].stats.link_levels if c["link"] == [0, 1]]
+            for r in (0, 1)
+        ]
+        # peer 0 switched alone while the edge was down, then went back at the resume round
+        assert link01[0][:2] == [(MIN_SENDS + NOTICE_LEAD, "rank=32"), (link01[0][1][0], "default")]
+        assert link01[0][2:] == link01[1]  # from the resume on, the same changes at both ends
+        for a, b in zip(before, [x.sum(0) for x in stacked(peers)], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    finally:
+        _close(peers)
+
+
+def test_a_neighbour_moves_only_its_own_edge_and_a_contradiction_costs_it_that_edge(one_thread):
+    """Peer 0 does not adapt and announces to peer 1 by hand: rank 4 from 3 rounds ahead. Peer 1
+    takes it for edge 0-1 only (its edge to 2 keeps its level and never fails); peer 0 does not
+    switch, so edge 0-1 fails at that round and later resumes at rank 2 at both ends. A second,
+    contradicting notice while the first waits takes the edge down at once."""
+    peers, _ = _memory_ring(_models(4))
+    try:
+        for peer in peers[1:]:
+            peer.adapt_levels(1e-9)  # the lowest level everywhere peers decide: rank 1
+        for peer in peers:
+            peer.start(5, {})
+        peers[0].transport.announce(1, LevelNotice(4, 3))
+        gossip_round(peers)
+        assert peers[1]._edge_levels.waiting() == {0: LevelNotice(4, 3)}
+        peers[0].transport.announce(1, None)
+        for _ in range(3):
+            gossip_round(peers)
+        assert [c["link"] for c in peers[1].stats.link_levels] == [[0, 1]]
+        assert peers[1].stats.failed_exchanges == {0: 1}  # the round it took effect alone
+        assert peers[1].links.state(2) is LinkState.UP
+        for _ in range(12):
+            gossip_round(peers)
+            _assert_ends_agree(peers)
+        assert _rank(peers[0], 1) == _rank(peers[1], 0) == 2  # back to the algorithm's own
+        assert peers[1].stats.failed_exchanges[0] == 1 and 2 not in peers[1].stats.failed_exchanges
+
+        r = peers[0].round
+        peers[0].transport.announce(1, LevelNotice(4, r + 3))
+        gossip_round(peers)
+        peers[0].transport.announce(1, LevelNotice(1, r + 4))
+        gossip_round(peers)
+        assert peers[1].links.state(0) is not LinkState.UP  # contradicted: edge taken down
+        assert peers[1]._edge_levels.waiting() == {0: LevelNotice(4, r + 3)}
+    finally:
+        _close(peers)
+
+
+def test_levels_come_from_a_coordinator_or_from_the_peers_never_both():
+    peers, _ = _memory_ring(_models(4))
+    try:
+        peers[1].adapt_levels()
+        schedule = Schedule(1, 3, links=(LinkLevel(0, 1, 4),), budget_s=0.1)
+        with pytest.raises(ScheduleRefused, match="sets its links' levels with its neighbours"):
+            peers[1].apply(schedule)
+        peers[2].apply(schedule)
+        with pytest.raises(ValueError, match="holds a schedule with link levels"):
+            peers[2].adapt_levels()
+    finally:
+        _close(peers)
+    plain, _ = _memory_ring(_models(4), DPSGD)
+    try:
+        with pytest.raises(ValueError, match="no level per link"):
+            plain[0].adapt_levels()
+    finally:
+        _close(plain)
+
+
+def test_levels_set_by_peers_survive_a_checkpoint_and_a_stranger_checkpoint_is_refused():
+    peers, _ = _memory_ring(_models(4))
+    try:
+        for peer in peers:
+            peer.adapt_levels(1e3)
+            peer.start(5, {})
+        for _ in range(MIN_SENDS + 2):
+            gossip_round(peers)
+        state = peers[0].state_dict()
+        assert state["link_levels"]["waiting"] == [
+            [1, 32, MIN_SENDS + NOTICE_LEAD],
+            [3, 32, MIN_SENDS + NOTICE_LEAD],
+        ]
+        fresh, _ = _memory_ring(_models(4))
+        try:
+            fresh[0].adapt_levels(1e3)
+            fresh[0].load_state_dict(state)
+            assert fresh[0]._edge_levels.waiting() == peers[0]._edge_levels.waiting()
+            with pytest.raises(ValueError, match="does not set levels so"):
+                fresh[2].load_state_dict(peers[2].state_dict())
+            fresh[1].adapt_levels(1e3)
+            bad = peers[1].state_dict()
+            bad["link_levels"] = {"in_force": [[5, 2]], "waiting": []}
+            with pytest.raises(ValueError, match="distinct neighbours"):
+                fresh[1].load_state_dict(bad)
+        finally:
+            _close(fresh)
+    finally:
+        _close(peers)
+
+
+# -- hostile notices, over real gRPC ------------------------------------------------------------
+
+SPEC = (tensor_spec("w", torch.zeros(4)),)
+
+
+def _envelope(sender: int, round: int, notice: LevelNotice | None) -> Envelope:
+    return Envelope(sender, round, "model", (encode_raw("w", torch.ones(4)),), notice=notice)
+
+
+@pytest.mark.parametrize(
+    ("sender", "notice", "takes", "code", "field"),
+    [
+        (1, LevelNotice(2, 12), True, grpc.StatusCode.PERMISSION_DENIED, "higher-ranked end"),
+        (0, LevelNotice(3, 12), True, grpc.StatusCode.INVALID_ARGUMENT, "level_notice.level"),
+        (0, LevelNotice(0, 12), True, grpc.StatusCode.INVALID_ARGUMENT, "level_notice.level"),
+        (0, LevelNotice(-1, 12), True, grpc.StatusCode.INVALID_ARGUMENT, "level_notice.level"),
+        (0, LevelNotice(2**62, 12), True, grpc.StatusCode.INVALID_ARGUMENT, "level_notice.level"),
+        (0, LevelNotice(2, 10), True, grpc.StatusCode.INVALID_ARGUMENT, "effective_round"),
+        (0, LevelNotice(2, 3), True, grpc.StatusCode.INVALID_ARGUMENT, "effective_round"),
+        (0, LevelNotice(2, -5), True, grpc.StatusCode.INVALID_ARGUMENT, "effective_round"),
+        (
+            0,
+            LevelNotice(2, 11 + MAX_NOTICE_LEAD),
+            True,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "effective_round",
+        ),
+        (0, LevelNotice(2, 2**62), True, grpc.StatusCode.INVALID_ARGUMENT, "effective_round"),
+        (0, LevelNotice(2, 12), False, grpc.StatusCode.FAILED_PRECONDITION, "level_notice"),
+    ],
+)
+def test_hostile_notices_are_refused_at_the_door_naming_the_field(
+    grpc_pair, sender, notice, takes, code, field
+):
+    """Envelopes of round 10 on an edge of peers 0 and 1; the receiver takes ladder {1, 2, 4}.
+    Each notice is refused with its status, naming the field, in a short message; nothing is
+    stored. The same envelope without the notice is accepted."""
+    zero, one = grpc_pair()
+    sending, receiving = (zero, one) if sender == 0 else (one, zero)
+    receiving.expect("model", SPEC)
+    receiving.open_round(10)
+    if takes:
+        receiving.accept_notices(NoticeRules(frozenset({1, 2, 4}), MAX_NOTICE_LEAD))
+    with pytest.raises(grpc.RpcError) as refused:
+        sending.send(receiving.rank, _envelope(sender, 10, notice), deadline=_soon())
+    assert refused.value.code() == code
+    assert field in refused.value.details() and len(refused.value.details()) < 300
+    assert receiving._inbox.mailbox.pending() == 0
+    sending.send(receiving.rank, _envelope(sender, 10, None), deadline=_soon())
+    assert receiving._inbox.mailbox.pending() == 1
+
+
+def _soon() -> float:
+    return time.monotonic() + 5.0
+
+
+def test_the_notice_travels_to_the_receiver_and_its_signature_covers_it():
+    """A notice within the rules reaches the receiver's envelope; a signed header whose notice
+    is altered after signing no longer verifies."""
+    private = {r: Ed25519PrivateKey.generate() for r in (0, 1)}
+    public = {r: key.public_key() for r, key in private.items()}
+    signer = Authenticator(0, PeerKeys(private[0], public))
+    checker = Authenticator(1, PeerKeys(private[1], public))
+    envelope = _envelope(0, 10, LevelNotice(4, 14))
+    header = header_of(envelope)
+    signer.prove_envelope(header, 1, content_sha256(envelope))
+    checker.check_envelope(header)  # as signed: accepted
+    for change in (
+        lambda h: setattr(h.level_notice, "level", 2),
+        lambda h: setattr(h.level_notice, "effective_round", 15),
+        lambda h: h.ClearField("level_notice"),
+    ):
+        altered = type(header)()
+        altered.CopyFrom(header)
+        change(altered)
+        with pytest.raises(EnvelopeRejected, match="signature"):
+            Authenticator(1, PeerKeys(private[1], public)).check_envelope(altered)
+
+
+def test_edge_levels_refuse_a_notice_from_the_wrong_end_or_for_a_passed_round():
+    levels = EdgeLevels(1, [0, 2])
+    assert levels.hear(0, LevelNotice(4, 7), 5)
+    assert not levels.hear(0, LevelNotice(4, 7), 6)  # a repeat
+    with pytest.raises(ValueError, match="not a lower-ranked neighbour"):
+        levels.hear(2, LevelNotice(4, 9), 5)
+    with pytest.raises(ValueError, match="heard in round"):
+        EdgeLevels(1, [0, 2]).hear(0, LevelNotice(4, 5), 5)
+    with pytest.raises(ValueError, match="higher-ranked neighbours"):
+        levels.decide(0, 2, 5)
+    assert levels.due(7) == {0: 4} and levels.in_force == {0: 4}
+    assert levels.reset(0) and levels.in_force == {}
