@@ -10,6 +10,11 @@ when it recovers, with both ends of every edge always in step.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import build_network, gossip_round, run_in_threads, stacked
@@ -337,3 +342,26 @@ def test_a_very_high_budget_sends_uncompressed_and_a_very_low_one_the_lowest_lev
     finally:
         for peer in peers:
             peer.close()
+
+
+def test_the_peer_levels_benchmark_runs_and_counts_what_each_option_keeps(tmp_path):
+    """benchmarks/peer_levels.py in a tiny configuration (docs/benchmarks.md quotes it): a copy
+    per edge keeps 2 x degree models, one level per peer 1 + degree; per peer sends fewer bytes
+    than per edge; every run keeps the network average (Choco)."""
+    out = tmp_path / "levels.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/peer_levels.py", "--d", "512", "--rounds", "4"]
+        + ["--json", str(out)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert runs["per_edge"]["state_floats_per_peer"] == 4 * 512
+    assert runs["per_peer"]["state_floats_per_peer"] == 3 * 512
+    assert runs["slow"]["bytes_per_round"] < runs["per_peer"]["bytes_per_round"]
+    assert runs["per_peer"]["bytes_per_round"] < runs["per_edge"]["bytes_per_round"]
+    assert runs["per_edge"]["bytes_per_round"] < runs["fast"]["bytes_per_round"]
+    assert all(row["average_drift"] < 1e-5 for row in runs.values())
