@@ -194,9 +194,10 @@ def _add_coordinator_flags(group: argparse._ActionsContainer) -> None:
     group.add_argument(
         "--adaptive",
         action="store_true",
-        help="bandwidth-adaptive compression (powergossip): measure every link from the "
-        "transfers training makes and set its rank to the highest whose transfers fit the "
-        "round budget; peers should report every round or two (--report-every)",
+        help="bandwidth-adaptive compression (powergossip: a rank per link; choco, def: a "
+        "level of the compressor's ladder per peer, its slowest link's): measure every link "
+        "from the transfers training makes and set its level to the highest whose transfers "
+        "fit the round budget; peers should report every round or two (--report-every)",
     )
     group.add_argument(
         "--round-budget",
