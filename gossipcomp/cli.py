@@ -63,6 +63,7 @@ from gossipcomp.security.signing_keys import (
 from gossipcomp.simulation import (
     MAX_WORKERS,
     CheckpointPolicy,
+    PeerLevels,
     run_peer,
     run_simulation,
     usable_cores,
@@ -558,6 +559,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the schedules it plans (choco, def)",
     )
     _add_coordinator_flags(coord)
+    coord.add_argument(
+        "--no-coordinator",
+        action="store_true",
+        help="with --adaptive: no coordinator; the lower-ranked end of each edge sets the "
+        "edge's rank from its own sends and announces it in its envelopes",
+    )
     links = sim.add_argument_group("throttled links (in this process; real ones: benchmarks/)")
     links.add_argument(
         "--link-rate",
@@ -607,6 +614,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=integer("report interval (rounds)", 1, 10**6),
         default=10,
         help="rounds between reports to the coordinator",
+    )
+    peer.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="bandwidth-adaptive compression (powergossip) without a coordinator: for each edge "
+        "to a higher-ranked neighbour this peer sets the rank from its own sends and announces "
+        "it in its envelopes; start every peer with it (with a coordinator, start the "
+        "coordinator with --adaptive instead)",
+    )
+    peer.add_argument(
+        "--round-budget",
+        type=number("round budget (seconds)", 0.0, 86_400.0),
+        metavar="SECONDS",
+        help="with --adaptive: seconds a round's transfers over one link may take (default: this "
+        "peer's median compute time per round)",
     )
     peer.add_argument(
         "--key",
@@ -894,6 +916,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         _check_plot_path(args.plot, "--plot")
     _check_outputs(args)  # last: it makes directories, which no other mistake should leave
     torch.set_num_threads(1)  # many small peers share the cores; intra-op threads only contend
+    peer_levels = _peer_levels(args)
     if rank is None:
         label = f"{config.algorithm} on {topology.name}"
         with _ProgressDisplay(console, config.gossip_rounds * topology.n, label, args.quiet) as bar:
@@ -906,10 +929,13 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                 authenticate=args.authenticate,
                 workers=_worker_count(args.workers, topology.n, args.authenticate),
                 coordinator=(
-                    _coordinator(args, topology) if args.coordinator or args.adaptive else None
+                    _coordinator(args, topology)
+                    if (args.coordinator or args.adaptive) and peer_levels is None
+                    else None
                 ),
                 report_every=args.report_every,
                 link_rates=_link_rates(args, topology),
+                peer_levels=peer_levels,
             )
     else:
         label = f"peer {rank}: {config.algorithm} on {topology.name}"
@@ -927,6 +953,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                 insecure=args.insecure,
                 coordinator=args.coordinator,
                 report_every=args.report_every,
+                peer_levels=peer_levels,
             )
     _finish(report, args, console)
     return 0
@@ -945,6 +972,33 @@ def _coordinator(args: argparse.Namespace, topology: Topology) -> Coordinator:
         round_budget=args.round_budget,
         boost=args.boost,
     )
+
+
+def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:
+    """Link levels set by the peers themselves, without a coordinator: `peer --adaptive` (no
+    --coordinator) or `simulate --adaptive --no-coordinator`; ValueError for flags that
+    contradict it."""
+    if args.command == "peer":
+        if args.round_budget is not None and not args.adaptive:
+            raise ValueError("--round-budget: expected --adaptive with it (it changes link levels)")
+        if args.adaptive and args.coordinator:
+            raise ValueError(
+                "--adaptive with --coordinator: a coordinator started with --adaptive sets the "
+                "levels; expected one of them (--adaptive alone: the peers set levels)"
+            )
+        return PeerLevels(args.round_budget) if args.adaptive else None
+    if not args.no_coordinator:
+        return None
+    if not args.adaptive:
+        raise ValueError(
+            "--no-coordinator: expected --adaptive with it (the peers set link levels)"
+        )
+    for flag, given in (("--coordinator", args.coordinator), ("--boost", args.boost)):
+        if given:
+            raise ValueError(
+                f"--no-coordinator with {flag}: {flag} works through a coordinator; expected one of them"
+            )
+    return PeerLevels(args.round_budget)
 
 
 def _link_rates(args: argparse.Namespace, topology: Topology) -> LinkRates | None:

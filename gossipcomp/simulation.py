@@ -54,6 +54,14 @@ ProgressCallback = Callable[[int, int], None]  # (rank, round just finished)
 
 
 @dataclass(frozen=True)
+class PeerLevels:
+    """Link levels the peers set themselves, without a coordinator (Peer.adapt_levels): the
+    lower-ranked end of each edge decides from its own sends and announces the level."""
+
+    round_budget: float | None = None  # seconds per round and link; None: each peer's compute
+
+
+@dataclass(frozen=True)
 class CheckpointPolicy:
     """Where and how often peers checkpoint; each peer restores its newest valid file at start."""
 
@@ -146,18 +154,21 @@ def run_simulation(
     report_every: int = 10,
     link_rates: LinkRates | None = None,
     workers: int = 1,
+    peer_levels: PeerLevels | None = None,
 ) -> Report:
     """Train every peer of `topology` in this process over gRPC on loopback (each link
         throttled to `link_rates` when given); with `tls`, over
         mutual TLS with a throwaway CA and per-peer certificates (deleted when training ends); with
         `authenticate` as well, every message signed by a throwaway per-peer key. With
         `coordinator`, it is served on loopback too (over the same TLS) and every peer reports to
-        it every `report_every` rounds and takes the schedules it publishes. With `workers` > 1 the
+        it every `report_every` rounds and takes the schedules it publishes; with `peer_levels`
+        instead, the peers set their links' levels themselves. With `workers` > 1 the
     peers are spread over that many worker processes (contiguous blocks of ranks), which talk gRPC
     to each other on loopback as peers of different machines would: several interpreters, so
     several cores, instead of one interpreter lock for every peer."""
     if authenticate and not tls:
         raise ValueError(f"--authenticate needs --tls: {WHY_AUTHENTICATION_NEEDS_TLS}")
+    _check_one_level_source(coordinator is not None, peer_levels)
     if workers != 1:
         _check_workers(workers, topology, authenticate)
     start = time.perf_counter()
@@ -179,6 +190,7 @@ def run_simulation(
                 link_rates,
                 checkpoints,
                 startup_timeout,
+                peer_levels,
             )
             if workers != 1:
                 outcomes, params = _train_in_workers(setup, workers, progress)
@@ -211,6 +223,14 @@ def run_simulation(
                 peer.close()
             if server is not None:
                 server.stop()
+
+
+def _check_one_level_source(coordinator: bool, peer_levels: PeerLevels | None) -> None:
+    if coordinator and peer_levels is not None:
+        raise ValueError(
+            "link levels come from a coordinator or from the peers, not both: expected "
+            "peer levels (--adaptive --no-coordinator) without a coordinator"
+        )
 
 
 MAX_WORKERS = 64
@@ -251,6 +271,7 @@ class _Setup:
     link_rates: LinkRates | None
     checkpoints: CheckpointPolicy | None
     startup_timeout: float
+    peer_levels: PeerLevels | None = None
 
     def build_peers(
         self,
@@ -276,6 +297,8 @@ class _Setup:
                     link_rates=self.link_rates,
                 )
             )
+            if self.peer_levels is not None:
+                into[-1].adapt_levels(self.peer_levels.round_budget)
 
     def clients(self, peers: Sequence[Peer]) -> list[CoordinatorClient]:
         if self.coordinator is None:
@@ -506,6 +529,7 @@ def run_peer(
     insecure: bool = False,
     coordinator: str | None = None,
     report_every: int = 10,
+    peer_levels: PeerLevels | None = None,
 ) -> Report:
     """Train one peer of `topology` at its address; its neighbours run elsewhere. With
     `checkpoints`, it continues from its newest valid checkpoint and keeps writing them; with
@@ -514,12 +538,14 @@ def run_peer(
     only messages signed by its neighbours' keys. Without `tls` it serves only on loopback
     unless `insecure` (GrpcOptions.insecure: plaintext trusts whoever reaches the port). With
     `coordinator` (HOST:PORT), it reports there every `report_every` rounds (over `tls` when
-    given) and takes the schedules published there."""
+    given) and takes the schedules published there; with `peer_levels` instead, it sets its
+    links' levels with its neighbours (each must do the same)."""
     if signing_key is not None and tls is None:
         raise ValueError(
             "peer authentication (--key) needs mutual TLS (--tls-cert, --tls-key, --tls-ca): "
             + WHY_AUTHENTICATION_NEEDS_TLS
         )
+    _check_one_level_source(coordinator is not None, peer_levels)
     keys = peer_keys(topology, rank, signing_key)
     start = time.perf_counter()
     data = load_data(config)
@@ -534,6 +560,8 @@ def run_peer(
         ready=checkpoints is None,
         gossip_buffers=config.gossip_buffers,
     ) as peer:
+        if peer_levels is not None:
+            peer.adapt_levels(peer_levels.round_budget)
         client = (
             None
             if coordinator is None
