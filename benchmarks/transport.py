@@ -48,14 +48,15 @@ def _payload(mib: int) -> torch.Tensor:
 
 
 def _serve_socket(server: socket.socket, size: int) -> None:
-    """Receive whole messages of `size` bytes into fresh buffers and acknowledge each one."""
+    """Receive whole messages of `size` bytes, all into one buffer (the gRPC side reuses its
+    receive buffers too), and acknowledge each one."""
+    buffer = memoryview(numpy.empty(size, dtype=numpy.uint8))
     while True:
         try:
             conn, _ = server.accept()
         except OSError:
             return
         with conn:
-            buffer = memoryview(numpy.empty(size, dtype=numpy.uint8))  # as lean as the gRPC side
             got = 0
             while got < size:
                 got += conn.recv_into(buffer[got:])

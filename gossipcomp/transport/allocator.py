@@ -15,7 +15,9 @@ from __future__ import annotations
 import ctypes
 import sys
 
-MMAP_THRESHOLD = 4 << 20  # blocks below this come from the heap (glibc's default: 128 KiB)
+# blocks below this come from the heap (glibc's default: 128 KiB, raised by itself up to 32 MiB
+# as blocks are freed); 32 MiB, glibc's most, covers every gRPC message (16 MiB at most)
+MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 64 << 20  # free heap kept before giving memory back (default: 128 KiB)
 _M_TRIM_THRESHOLD = -1  # mallopt parameters, glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
