@@ -12,6 +12,7 @@ notice is refused at the door naming the field, and a neighbour can move only it
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 
@@ -21,6 +22,7 @@ import torch
 from conftest import build_network, gossip_round, run_in_threads, stacked
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from gossipcomp.cli import main
 from gossipcomp.gossip import DPSGD, PowerGossip
 from gossipcomp.links import Backoff, LinkState
 from gossipcomp.models import build_mlp, model_signature
@@ -417,3 +419,39 @@ def test_edge_levels_refuse_a_notice_from_the_wrong_end_or_for_a_passed_round():
         levels.decide(0, 2, 5)
     assert levels.due(7) == {0: 4} and levels.in_force == {0: 4}
     assert levels.reset(0) and levels.in_force == {}
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_simulate_without_a_coordinator_reports_the_levels_the_peers_set(tmp_path):
+    """`simulate --adaptive --no-coordinator` with a budget no link can exceed: every link goes
+    to the top rank at the same round at both ends, as the report's link_levels show."""
+    path = tmp_path / "report.json"
+    argv = ["--topology", "ring4", "--adaptive", "--no-coordinator", "--round-budget", "100"]
+    argv += ["--rounds", "12", "--workers", "1", "--eval-every", "0"]
+    assert main(["simulate", "--quiet", "--report", str(path), *argv]) == 0
+    report = json.loads(path.read_text())
+    assert [c["link"] for c in report["link_levels"]] == [[0, 1], [0, 3], [1, 2], [2, 3]]
+    assert {c["round"] for c in report["link_levels"]} == {MIN_SENDS + NOTICE_LEAD}
+    assert {c["level"] for c in report["link_levels"]} == {"rank=256"}
+    assert report["mismatched_epoch_exchanges"] == 0
+    assert all(p["failed_exchanges"] == 0 for p in report["per_peer"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["simulate", "--no-coordinator"], "expected --adaptive with it"),
+        (["simulate", "--adaptive", "--no-coordinator", "--coordinator"], "--coordinator works"),
+        (["simulate", "--adaptive", "--no-coordinator", "--boost"], "--boost works"),
+        (
+            ["peer", "--topology", "ring4", "--rank", "0", "--adaptive", "--coordinator", "x:1"],
+            "expected one of them",
+        ),
+        (["peer", "--topology", "ring4", "--rank", "0", "--round-budget", "1"], "--adaptive"),
+    ],
+)
+def test_contradicting_level_flags_are_refused(capsys, argv, message):
+    assert main([*argv, "--rounds", "1"]) == 2
+    assert message in capsys.readouterr().err
