@@ -242,6 +242,8 @@ class Peer:
         specs = self._schedule_specs(schedule)
         self.schedules.stage(schedule, self.round)
         self._expect_epoch(schedule.epoch, specs)
+        if self._edge_levels is not None:  # waiting level notices hold under it too
+            self._expect_local_levels()
 
     def _schedule_specs(
         self, schedule: Schedule, edge_levels: EdgeLevels | None = None

@@ -29,6 +29,7 @@ from gossipcomp.models import build_mlp, model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.schedule.announce import MIN_SENDS, NOTICE_LEAD, EdgeLevels
 from gossipcomp.schedule.costs import LinkCost
+from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.schedule import LinkLevel, Schedule, ScheduleRefused
 from gossipcomp.security import PeerKeys
 from gossipcomp.topology import build_topology
@@ -455,3 +456,30 @@ def test_simulate_without_a_coordinator_reports_the_levels_the_peers_set(tmp_pat
 def test_contradicting_level_flags_are_refused(capsys, argv, message):
     assert main([*argv, "--rounds", "1"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_schedule_staged_while_a_notice_waits_takes_the_new_level_at_its_round(one_thread):
+    """Peers set levels and gossip merged (a static schedule, as `--schedule single` without a
+    coordinator, staged after the first notices and in force before their round): the level
+    still changes at the notice's round at both ends, under the new epoch, without a failure."""
+    peers, _ = _memory_ring(_models(4))
+    try:
+        for peer in peers:
+            peer.adapt_levels(1e3)
+            peer.start(5, {})
+        for _ in range(MIN_SENDS + 1):
+            gossip_round(peers)
+        assert peers[0]._edge_levels.waiting()[1].effective_round == MIN_SENDS + NOTICE_LEAD
+        names = tuple(name for name, _ in peers[0].gossiped)
+        merged = Schedule(1, MIN_SENDS + 2, (TensorGroup(names, "identity"),), planner="single")
+        for peer in peers:
+            peer.apply(merged)
+        for _ in range(NOTICE_LEAD + 2):
+            gossip_round(peers)
+            _assert_ends_agree(peers)
+        for peer in peers:
+            assert peer.stats.failed_exchanges == {}
+            assert peer.schedules.current.epoch == 1
+        assert _rank(peers[0], 1) == _rank(peers[1], 0) == 32
+    finally:
+        _close(peers)
