@@ -68,6 +68,4 @@ def check_notice(header: pb.EnvelopeHeader, receiver: int, rules: NoticeRules | 
             f"level_notice.effective_round: expected a round in [{round + 1}, "
             f"{round + rules.lead}] (after the envelope's round {round}, at most {rules.lead} "
             f"ahead), got {effective}",
-            public=f"level_notice.effective_round: expected a round after the envelope's round "
-            f"{round}, at most {rules.lead} ahead, got {effective}",
         )
