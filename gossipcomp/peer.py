@@ -5,6 +5,8 @@ once (handshake with neighbours), then `gossip()` after each optimizer step. It 
 serialised per link, the rounds, and the time spent computing (between gossip calls) versus
 communicating (inside exchanges). `apply(schedule)` stages a new schedule (tensor groups and
 their compressors) for the round it takes effect; every peer switches at that round.
+`adapt_levels()` lets the peers set their links' compression levels among themselves, without
+a coordinator (schedule/announce.py).
 
     model = build_mlp(seed=0)
     with Peer.over_grpc(model, topology, rank, DPSGD()) as peer:
