@@ -483,3 +483,38 @@ def test_a_schedule_staged_while_a_notice_waits_takes_the_new_level_at_its_round
         assert _rank(peers[0], 1) == _rank(peers[1], 0) == 32
     finally:
         _close(peers)
+
+
+def test_a_network_restored_while_notices_wait_switches_at_their_round(one_thread):
+    """Every peer checkpointed two rounds after the first notices (they wait for round 8) and
+    restored into fresh peers: the edges need no resynchronisation, both ends of every edge
+    switch at round 8 as announced, and nothing fails."""
+    peers, _ = _memory_ring(_models(4))
+    try:
+        for peer in peers:
+            peer.adapt_levels(1e3)
+            peer.start(5, {})
+        for _ in range(MIN_SENDS + 2):
+            gossip_round(peers)
+        states = [peer.state_dict() for peer in peers]
+    finally:
+        _close(peers)
+    restored, _ = _memory_ring(_models(4))
+    try:
+        for peer, state in zip(restored, states, strict=True):
+            peer.adapt_levels(1e3)
+            peer.load_state_dict(state)
+        run_in_threads([lambda p=p: p.start(5, {}) for p in restored])
+        for _ in range(NOTICE_LEAD):
+            gossip_round(restored)
+            _assert_ends_agree(restored)
+        for a, b in EDGES:
+            assert _rank(restored[a], b) == _rank(restored[b], a) == 32
+            for r in (a, b):
+                assert [
+                    c["round"] for c in restored[r].stats.link_levels if c["link"] == [a, b]
+                ] == [MIN_SENDS + NOTICE_LEAD]
+        for peer in restored:
+            assert peer.stats.failed_exchanges == {}
+    finally:
+        _close(restored)
