@@ -145,36 +145,35 @@ class EdgeLevels:
         when malformed, naming a peer that is not a neighbour, or out of range."""
         if not isinstance(state, Mapping) or set(state) != {"in_force", "waiting"}:
             raise ValueError("link levels: expected keys ['in_force', 'waiting']")
-        in_force = {
-            j: level for j, level in self._rows(state["in_force"], "in_force", 2, MAX_LEVEL)
-        }
+        in_force = {j: level for j, level in self._rows(state["in_force"], "in_force", 2)}
         waiting = {
             j: LevelNotice(level, effective)
-            for j, level, effective in self._rows(state["waiting"], "waiting", 3, MAX_LEVEL)
+            for j, level, effective in self._rows(state["waiting"], "waiting", 3)
         }
         self._in_force, self._waiting = in_force, waiting
 
-    def _rows(self, rows: Any, what: str, width: int, top: int) -> list[list[int]]:
-        """Checked rows [neighbour, level(, round)], one per neighbour at most."""
+    def _rows(self, rows: Any, what: str, width: int) -> list[list[int]]:
+        """Checked rows [neighbour, level] (width 2) or [neighbour, level, round] (width 3):
+        distinct neighbours, levels in [1, MAX_LEVEL], rounds in [1, MAX_ROUND]."""
         if not isinstance(rows, list) or len(rows) > len(self.neighbours):
             raise ValueError(
                 f"link levels {what}: expected a list of at most {len(self.neighbours)} rows"
             )
+        highs = (MAX_LEVEL, MAX_ROUND)[: width - 1]
         seen: set[int] = set()
         for row in rows:
-            highs = (MAX_ROUND, top, MAX_ROUND)[:width]
             if (
                 not isinstance(row, list)
                 or len(row) != width
                 or any(isinstance(x, bool) or not isinstance(x, int) for x in row)
                 or row[0] not in self.neighbours
                 or row[0] in seen
-                or not all(1 <= x <= high for x, high in zip(row[1:], highs[1:], strict=True))
+                or not all(1 <= x <= high for x, high in zip(row[1:], highs, strict=True))
             ):
                 raise ValueError(
                     f"link levels {what}: expected rows [neighbour, level"
                     f"{', round' if width == 3 else ''}] with distinct neighbours of peer "
-                    f"{self.rank} and levels in [1, {top}], got {quoted(row)}"
+                    f"{self.rank} and levels in [1, {MAX_LEVEL}], got {quoted(row)}"
                 )
             seen.add(row[0])
         return rows
