@@ -289,12 +289,12 @@ def test_a_link_that_slows_tenfold_lowers_its_ends_levels_and_they_rise_when_it_
     one_thread,
 ):
     """Choco with top-k on ring4 over the throttled transport, a coordinator choosing levels
-    every 2 rounds within a 60 ms budget. Link 0-1 drops from 16 to 1.6 Mbit/s at round 24 and
-    recovers at round 52. Peers 0 and 1 fall to a level whose payload fits the slow link within
+    every 2 rounds within a 120 ms budget (CPU noise on a busy machine, tens of ms, stays small
+    beside it). Link 0-1 drops from 8 to 0.8 Mbit/s at round 24 and recovers at round 52. Peers 0 and 1 fall to a level whose payload fits the slow link within
     12 rounds, the link's transfers fit the budget again before it recovers, and the levels
     rise after it. No exchange fails or mismatches, and both ends track the same copies."""
-    budget, rounds, drop, back = 0.06, 80, 24, 52
-    rates = LinkRates(16, [RateChange(0, 1, 1.6, drop), RateChange(0, 1, 16, back)])
+    budget, rounds, drop, back = 0.12, 80, 24, 52
+    rates = LinkRates(8, [RateChange(0, 1, 0.8, drop), RateChange(0, 1, 8, back)])
     peers = _throttled_ring(rates, "topk:ratio=0.01")
     slow_sends: list[float] = []
 
@@ -305,7 +305,7 @@ def test_a_link_that_slows_tenfold_lowers_its_ends_levels_and_they_rise_when_it_
     try:
         _run_adaptive(peers, budget, rounds, watch)
         costs = peers[0].algorithm.level_costs(peers[0].gossiped)
-        slow = LinkCost(0.0, 8 / 1.6e6)
+        slow = LinkCost(0.0, 8 / 0.8e6)
         fits_slow = max(x for x in costs.levels if costs.seconds(x, slow) <= budget)
         for rank in (0, 1):
             level = _level_by_round(peers[rank], rounds)
