@@ -224,19 +224,15 @@ def test_a_checkpoint_restores_the_level_in_force():
     finally:
         for peer in peers:
             peer.close()
-    fresh = build_network(
-        RING4, _models(4, same=True), lambda: DEFATC(parse_spec("topk:ratio=0.05"))
-    )
-    try:
-        fresh[0].load_state_dict(state)
-        assert fresh[0].algorithm._levels.levels == {
-            0: 2,
-            1: 2,
-            3: fresh[0].algorithm.default_level(),
-        }
+    model = _models(1, same=True)[0]
+    identity = Identity(0, RING4.hash, model_signature(model))
+    transport = InMemoryTransport(identity, RING4.neighbors(0), InMemoryHub())
+    fresh = Peer(model, RING4, 0, DEFATC(parse_spec("topk:ratio=0.05")), transport, ready=False)
+    try:  # restored before start(), as a restarted peer is
+        fresh.load_state_dict(state)
+        assert fresh.algorithm._levels.levels == {0: 2, 1: 2, 3: fresh.algorithm.default_level()}
     finally:
-        for peer in fresh:
-            peer.close()
+        fresh.close()
 
 
 def _throttled_ring(rates: LinkRates, spec: str) -> list[Peer]:
