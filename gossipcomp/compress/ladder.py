@@ -35,15 +35,20 @@ QSGD_SERIES = tuple(2**bits - 1 for bits in range(1, 8) if 2**bits - 1 <= MAX_LE
 
 
 def _ratio_rungs(compressor: Compressor) -> list[Compressor]:
-    replace: Callable[..., Compressor] = dataclasses.replace  # type: ignore[assignment]
-    return [replace(compressor, ratio=float(f"{r:.6g}")) for r in RATIO_SERIES]
+    """The same sparsifier (its other parameters kept) at every ratio of the series."""
+    return [
+        dataclasses.replace(compressor, ratio=float(f"{r:.6g}"))  # type: ignore[type-var]
+        for r in RATIO_SERIES
+    ]
 
 
 def _qsgd_rungs(compressor: Compressor) -> list[Compressor]:
+    """QSGD at the most levels each bit width carries."""
     return [QSGD(levels=s) for s in QSGD_SERIES]
 
 
 def _default_rungs(compressor: Compressor) -> list[Compressor]:
+    """Half precision between the compressor and none."""
     return [Float16()]
 
 
