@@ -6,9 +6,8 @@ GIL). Both paths are timed in the same run, interleaved trial by trial (this mac
 and compared as a throughput ratio. The gRPC path is the real transport: chunking, streaming,
 header validation, reassembly, the finite-values check and the mailbox, timed until the receiver
 acknowledges, two ways: as a training round runs it (`exchange`: the receiver answers every round
-with a one-float payload; all chunks are built before the push starts, as exchange shares them
-among neighbours) and as a bare `send` (chunks built while gRPC streams them; the receiver's
-rounds are opened by the same answering exchanges). A bare grpcio byte stream (no parsing or
+with a one-float payload; a payload for one neighbour is chunked while gRPC streams it) and as a
+bare `send` (the receiver's rounds are opened by the same answering exchanges). A bare grpcio byte stream (no parsing or
 validation; chunks made before timing) is timed alongside as the ceiling of the library itself.
 Goal: grpc_vs_socket_ratio (the exchange) >= 0.6.
 """
