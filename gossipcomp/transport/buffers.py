@@ -2,7 +2,7 @@
 
 A fresh buffer for every large envelope costs the kernel as much as copying the data into it:
 glibc maps blocks of that size afresh each time, so every page is faulted and zeroed again (a
-64 MiB envelope: about 8 ms of the receiving peer's CPU, a third of its transport time). A
+64 MiB envelope: 5 to 8 ms of the receiving peer's CPU, up to a fifth of its share). A
 buffer can be reused only when its owner is known to be done with it, and the buffer protocol
 gives that for free: every view of the memory (memoryview, numpy array, torch tensor) keeps a
 reference, direct or chained, to the array that exported it. So a pooled array whose only
