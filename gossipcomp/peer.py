@@ -5,8 +5,8 @@ once (handshake with neighbours), then `gossip()` after each optimizer step. It 
 serialised per link, the rounds, and the time spent computing (between gossip calls) versus
 communicating (inside exchanges). `apply(schedule)` stages a new schedule (tensor groups and
 their compressors) for the round it takes effect; every peer switches at that round.
-`adapt_levels()` lets the peers set their links' compression levels among themselves, without
-a coordinator (schedule/announce.py).
+`adapt_levels()` lets the peers set compression levels among themselves, without a coordinator
+(link levels: schedule/announce.py; a broadcasting algorithm's own levels: schedule/own_levels.py).
 
     model = build_mlp(seed=0)
     with Peer.over_grpc(model, topology, rank, DPSGD()) as peer:
@@ -48,14 +48,17 @@ from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
 from gossipcomp.models import gossiped_tensors, model_signature
 from gossipcomp.schedule.announce import EdgeLevels, LocalRateControl, NoticeConflict
 from gossipcomp.schedule.costs import TransferLog
+from gossipcomp.schedule.own_levels import OwnLevelControl, SenderLevels
 from gossipcomp.schedule.rate import peer_levels
 from gossipcomp.schedule.schedule import Schedule, ScheduleBook, ScheduleRefused
 from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
 from gossipcomp.transport.base import (
     MAX_WIRE_ROUND,
+    ExchangeResult,
     HelloAnswer,
     Identity,
+    LevelNotice,
     NoticeRules,
     PayloadSpec,
     PeerNotReady,
@@ -66,6 +69,7 @@ from gossipcomp.transport.notices import MAX_NOTICE_LEAD
 from gossipcomp.transport.throttled import LinkRates, ThrottledTransport
 
 AVERAGE_PHASE = "average"
+LEVELS_PHASE = "levels"  # after a resume exchange: waiting level notices, and a barrier
 LEVELS_LOGGER = "gossipcomp.levels"  # link level changes (the command line shows them)
 MAX_GOSSIP_MOVE = 100.0  # a gossip round may move the model by this many times (||x|| + 1)
 MIN_ROUND_SECONDS = 1e-6  # a checkpointed pace below this would believe any claimed round
@@ -168,6 +172,10 @@ class Peer:
         # or a coordinator's
         self._edge_levels: EdgeLevels | None = None
         self._rate: LocalRateControl | None = None
+        # a broadcasting algorithm's levels set by each sender (`adapt_levels`); None: fixed or
+        # a coordinator's
+        self._sender_levels: SenderLevels | None = None
+        self._own_rate: OwnLevelControl | None = None
         self._peer_level_changes: list[dict[str, Any]] = []
         self._edges = sorted((min(a, b), max(a, b)) for a, b in topology.graph.edges)
         self.schedules = ScheduleBook([name for name, _ in self._params], self._edges)
@@ -209,18 +217,21 @@ class Peer:
         return dataclasses.replace(answer, schedule_epoch=newest)
 
     def adapt_levels(self, round_budget: float | None = None) -> None:
-        """Set link levels with the neighbours, without a coordinator (schedule/announce.py).
-        For each edge to a higher-ranked neighbour, this peer's rate controller picks the
-        level from its own sends over it and announces it in its envelopes; lower-ranked
-        neighbours' notices set the other edges. `round_budget`: seconds a round's transfers
-        over one link may take (None: this peer's median compute time per round). Call before
+        """Set levels with the neighbours, without a coordinator. A link-leveled algorithm
+        (PowerGossip, schedule/announce.py): for each edge to a higher-ranked neighbour, this
+        peer's rate controller picks the level from its own sends over it and announces it in
+        its envelopes; lower-ranked neighbours' notices set the other edges. A broadcasting
+        one (Choco, DEF-ATC, schedule/own_levels.py): this peer picks the level it sends at
+        from its sends over all its links and announces it; each neighbour's notices set the
+        level that neighbour is decoded at. `round_budget`: seconds a round's transfers over
+        one link may take (None: this peer's median compute time per round). Call before
         `start()` and before restoring a checkpoint; every peer of the network must (a peer
         that does not refuses notices). From then on schedules with link levels are refused:
         levels come from a coordinator or from the peers, never both."""
-        if not isinstance(self.algorithm, LinkLeveled):
+        if not isinstance(self.algorithm, LinkLeveled | PeerLeveled):
             raise ValueError(
                 f"levels set by peers: algorithm {self.algorithm.name!r} has no level per link "
-                "(powergossip has; choco and def take levels from a coordinator's schedules)"
+                "or per peer (powergossip, choco and def have)"
             )
         if any(s.links for s in (self.schedules.current, *self.schedules.staged)):
             raise ValueError(
@@ -228,6 +239,16 @@ class Peer:
                 "coordinator's); expected none"
             )
         costs = self.algorithm.level_costs(self._params)
+        if isinstance(self.algorithm, PeerLeveled):
+            self._own_rate = OwnLevelControl(costs, round_budget)
+            default = self.algorithm.default_level()
+            self._sender_levels = SenderLevels(self.rank, self._weights, default)
+            self._specs[LEVELS_PHASE] = ()
+            for schedule in (self.schedules.current, *self.schedules.staged):
+                self.transport.expect(LEVELS_PHASE, (), schedule.epoch)
+            rules = NoticeRules(frozenset(costs.levels), MAX_NOTICE_LEAD, True, RESUME_PHASE)
+            self.transport.accept_notices(rules)
+            return
         self._rate = LocalRateControl(costs, round_budget)
         self._edge_levels = EdgeLevels(self.rank, self._weights)
         self.transport.accept_notices(NoticeRules(frozenset(costs.levels), MAX_NOTICE_LEAD))
@@ -244,19 +265,24 @@ class Peer:
         specs = self._schedule_specs(schedule)
         self.schedules.stage(schedule, self.round)
         self._expect_epoch(schedule.epoch, specs)
-        if self._edge_levels is not None:  # waiting level notices hold under it too
+        if self._level_book is not None:  # waiting level notices hold under it too
             self._expect_local_levels()
 
+    @property
+    def _level_book(self) -> EdgeLevels | SenderLevels | None:
+        """The levels set with the neighbours (None: fixed or a coordinator's)."""
+        return self._edge_levels or self._sender_levels
+
     def _schedule_specs(
-        self, schedule: Schedule, edge_levels: EdgeLevels | None = None
+        self, schedule: Schedule, book: EdgeLevels | SenderLevels | None = None
     ) -> dict[str, PayloadSpec]:
         """Per phase, what neighbours' envelopes hold under `schedule` (with the levels in
-        force in `edge_levels`, default this peer's, when peers set them); ScheduleRefused
-        when it does not fit this peer's model or algorithm."""
+        force in `book`, default this peer's, when peers set them); ScheduleRefused when it
+        does not fit this peer's model or algorithm."""
         schedule.check([name for name, _ in self._params])
         schedule.check_links(self._edges)
-        edge_levels = edge_levels or self._edge_levels
-        if edge_levels is not None and schedule.links:
+        book = book or self._level_book
+        if book is not None and schedule.links:
             raise ScheduleRefused(
                 f"schedule epoch {schedule.epoch}: link levels, but this peer sets its links' "
                 "levels with its neighbours (adaptive without a coordinator); expected a "
@@ -267,7 +293,7 @@ class Peer:
             try:
                 specs.update(
                     self.algorithm.peer_specs(
-                        self._params, schedule.groups or None, self._peer_levels(schedule)
+                        self._params, schedule.groups or None, self._peer_levels(schedule, book)
                     )
                 )
             except ValueError as error:
@@ -296,9 +322,9 @@ class Peer:
                 f"schedule epoch {schedule.epoch}: algorithm {self.algorithm.name!r} sends no "
                 "compressed groups; expected a schedule without groups"
             )
-        if edge_levels is not None:
+        if isinstance(book, EdgeLevels):
             try:
-                specs.update(self._level_specs(schedule, edge_levels.in_force))
+                specs.update(self._level_specs(schedule, book.in_force))
             except ValueError as error:
                 raise ScheduleRefused(f"schedule epoch {schedule.epoch}: {error}") from None
         return specs
@@ -306,7 +332,10 @@ class Peer:
     def _level_specs(
         self, schedule: Schedule, levels: Mapping[int, int]
     ) -> dict[str, Mapping[int, PayloadSpec] | PayloadSpec]:
-        """Per phase, each neighbour's envelope under `schedule`'s groups at `levels`."""
+        """Per phase, each neighbour's envelope under `schedule`'s groups at `levels` (per
+        link, or per peer for a broadcasting algorithm)."""
+        if isinstance(self.algorithm, PeerLeveled):
+            return self.algorithm.peer_specs(self._params, schedule.groups or None, levels)
         assert isinstance(self.algorithm, LinkLeveled)
         return self.algorithm.link_specs(self._params, schedule.groups or None, levels)
 
@@ -315,8 +344,9 @@ class Peer:
         level in force now and, from its round on, at the level a waiting notice sets (the
         transport picks by the envelope's round). Called whenever levels set with the
         neighbours change."""
-        assert self._edge_levels is not None
-        in_force, waiting = self._edge_levels.in_force, self._edge_levels.waiting()
+        book = self._level_book
+        assert book is not None
+        in_force, waiting = book.in_force, book.waiting()
         for schedule in (self.schedules.current, *self.schedules.staged):
             for phase, spec in self._level_specs(schedule, in_force).items():
                 self.transport.expect(phase, spec, schedule.epoch)
@@ -373,11 +403,17 @@ class Peer:
             if self.rank < j:  # one line per link
                 levels_log.info("link %d-%d: %s from round %d", *edge, label, self.round)
 
-    def _peer_levels(self, schedule: Schedule) -> dict[int, int]:
+    def _peer_levels(
+        self, schedule: Schedule, book: EdgeLevels | SenderLevels | None = None
+    ) -> dict[int, int]:
         """The level this peer and each neighbour broadcast at under `schedule` (the algorithm
-        is PeerLeveled): each one's slowest link's; ScheduleRefused for a link level that is
+        is PeerLeveled): each one's own in `book` (default this peer's) when the senders set
+        them, otherwise each one's slowest link's; ScheduleRefused for a link level that is
         not on the algorithm's ladder, wherever it is (a schedule comes from the network)."""
         assert isinstance(self.algorithm, PeerLeveled)
+        book = book or self._level_book
+        if isinstance(book, SenderLevels):
+            return book.in_force
         top = max(self.algorithm.level_costs(self._params).levels)
         for x in schedule.links:
             if x.level > top:
@@ -567,6 +603,9 @@ class Peer:
             reset = {j: None for j in due if self._edge_levels.reset(j)}
             if reset:
                 self._put_local_levels(reset)
+        if self._sender_levels is not None:  # the resume envelope states the own level
+            for j in due:
+                self.transport.announce(j, LevelNotice(self._sender_levels.own, self.round))
         resumable = isinstance(self.algorithm, Resumable)
         payload = self.algorithm.resume_payload(self._params) if resumable else None
         hood = self._neighbourhood(self._links, due)
@@ -574,8 +613,9 @@ class Peer:
         # when both ends reached the resume round
         result = hood.exchange(RESUME_PHASE, payload or ())
         self._comm_seconds += hood.comm_seconds
+        unsynced = self._resync_sender_levels(result) if self._sender_levels is not None else {}
         for j in due:
-            if j in result.received and j not in result.failed:
+            if j in result.received and j not in result.failed and j not in unsynced:
                 if resumable:
                     envelope = result.received[j] if payload is not None else None
                     self.algorithm.resume_edge(j, envelope, self.round)
@@ -583,8 +623,38 @@ class Peer:
                 # is resynchronised again then
                 self.links.up(j, self.round)
             else:
-                reason = result.failed.get(j, "no resume payload")
+                reason = result.failed.get(j) or unsynced.get(j, "no resume payload")
                 self.links.resume_failed(j, self.round, reason)
+
+    def _resync_sender_levels(self, resumed: ExchangeResult) -> dict[int, str]:
+        """Take in the level each resuming neighbour states in its resume envelope (in force
+        at this round), then exchange the waiting notices in one more, empty exchange, which
+        also makes sure both ends hold each other's level before either sends this round's
+        gossip (schedule/own_levels.py). Returns the neighbours whose levels did not come
+        through, with why: their edge does not resume."""
+        book = self._sender_levels
+        assert book is not None
+        failed: dict[int, str] = {}
+        changed = False
+        for j, envelope in resumed.received.items():
+            if envelope.notice is None:
+                failed[j] = "its resume envelope stated no level"
+            elif j not in resumed.failed:
+                changed |= book.resync(j, envelope.notice.level)
+        if changed:
+            self._put_sender_levels({})
+        synced = [j for j in resumed.received if j not in resumed.failed and j not in failed]
+        for j in synced:
+            self.transport.announce(j, book.own_notice)
+        if not synced:
+            return failed
+        hood = self._neighbourhood(self._links, synced)
+        result = hood.exchange(LEVELS_PHASE, ())
+        self._comm_seconds += hood.comm_seconds
+        failed.update(result.failed)
+        failed.update({j: "no level exchange" for j in synced if j not in result.received})
+        self._hear_levels(hood)
+        return failed
 
     def after_local_step(self) -> bool:
         """Count one local optimizer step; gossip when `local_steps` of them have been taken
@@ -608,8 +678,9 @@ class Peer:
         now = time.perf_counter()
         if self._last_mark is not None:
             self._compute_seconds += now - self._last_mark
-            if self._rate is not None:
-                self._rate.note_compute(now - self._last_mark)
+            for rate in (self._rate, self._own_rate):
+                if rate is not None:
+                    rate.note_compute(now - self._last_mark)
         if self._in_step_since is not None:
             self.links.pace.record(now - self._in_step_since)
         self.links.poll_probes(self.round, self.transport.probe)
@@ -641,6 +712,21 @@ class Peer:
             changes = self._edge_levels.due(self.round)
             if changes:
                 self._put_local_levels(changes)
+        if self._sender_levels is not None:
+            changes = self._sender_levels.due(self.round)
+            if changes:
+                self._put_sender_levels(changes)
+
+    def _put_sender_levels(self, changed: Mapping[int, int]) -> None:
+        """Compress at the own level and decode each neighbour at its own from this round on
+        (`changed`: the peers whose level changes), logging a change of the own level."""
+        assert isinstance(self.algorithm, PeerLeveled) and self._sender_levels is not None
+        self.algorithm.set_peer_levels(self._params, self._sender_levels.in_force, self.round)
+        if self.rank in changed:
+            label = self.algorithm.level_label(changed[self.rank])
+            self._peer_level_changes.append({"round": self.round, "level": label})
+            levels_log.info("peer %d: %s from round %d", self.rank, label, self.round)
+        self._expect_local_levels()
 
     def _put_local_levels(self, changed: Mapping[int, int | None]) -> None:
         """Use the levels set with the neighbours from this round on (`changed`: the edges
@@ -656,8 +742,14 @@ class Peer:
         self._expect_local_levels()
 
     def _decide_levels(self) -> None:
-        """The lower-ranked end's decisions for its live edges, and the notices this round's
-        envelopes carry (each repeats until its round)."""
+        """The lower-ranked end's decisions for its live edges (a broadcasting peer's: its own
+        level), and the notices this round's envelopes carry (each repeats until its round)."""
+        if self._own_rate is not None and self._sender_levels is not None:
+            book = self._sender_levels
+            self._own_rate.decide(book, self.links.live(), self._links.sends, self.round)
+            for j in self._weights:
+                self.transport.announce(j, book.own_notice)
+            return
         if self._rate is None or self._edge_levels is None:
             return
         decided = self._rate.decide(
@@ -669,18 +761,20 @@ class Peer:
             self.transport.announce(j, self._edge_levels.notice_for(j))
 
     def _hear_levels(self, hood: Neighbourhood) -> None:
-        """Take in the notices lower-ranked neighbours sent this round (checked at receipt).
-        One contradicting a notice of its own that still waits loses its edge, which comes
-        back through a resume at the algorithm's own level."""
-        if self._edge_levels is None:
+        """Take in the notices lower-ranked neighbours (any neighbour, of its own level, for a
+        broadcasting algorithm) sent this round (checked at receipt). One contradicting a
+        notice of its own that still waits loses its edge, which comes back through a resume
+        (at the algorithm's own level, or at the level the neighbour states then)."""
+        book = self._level_book
+        if book is None:
             return
         heard = False
         for j, envelopes in hood.received.items():
-            if j > self.rank or j in hood.failed:
+            if (isinstance(book, EdgeLevels) and j > self.rank) or j in hood.failed:
                 continue
             for notice in {e.notice for e in envelopes if e.notice is not None}:
                 try:
-                    heard |= self._edge_levels.hear(j, notice, self.round)
+                    heard |= book.hear(j, notice, self.round)
                 except NoticeConflict as error:
                     log.warning("peer %d: %s; edge taken down to resynchronise", self.rank, error)
                     self.links.failed(j, self.round, str(error))
@@ -762,6 +856,8 @@ class Peer:
         }
         if self._edge_levels is not None:  # levels set with the neighbours shape the state
             state["link_levels"] = self._edge_levels.state_dict()
+        if self._sender_levels is not None:
+            state["broadcast_levels"] = self._sender_levels.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -776,8 +872,8 @@ class Peer:
             "failures",
             "down",
         }
-        # absent from older ones; link_levels only when peers set levels
-        optional = {"saved_at", "seconds_per_round", "schedules", "link_levels"}
+        # absent from older ones; link_levels or broadcast_levels only when peers set levels
+        optional = {"saved_at", "seconds_per_round", "schedules", "link_levels", "broadcast_levels"}
         if not isinstance(state, dict) or not expected <= set(state) <= expected | optional:
             keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
@@ -824,8 +920,10 @@ class Peer:
                     f"round {schedules.current.effective_round}, after the checkpoint's {round}"
                 )
         edge_levels = self._saved_levels(state.get("link_levels"))
+        sender_levels = self._saved_sender_levels(state.get("broadcast_levels"))
+        book = edge_levels or sender_levels
         in_use = (schedules.current, *schedules.staged)
-        specs = {s.epoch: self._schedule_specs(s, edge_levels) for s in in_use}  # checks they fit
+        specs = {s.epoch: self._schedule_specs(s, book) for s in in_use}  # checks they fit
         levels = (
             schedules.current.levels_of(self.rank) if edge_levels is None else edge_levels.in_force
         )
@@ -834,13 +932,16 @@ class Peer:
         if isinstance(self.algorithm, Regroupable):
             self.algorithm.regroup(self._params, schedules.current.groups or None)
         if isinstance(self.algorithm, PeerLeveled):
-            levels = self._peer_levels(schedules.current)  # checked with the specs above
+            levels = self._peer_levels(schedules.current, book)  # checked with the specs above
             self.algorithm.set_peer_levels(self._params, levels, schedules.current.effective_round)
         self.schedules = schedules
         for epoch, epoch_specs in specs.items():
             self._expect_epoch(epoch, epoch_specs)
         if edge_levels is not None:
             self._edge_levels = edge_levels
+        if sender_levels is not None:
+            self._sender_levels = sender_levels
+        if book is not None:
             self._expect_local_levels()
         self.transport.forget_epochs_before(schedules.current.epoch)
         self.model.load_state_dict(saved)
@@ -869,6 +970,22 @@ class Peer:
         if saved is not None:
             edge_levels.load_state_dict(saved)
         return edge_levels
+
+    def _saved_sender_levels(self, saved: Any) -> SenderLevels | None:
+        """The broadcast levels set by the senders that a checkpoint holds, checked (None when
+        this peer does not set levels so); ValueError when they do not fit this peer."""
+        if self._sender_levels is None:
+            if saved is not None:
+                raise ValueError(
+                    "peer checkpoint: broadcast levels set by the peers (adaptive without a "
+                    "coordinator), but this peer does not set levels so; expected none"
+                )
+            return None
+        book = SenderLevels(self.rank, self._weights, self._sender_levels.default)
+        if saved is not None:
+            book.load_state_dict(saved)
+            self._schedule_specs(self.schedules.current, book)  # levels on the ladder
+        return book
 
     def _load_algorithm(self, state: Any, levels: Mapping[int, int], round: int) -> None:
         """Restore the algorithm's state saved at link `levels` (they shape the state, as

@@ -50,10 +50,16 @@ class LevelNotice:
 @dataclass(frozen=True)
 class NoticeRules:
     """The level notices a receiver accepts: a level in `levels` (the algorithm's ladder), an
-    effective round after the envelope's and at most `lead` rounds after it."""
+    effective round after the envelope's and at most `lead` rounds after it. `own_levels`
+    (broadcasting algorithms): a notice sets its sender's own level, so any neighbour may send
+    one (otherwise only the lower-ranked end of the edge), and in an envelope of
+    `in_force_phase` it states the level in force at the envelope's round (effective round
+    equal to it)."""
 
     levels: frozenset[int]
     lead: int
+    own_levels: bool = False
+    in_force_phase: str | None = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,13 @@ and before anything can change:
 A notice carries no edge: it can only ever name the edge between its sender and its receiver,
 so a neighbour cannot change any level but its own edge's. Signed headers cover it
 (transport/authentication.py).
+
+Broadcasting algorithms (Choco-SGD, DEF-ATC: `NoticeRules.own_levels`, schedule/own_levels.py)
+give a level to a sender, not to an edge: the notice sets the level its sender compresses at,
+so any neighbour may announce (the rank rule is dropped) and still only its own level. In an
+envelope of the rules' `in_force_phase` (the resume exchange) a notice states the level the
+sender uses at that very round: its effective round must equal the envelope's round. Every
+other check stays.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ def check_notice(header: pb.EnvelopeHeader, receiver: int, rules: NoticeRules | 
             f"level_notice: peer {receiver} takes no link levels from its neighbours (its "
             "levels are fixed or set by a coordinator's schedules); expected no level_notice",
         )
-    if sender > receiver:
+    if sender > receiver and not rules.own_levels:
         raise EnvelopeRejected(
             RejectCode.PERMISSION_DENIED,
             f"level_notice: peer {sender} is the higher-ranked end of edge {receiver}-{sender}; "
@@ -62,6 +69,14 @@ def check_notice(header: pb.EnvelopeHeader, receiver: int, rules: NoticeRules | 
             f"level_notice.level: expected a level of the ladder {sorted(rules.levels)}, "
             f"got {level}",
         )
+    if header.phase == rules.in_force_phase:
+        if effective != round:
+            raise EnvelopeRejected(
+                RejectCode.INVALID_ARGUMENT,
+                f"level_notice.effective_round: a {rules.in_force_phase} envelope states the level in "
+                f"force at its own round; expected {round}, got {effective}",
+            )
+        return
     if not round < effective <= round + rules.lead:
         raise EnvelopeRejected(
             RejectCode.INVALID_ARGUMENT,

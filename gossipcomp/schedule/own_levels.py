@@ -1,0 +1,208 @@
+"""Levels that broadcasting peers (Choco-SGD, DEF-ATC) set for themselves, without a coordinator.
+
+A broadcasting peer compresses one payload per step for all its neighbours, so its level is its
+own, not a link's: each peer decides the level it sends at (the highest whose transfers fit the
+round budget over its slowest live link, with the rate controller of schedule/rate.py fed by its
+own sends) and announces (level, effective round `NOTICE_LEAD` ahead) in every envelope it sends
+until that round. Every neighbour takes it in and decodes that peer at the new level from that
+round on; the sender switches there too. The end that sends decides: nobody else's links enter
+the decision, so no peer needs to see links it is not on.
+
+The lead is the one of schedule/announce.py and for the same reason: a notice heard two rounds
+before its round is in time, and a neighbour that did not hear it by then had its exchange with
+the sender fail, so the edge is down at that neighbour. Unlike a link level, a sender's level
+cannot go back to a default when one edge resumes (its other neighbours decode it at its level),
+so the resume tells it instead: at the resume round each end's resume envelope states the level
+it sends at in that round (a notice whose round is the envelope's own), and a second, empty
+exchange carries each end's waiting notice and makes sure both ends have taken the levels in
+before either sends the round's gossip (peer.py). So a lost notice never leaves two ends of an
+edge that carries gossip disagreeing on what either sends.
+
+`SenderLevels` keeps one peer's view (its own level and each neighbour's, with the changes
+announced and not yet in force); `OwnLevelControl` decides the own level. Pure bookkeeping: no
+clock, no networking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from gossipcomp.schedule.announce import MIN_SENDS, NOTICE_LEAD, LocalRateControl, NoticeConflict
+from gossipcomp.schedule.costs import LinkCost, TransferLog
+from gossipcomp.schedule.rate import DEFAULT_WINDOW, MAX_LEVEL, LevelCosts, link
+from gossipcomp.schedule.schedule import MAX_ROUND
+from gossipcomp.text import quoted
+from gossipcomp.transport.base import LevelNotice
+
+
+class SenderLevels:
+    """The level this peer and each neighbour broadcast at, and at most one announced change
+    per peer waiting for its round."""
+
+    def __init__(self, rank: int, neighbours: Collection[int], default: int) -> None:
+        self.rank = rank
+        self.neighbours = frozenset(neighbours)
+        self.default = default
+        self._levels: dict[int, int] = {p: default for p in (rank, *self.neighbours)}
+        self._waiting: dict[int, LevelNotice] = {}
+
+    @property
+    def in_force(self) -> dict[int, int]:
+        """Peer (this one and each neighbour) -> the level it sends at now."""
+        return dict(self._levels)
+
+    @property
+    def own(self) -> int:
+        return self._levels[self.rank]
+
+    @property
+    def own_notice(self) -> LevelNotice | None:
+        """This peer's announced change, not yet in force: what its envelopes carry."""
+        return self._waiting.get(self.rank)
+
+    def waiting(self) -> dict[int, LevelNotice]:
+        """Neighbour -> the change it announced, not yet in force."""
+        return {j: n for j, n in self._waiting.items() if j != self.rank}
+
+    def decide(self, level: int, round: int) -> LevelNotice:
+        """This peer changes its own level to `level`: the notice it announces, in force
+        `NOTICE_LEAD` rounds after `round`."""
+        if self.rank in self._waiting:
+            raise ValueError(f"peer {self.rank}: a notice of its own level already waits")
+        notice = LevelNotice(level, round + NOTICE_LEAD)
+        self._waiting[self.rank] = notice
+        return notice
+
+    def hear(self, neighbour: int, notice: LevelNotice, round: int) -> bool:
+        """Take in a neighbour's notice of its own level (checked at receipt:
+        transport/notices.py) during `round`; True when it is new. NoticeConflict when
+        another change from it still waits, or the notice's round has passed."""
+        if neighbour not in self.neighbours:
+            raise NoticeConflict(f"peer {self.rank}: level notice from non-neighbour {neighbour}")
+        if notice.effective_round <= round:
+            raise NoticeConflict(
+                f"peer {self.rank}: level notice from peer {neighbour} for round "
+                f"{notice.effective_round}, heard in round {round}"
+            )
+        waiting = self._waiting.get(neighbour)
+        if waiting == notice:
+            return False
+        if waiting is not None:
+            raise NoticeConflict(
+                f"peer {self.rank}: peer {neighbour} announced level {notice.level} from round "
+                f"{notice.effective_round} while level {waiting.level} from round "
+                f"{waiting.effective_round} still waits"
+            )
+        self._waiting[neighbour] = notice
+        return True
+
+    def due(self, round: int) -> dict[int, int]:
+        """Put in force the changes whose round has come (a peer that jumped rounds takes
+        those it passed); return them, peer -> level."""
+        changes = {p: n.level for p, n in self._waiting.items() if n.effective_round <= round}
+        for p, level in changes.items():
+            del self._waiting[p]
+            self._levels[p] = level
+        return changes
+
+    def resync(self, neighbour: int, level: int) -> bool:
+        """A resuming neighbour sends at `level` now (its resume envelope said so): that
+        level in force, any change heard from it before forgotten (its waiting one comes
+        again). True when the level in force changed."""
+        self._waiting.pop(neighbour, None)
+        changed = self._levels[neighbour] != level
+        self._levels[neighbour] = level
+        return changed
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "levels": [[p, level] for p, level in sorted(self._levels.items())],
+            "waiting": [[p, n.level, n.effective_round] for p, n in sorted(self._waiting.items())],
+        }
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore what `state_dict` returned; ValueError naming the part (nothing changed)
+        when malformed, naming a peer outside this neighbourhood, or out of range."""
+        if not isinstance(state, Mapping) or set(state) != {"levels", "waiting"}:
+            raise ValueError("broadcast levels: expected keys ['levels', 'waiting']")
+        levels = {p: level for p, level in self._rows(state["levels"], "levels", 2)}
+        if set(levels) != set(self._levels):
+            raise ValueError(
+                f"broadcast levels: expected a level for each of peers {sorted(self._levels)}, "
+                f"got {quoted(sorted(levels))}"
+            )
+        waiting = {
+            p: LevelNotice(level, effective)
+            for p, level, effective in self._rows(state["waiting"], "waiting", 3)
+        }
+        self._levels, self._waiting = levels, waiting
+
+    def _rows(self, rows: Any, what: str, width: int) -> list[list[int]]:
+        """Checked rows [peer, level] (width 2) or [peer, level, round] (width 3): distinct
+        peers of this neighbourhood, levels in [1, MAX_LEVEL], rounds in [1, MAX_ROUND]."""
+        peers = set(self._levels)
+        if not isinstance(rows, list) or len(rows) > len(peers):
+            raise ValueError(
+                f"broadcast levels {what}: expected a list of at most {len(peers)} rows"
+            )
+        highs = (MAX_LEVEL, MAX_ROUND)[: width - 1]
+        seen: set[int] = set()
+        for row in rows:
+            if (
+                not isinstance(row, list)
+                or len(row) != width
+                or any(isinstance(x, bool) or not isinstance(x, int) for x in row)
+                or row[0] not in peers
+                or row[0] in seen
+                or not all(1 <= x <= high for x, high in zip(row[1:], highs, strict=True))
+            ):
+                raise ValueError(
+                    f"broadcast levels {what}: expected rows [peer, level"
+                    f"{', round' if width == 3 else ''}] with distinct peers of "
+                    f"{sorted(peers)} and levels in [1, {MAX_LEVEL}], got {quoted(row)}"
+                )
+            seen.add(row[0])
+        return rows
+
+
+class OwnLevelControl:
+    """Decides a broadcasting peer's own level from its sends over its live links: per link,
+    what the rate controller (schedule/rate.py) proposes for it; the peer takes the lowest, so
+    its payload fits its slowest link. Never while its own notice waits."""
+
+    def __init__(self, costs: LevelCosts, budget_s: float | None = None) -> None:
+        """`budget_s`: seconds a round's transfers over one link may take; None: this peer's
+        median compute time per round (as LocalRateControl measures it)."""
+        self.local = LocalRateControl(costs, budget_s)  # the budget and the controller
+        self._decided = False  # the first decision prices sends as bytes only (announce.py)
+
+    def note_compute(self, seconds: float) -> None:
+        self.local.note_compute(seconds)
+
+    def decide(
+        self, levels: SenderLevels, live: Collection[int], sends: TransferLog, round: int
+    ) -> LevelNotice | None:
+        """The notice announcing a new own level, or None: no live link, a link without
+        `MIN_SENDS` timed sends yet, no budget yet, a notice waiting, or no change."""
+        budget = self.local.budget()
+        samples = {j: sends.samples(j) for j in sorted(live)}
+        if (
+            budget is None
+            or not samples
+            or levels.own_notice is not None
+            or any(len(s) < MIN_SENDS for s in samples.values())
+        ):
+            return None
+        controller, current = self.local.controller, levels.own
+        proposals = []
+        for j, sent in samples.items():
+            if not self._decided:
+                per_byte = max(s / max(1, b) for b, s in sent[-DEFAULT_WINDOW:])
+                proposals.append(controller.choose(None, LinkCost(0.0, per_byte), budget))
+            else:
+                key = link(levels.rank, j)
+                proposals.append(controller.update({key: current}, {key: [sent]}, budget)[key])
+        self._decided = True
+        chosen = min(proposals)
+        return None if chosen == current else levels.decide(chosen, round)
