@@ -563,7 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-coordinator",
         action="store_true",
         help="with --adaptive: no coordinator; the lower-ranked end of each edge sets the "
-        "edge's rank from its own sends and announces it in its envelopes",
+        "edge's rank from its own sends (powergossip), each peer the level it sends at from its "
+        "sends over its slowest link (choco, def), and announces it in its envelopes",
     )
     links = sim.add_argument_group("throttled links (in this process; real ones: benchmarks/)")
     links.add_argument(
@@ -618,8 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument(
         "--adaptive",
         action="store_true",
-        help="bandwidth-adaptive compression (powergossip) without a coordinator: for each edge "
-        "to a higher-ranked neighbour this peer sets the rank from its own sends and announces "
+        help="bandwidth-adaptive compression without a coordinator: for each edge to a "
+        "higher-ranked neighbour this peer sets the rank from its own sends (powergossip), or "
+        "the level it sends at from its sends over its slowest link (choco, def), and announces "
         "it in its envelopes; start every peer with it (with a coordinator, start the "
         "coordinator with --adaptive instead)",
     )

@@ -167,9 +167,12 @@ class SenderLevels:
 
 
 class OwnLevelControl:
-    """Decides a broadcasting peer's own level from its sends over its live links: per link,
-    what the rate controller (schedule/rate.py) proposes for it; the peer takes the lowest, so
-    its payload fits its slowest link. Never while its own notice waits."""
+    """Decides a broadcasting peer's own level from its sends over its live links, with the
+    rate controller of schedule/rate.py: each link is estimated from its own sends, and the
+    peer's payload is priced at the slowest estimate (its latency and its seconds per byte
+    each the largest among the links), so what it sends fits its slowest link. One decision
+    per peer, so the controller's patience counts one proposal stream, not one per link.
+    Never while its own notice waits."""
 
     def __init__(self, costs: LevelCosts, budget_s: float | None = None) -> None:
         """`budget_s`: seconds a round's transfers over one link may take; None: this peer's
@@ -186,23 +189,20 @@ class OwnLevelControl:
         """The notice announcing a new own level, or None: no live link, a link without
         `MIN_SENDS` timed sends yet, no budget yet, a notice waiting, or no change."""
         budget = self.local.budget()
-        samples = {j: sends.samples(j) for j in sorted(live)}
+        samples = [sends.samples(j) for j in sorted(live)]
         if (
             budget is None
             or not samples
             or levels.own_notice is not None
-            or any(len(s) < MIN_SENDS for s in samples.values())
+            or any(len(s) < MIN_SENDS for s in samples)
         ):
             return None
         controller, current = self.local.controller, levels.own
-        proposals = []
-        for j, sent in samples.items():
-            if not self._decided:
-                per_byte = max(s / max(1, b) for b, s in sent[-DEFAULT_WINDOW:])
-                proposals.append(controller.choose(None, LinkCost(0.0, per_byte), budget))
-            else:
-                key = link(levels.rank, j)
-                proposals.append(controller.update({key: current}, {key: [sent]}, budget)[key])
-        self._decided = True
-        chosen = min(proposals)
+        if not self._decided:
+            per_byte = max(s / max(1, b) for sent in samples for b, s in sent[-DEFAULT_WINDOW:])
+            chosen = controller.choose(None, LinkCost(0.0, per_byte), budget)
+            self._decided = True
+        else:  # every link as one "direction" of the peer's own key: the slowest one counts
+            key = link(levels.rank, levels.rank)
+            chosen = controller.update({key: current}, {key: samples}, budget)[key]
         return None if chosen == current else levels.decide(chosen, round)
