@@ -59,7 +59,13 @@ from gossipcomp.schedule import (
 )
 from gossipcomp.schedule.costs import check_sample
 from gossipcomp.schedule.groups import TensorGroup
-from gossipcomp.schedule.rate import MAX_LEVEL, LevelCosts, Link, RateController
+from gossipcomp.schedule.rate import (
+    FIRST_DECISION_ROUND,
+    MAX_LEVEL,
+    LevelCosts,
+    Link,
+    RateController,
+)
 from gossipcomp.schedule.rate import link as edge_of
 from gossipcomp.schedule.schedule import (
     MAX_BUDGET_S,
@@ -417,6 +423,10 @@ class Coordinator:
             return
         if self._adapted_at is not None and self._lead - self._adapted_at < 2 * self.report_every:
             return
+        if self._adapted_at is None and min(m.round for m in self._members.values()) < (
+            FIRST_DECISION_ROUND
+        ):
+            return  # start-up sends (handshakes, first rounds) are slow: not the link's speed
         ladders = [m.levels for m in self._members.values()]
         ladder = ladders[0]
         if ladder is None or any(other != ladder for other in ladders):

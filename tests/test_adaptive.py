@@ -86,17 +86,17 @@ def test_the_estimate_recovers_latency_and_bandwidth_from_recent_sends():
     # only the last sends count: a link that slowed ten times is seen as slow
     slowed = samples + [(b, 0.002 + b * 4e-6) for b in (1_000, 5_000, 20_000, 3_000, 9_000, 7)]
     assert estimate_link(slowed).seconds_per_byte == pytest.approx(4e-6, rel=1e-3)
-    # two slow sends after six fast ones already show: the last half of the window decides
+    # three slow sends after five fast ones already show: the last half of the window decides
     fast = [(b, b * 4e-7) for b in (1_000, 5_000, 20_000, 3_000, 9_000, 12_000)]
-    first_slow = fast + [(b, b * 4e-6) for b in (8_000, 2_000)]
+    first_slow = fast[1:] + [(b, b * 4e-6) for b in (8_000, 2_000, 4_000)]
     assert estimate_link(first_slow).seconds_per_byte > 2e-6
     # a link that sped up is believed only once the whole window is fast
     assert (
         estimate_link([(b, b * 4e-6) for b in (1_000, 7_000)] * 3 + fast[:2]).seconds_per_byte
         > 2e-6
     )
-    # one size only: the slowest recent send's seconds per byte, no latency
-    assert estimate_link([(1_000, 0.01), (1_000, 0.02)]) == LinkCost(0.0, 2e-5)
+    # one size only, no latency known: the median send's seconds per byte, no latency
+    assert estimate_link([(1_000, 0.01), (1_000, 0.02), (1_000, 0.2)]) == LinkCost(0.0, 2e-5)
     with pytest.raises(ValueError, match="no send"):
         estimate_link([])
 

@@ -19,10 +19,11 @@ any waiting notice. Nothing on the wire is needed to agree then, so a lost notic
 leave the two ends at different levels while the edge carries gossip.
 
 An edge's first decision (and the first after a resume) jumps straight to the level that fits,
-so it prices the link as if every second of its sends were bytes (no latency): the sends so far
-are all at one level, often small, where an alpha-beta fit of two payload sizes (right and left
-steps alternate) can find a slope near zero and take a slow link for an infinitely fast one.
-This never overshoots; later decisions climb one level at a time as usual.
+so it prices the link as if every second of its sends were bytes (no latency, the median send's
+seconds per byte): the sends so far are all at one level, whose two payload sizes (right and
+left steps alternate) lie too close together to separate latency from bandwidth (rate.py
+`SEPARABLE_SPAN`). This never overshoots; later decisions climb one level at a time as usual,
+and once the edge has carried two levels its latency is known (rate.py `estimate_link`).
 
 `EdgeLevels` keeps one peer's levels and waiting notices; `LocalRateControl` makes the lower
 end's decisions. Pure bookkeeping: no clock, no networking.
@@ -35,7 +36,7 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from gossipcomp.schedule.costs import LinkCost, TransferLog
+from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.rate import DEFAULT_WINDOW, MAX_LEVEL, LevelCosts, RateController, link
 from gossipcomp.schedule.schedule import MAX_ROUND
 from gossipcomp.text import quoted
@@ -224,12 +225,8 @@ class LocalRateControl:
                 continue
             key = link(levels.rank, j)
             current = levels.level(j)
-            if current is None:  # first decision: no latency assumed (module docstring)
-                recent = samples[-DEFAULT_WINDOW:]
-                per_byte = max(seconds / max(1, nbytes) for nbytes, seconds in recent)
-                chosen = self.controller.choose(None, LinkCost(0.0, per_byte), budget)
-            else:
-                chosen = self.controller.update({key: current}, {key: [samples]}, budget)[key]
+            known = {key: current} if current is not None else {}
+            chosen = self.controller.update(known, {key: [samples]}, budget).get(key, current)
             if chosen != current:
                 notices[j] = levels.decide(j, chosen, round)
         return notices

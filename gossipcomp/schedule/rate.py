@@ -28,6 +28,7 @@ Pure arithmetic: no clock, no networking; the coordinator feeds it what peers re
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,9 @@ DEFAULT_RAISE_BELOW = 0.6  # a level goes up only when the higher one fits in 0.
 DEFAULT_RAISE_AFTER = 3  # decisions in a row proposing a higher level before it is taken
 DEFAULT_LOWER_AFTER = 2  # and a lower one
 DEFAULT_DROP_AT = 3.0  # a level predicted over 3 x budget goes down at once (noise: 2-3 x)
+SEPARABLE_SPAN = 1.5  # sends whose sizes span this factor separate latency from bandwidth
+LATENCY_BOUND_SHARE = 0.25  # on a link slower than the budget whatever the size: bytes' share
+FIRST_DECISION_ROUND = DEFAULT_WINDOW // 2  # rounds before a first decision (start-up is slow)
 
 Link = tuple[int, int]  # (lower rank, higher rank)
 
@@ -78,30 +82,54 @@ def peer_levels(
     }
 
 
-def estimate_link(samples: Sequence[tuple[int, float]], window: int = DEFAULT_WINDOW) -> LinkCost:
+def estimate_link(
+    samples: Sequence[tuple[int, float]],
+    window: int = DEFAULT_WINDOW,
+    latency_s: float | None = None,
+) -> LinkCost:
     """Latency and seconds per byte of a link from its sends, oldest first: the slower of the
-    fits over the last `window` sends and over the last half of them, compared at their mean
-    size. A link that slowed down shows within a few sends (a robust fit over the whole window
-    would take its first slow sends for outliers); one that sped up, only once the whole
-    window agrees. ValueError when there is no send."""
-    recent = [check_sample(nbytes, seconds, "link estimate") for nbytes, seconds in samples]
-    recent = [(b, s) for b, s in recent[-window:] if b > 0]
+    estimates over the last `window` sends and over the last half of them, compared at their
+    mean size. A link that slowed down shows within a few sends; one that sped up, only once
+    the whole window agrees. The latency comes from every send given (`separate_latency`), or
+    else `latency_s` (one separated before), or else 0. ValueError when there is no send."""
+    sends = [check_sample(nbytes, seconds, "link estimate") for nbytes, seconds in samples]
+    sends = [(b, s) for b, s in sends if b > 0]
+    recent = sends[-window:]
     if not recent:
         raise ValueError("link estimate: no send of at least one byte to estimate from")
+    latency = separate_latency(sends)
+    if latency is None:
+        latency = min(latency_s or 0.0, _median_time(recent))
     at = sum(b for b, _ in recent) / len(recent)
-    fits = (_fit(recent), _fit(recent[-max(2, window // 2) :]))
+    fits = (_fit(recent, latency), _fit(recent[-max(2, window // 2) :], latency))
     return max(fits, key=lambda cost: cost.seconds(at))
 
 
-def _fit(sends: Sequence[tuple[int, float]]) -> LinkCost:
-    """An alpha-beta fit of `sends` (robust to outliers), or, when they all have one size, the
-    slowest one's seconds per byte and no latency."""
-    sizes = [float(b) for b, _ in sends]
-    if len(set(sizes)) >= 2:
-        latency, per_byte = fit_line(sizes, [s for _, s in sends], "link estimate")
-        if per_byte > 0:
-            return LinkCost(latency, per_byte)
-    return LinkCost(0.0, max(s / b for b, s in sends))
+def separate_latency(sends: Sequence[tuple[int, float]]) -> float | None:
+    """The part of a send's time that does not grow with its size, when `sends` (bytes > 0)
+    span sizes `SEPARABLE_SPAN` apart: the intercept of a robust line through them, at most
+    the median time of the sends of any one size (a latency no send of that size beat). None
+    when their sizes lie closer (PowerGossip's two steps of one rank): noise then decides the
+    slope."""
+    sizes = [b for b, _ in sends]
+    if not sizes or max(sizes) < SEPARABLE_SPAN * min(sizes):
+        return None
+    intercept, _ = fit_line([float(b) for b in sizes], [s for _, s in sends], "link estimate")
+    by_size: dict[int, list[float]] = {}
+    for nbytes, seconds in sends:
+        by_size.setdefault(nbytes, []).append(seconds)
+    return min([intercept, *(statistics.median(times) for times in by_size.values())])
+
+
+def _median_time(sends: Sequence[tuple[int, float]]) -> float:
+    return statistics.median(s for _, s in sends)
+
+
+def _fit(sends: Sequence[tuple[int, float]], latency_s: float) -> LinkCost:
+    """`latency_s` and the lower median over `sends` of the seconds per byte left after it:
+    sends held up by a busy CPU are not a slow link unless they are most of them."""
+    per_byte = statistics.median_low(max(0.0, s - latency_s) / b for b, s in sends)
+    return LinkCost(latency_s, per_byte)
 
 
 @dataclass(frozen=True)
@@ -172,6 +200,7 @@ class RateController:
         self.lower_after = lower_after
         self.drop_at = drop_at
         self._streaks: dict[Link, tuple[int, int]] = {}  # link -> (proposed level, times)
+        self._latency: dict[Link, float] = {}  # link -> the latency its sends last separated
 
     def choose(self, current: int | None, cost: LinkCost, budget_s: float) -> int:
         """The level proposed for a link now at `current` (None: not set yet) costing `cost`,
@@ -179,16 +208,24 @@ class RateController:
         if not (math.isfinite(budget_s) and budget_s > 0):
             raise ValueError(f"round budget: expected seconds > 0, got {budget_s}")
         levels = self.costs.levels
-        fits = [level for level in levels if self.costs.seconds(level, cost) <= budget_s]
+        fits = [level for level in levels if self._fits(level, cost, budget_s)]
         best = fits[-1] if fits else levels[0]
         if current is None or current not in self.costs.bytes_per_round:
             return best
-        if self.costs.seconds(current, cost) > budget_s:
+        if not self._fits(current, cost, budget_s):
             return best  # too slow now: down, as far as needed
         higher = [level for level in levels if level > current]
-        if higher and self.costs.seconds(higher[0], cost) <= self.raise_below * budget_s:
+        if higher and self._fits(higher[0], cost, self.raise_below * budget_s):
             return higher[0]
         return current
+
+    def _fits(self, level: int, cost: LinkCost, seconds: float) -> bool:
+        """Whether a round at `level` fits `seconds`: its predicted transfers do, or, on a
+        link whose latency leaves less than `LATENCY_BOUND_SHARE` of them, its bytes take at
+        most that share (a lower level would not shorten the latency, only lose fidelity)."""
+        latency = self.costs.exchanges_per_round * cost.latency_s
+        bytes_s = self.costs.bytes_per_round[level] * cost.seconds_per_byte
+        return latency + bytes_s <= seconds or bytes_s <= LATENCY_BOUND_SHARE * seconds
 
     def update(
         self,
@@ -201,12 +238,7 @@ class RateController:
         slower direction."""
         chosen = dict(current)
         for key, directions in sends.items():
-            estimates = []
-            for samples in directions:
-                try:
-                    estimates.append(estimate_link(samples))
-                except ValueError:
-                    continue
+            estimates = self._estimates(key, directions)
             if not estimates:
                 continue
             worst = LinkCost(
@@ -214,6 +246,25 @@ class RateController:
             )
             chosen[key] = self._patient(key, current.get(key), worst, budget_s)
         return chosen
+
+    def _estimates(
+        self, key: Link, directions: Sequence[Sequence[tuple[int, float]]]
+    ) -> list[LinkCost]:
+        """Each direction's estimate (those without a send left out). The latency the sends
+        separate is remembered per link (the slower direction's), and stands in while they
+        no longer do: a link that stays at one level keeps what its earlier sizes showed."""
+        estimates, separated = [], []
+        for samples in directions:
+            try:
+                estimates.append(estimate_link(samples, latency_s=self._latency.get(key)))
+            except ValueError:
+                continue
+            latency = separate_latency([(b, t) for b, t in samples if b > 0])
+            if latency is not None:
+                separated.append(latency)
+        if separated:
+            self._latency[key] = max(separated)
+        return estimates
 
     def _patient(self, key: Link, current: int | None, cost: LinkCost, budget_s: float) -> int:
         """`choose`, once the proposal has repeated enough (module docstring)."""

@@ -1,0 +1,106 @@
+"""The rate controller on synthetic links whose sends take a fixed time whatever their size (a
+busy CPU, not bandwidth) or whose bandwidth drops tenfold: latency is told from bandwidth, a
+level does not go down on time that does not grow with bytes, and a real drop still lowers it
+within a few decisions and a recovery raises it again."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from gossipcomp.schedule.costs import LinkCost
+from gossipcomp.schedule.rate import LevelCosts, RateController, estimate_link
+
+# bytes per round of Choco's top-k ladder on the wide MLP (1e-4 ... 0.5, identity), one exchange
+LADDER = LevelCosts(
+    {
+        level: nbytes
+        for level, nbytes in enumerate(
+            (936, 1840, 4536, 9048, 18064, 45088, 90144, 180248, 450584, 901144, 1802272),
+            start=1,
+        )
+    },
+    exchanges_per_round=1,
+)
+KEY = (0, 1)
+BUDGET = 0.05
+SENDS_PER_DECISION = 2  # decisions every two rounds, one send per round
+HISTORY = 16  # sends a peer reports per neighbour
+
+
+def _run(
+    start: int, link: Callable[[int, int], float], decisions: int, budget: float = BUDGET
+) -> list[int]:
+    """The level after each decision of a controller fed the link's last HISTORY sends, the
+    link carrying the level in force."""
+    controller = RateController(LADDER)
+    level, levels = start, []
+    # the level before the first decision (one below): a link that only ever carried one size
+    # cannot tell its latency from its bandwidth, and is priced as bytes only
+    sends = [(LADDER.bytes_per_round[start - 1], link(0, LADDER.bytes_per_round[start - 1]))] * 4
+    for decision in range(decisions):
+        for _ in range(SENDS_PER_DECISION):
+            nbytes = LADDER.bytes_per_round[level]
+            sends.append((nbytes, link(decision, nbytes)))
+        level = controller.update({KEY: level}, {KEY: [sends[-HISTORY:]]}, budget)[KEY]
+        levels.append(level)
+    return levels
+
+
+def test_a_tenfold_drop_lowers_the_level_within_a_few_decisions_and_recovery_raises_it():
+    """5 ms latency plus 100 Mbit/s, 10 Mbit/s from decision 20 to 45: the level goes to one
+    whose bytes fit the slow link within three decisions, and back up after the recovery."""
+    rng = random.Random(0)
+
+    def link(decision: int, nbytes: int) -> float:
+        per_byte = 8e-7 if 20 <= decision < 45 else 8e-8
+        return 0.005 + nbytes * per_byte + rng.uniform(0.0, 0.002)
+
+    levels = _run(7, link, 80)
+    fits_slow = max(x for x in LADDER.levels if LADDER.seconds(x, LinkCost(0.005, 8e-7)) <= BUDGET)
+    fits_fast = max(x for x in LADDER.levels if LADDER.seconds(x, LinkCost(0.005, 8e-8)) <= BUDGET)
+    assert levels[19] > fits_slow, levels
+    assert all(level <= fits_slow for level in levels[23:45]), levels
+    assert min(levels[23:45]) >= fits_slow - 1, levels  # not to the bottom
+    assert levels[-1] >= fits_fast - 1, levels
+
+
+def test_the_latency_is_what_a_much_smaller_message_also_took():
+    """A link carried 90 KB in 20 ms, then 1 KB in 20 ms: the time is latency, not 20 ms per KB
+    (which the old estimate read from the one size of its window)."""
+    sends = [(90_000, 0.02)] * 8 + [(1_000, 0.02)] * 8
+    estimate = estimate_link(sends)
+    assert estimate.latency_s == pytest.approx(0.02)
+    assert estimate.seconds_per_byte == pytest.approx(0.0, abs=1e-12)
+    # a fitted latency: 4 ms plus 1 us per byte over sizes 8x apart, the window one size
+    fitted = [(b, 0.004 + b * 1e-6) for b in (1_000, 8_000) * 4] + [(8_000, 0.012)] * 8
+    assert estimate_link(fitted).latency_s == pytest.approx(0.004, rel=1e-6)
+    assert estimate_link(fitted).seconds_per_byte == pytest.approx(1e-6, rel=1e-6)
+    # sizes closer than SEPARABLE_SPAN (PowerGossip's two steps) separate nothing: bytes only
+    close = [(10_000, 0.02), (10_300, 0.01), (10_000, 0.03), (10_300, 0.012)]
+    assert estimate_link(close).latency_s == 0.0
+
+
+def test_a_link_keeps_the_latency_its_earlier_sizes_showed_once_its_sends_are_one_size():
+    """Once a link's reported sends are all of one size, the controller still knows the latency
+    two sizes showed it before, and keeps its level."""
+    controller = RateController(LADDER)
+    mixed = [(90144, 0.048)] * 8 + [(45088, 0.048)] * 8
+    assert controller.update({KEY: 6}, {KEY: [mixed]}, BUDGET) == {KEY: 6}
+    one_size = [(45088, 0.052)] * 16  # alone: 52 ms as bytes, over the 50 ms budget
+    for _ in range(4):
+        assert controller.update({KEY: 6}, {KEY: [one_size]}, BUDGET) == {KEY: 6}
+    fresh = RateController(LADDER)
+    fresh.update({KEY: 6}, {KEY: [one_size]}, BUDGET)
+    assert fresh.update({KEY: 6}, {KEY: [one_size]}, BUDGET) == {KEY: 5}
+
+
+def test_a_link_slower_than_the_budget_whatever_the_size_keeps_its_level():
+    """Latency over the budget and bytes nearly free: a lower level would not be faster, so the
+    level does not go down (the old controller dropped to the lowest)."""
+    controller = RateController(LADDER)
+    assert controller.choose(7, LinkCost(0.08, 1e-9), BUDGET) == 8  # up: its bytes are free
+    # bytes that matter still lower it, to the highest level whose bytes take a quarter of it
+    assert controller.choose(7, LinkCost(0.08, 6e-7), BUDGET) == 5
