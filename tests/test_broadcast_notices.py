@@ -256,6 +256,38 @@ def test_a_lost_notice_takes_the_edge_down_and_the_resume_tells_each_end_the_oth
         _close(peers)
 
 
+def test_an_edge_resuming_while_notices_wait_hears_them_in_the_levels_exchange(one_thread):
+    """Edge 0-1 is lost in round 0 and resumes before the notices its ends decide in round
+    MIN_SENDS take effect: the resume states the levels in force and the levels exchange after
+    it carries the waiting notices, so both ends switch at their round with no further
+    failure."""
+    peers, hub = _memory_ring()
+    try:
+        for peer in peers:
+            peer.start(5, {})
+        hub.inject(0, 1, Fault.LOST)
+        gossip_round(peers)
+        hub.heal()
+        resumed = None
+        for _ in range(16):
+            gossip_round(peers)
+            _assert_ends_agree(peers)
+            if resumed is None and peers[0].links.state(1) is LinkState.UP:
+                resumed = peers[0].round - 1
+                assert peers[0]._sender_levels.waiting()[1] == peers[1]._sender_levels.own_notice
+                assert peers[1]._sender_levels.waiting()[0] == peers[0]._sender_levels.own_notice
+        assert resumed is not None and resumed < MIN_SENDS + NOTICE_LEAD, resumed
+        top = peers[0].algorithm._levels.ladder.top
+        for rank in (0, 1):
+            [change] = peers[rank].stats.peer_levels
+            assert change == {"round": MIN_SENDS + NOTICE_LEAD, "level": "identity"}
+            assert set(peers[rank].algorithm._levels.levels.values()) == {top}
+        assert peers[0].stats.failed_exchanges == {1: 1}
+        assert peers[1].stats.failed_exchanges == {0: 1}
+    finally:
+        _close(peers)
+
+
 def test_a_neighbour_sets_only_its_own_level_and_a_lie_costs_it_that_edge(one_thread):
     """Peer 0 does not adapt and announces by hand to peer 1: level 1 from round 3. Peer 1
     takes it for peer 0's level only (its own and peer 2's keep theirs); peer 0 does not
