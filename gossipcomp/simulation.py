@@ -55,8 +55,9 @@ ProgressCallback = Callable[[int, int], None]  # (rank, round just finished)
 
 @dataclass(frozen=True)
 class PeerLevels:
-    """Link levels the peers set themselves, without a coordinator (Peer.adapt_levels): the
-    lower-ranked end of each edge decides from its own sends and announces the level."""
+    """Levels the peers set themselves, without a coordinator (Peer.adapt_levels): the
+    lower-ranked end of each edge decides a link's level (PowerGossip), each peer the level
+    it broadcasts at (Choco, DEF-ATC), from its own sends, and announces it."""
 
     round_budget: float | None = None  # seconds per round and link; None: each peer's compute
 

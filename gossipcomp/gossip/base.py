@@ -220,7 +220,8 @@ class PeerLeveled(Protocol):
     (Choco-SGD, DEF-ATC), so its compression level belongs to the sender, not to a link: each
     peer compresses at the lowest level among its links (schedule/rate.py `peer_levels`, from
     a schedule's link table), and each neighbour, holding the same table and topology, decodes
-    at that level. All switch at the round a schedule takes effect. (A level per link would
+    at that level. All switch at the round a schedule takes effect (without a coordinator, at
+    the round a peer's notice of its own level names: schedule/own_levels.py). (A level per link would
     need one public copy per edge: docs/design.md, "Bandwidth-adaptive levels".)"""
 
     def level_costs(self, params: NamedParams) -> LevelCosts:

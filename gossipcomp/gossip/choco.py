@@ -18,8 +18,10 @@ factor, so the public copies stay identical. gamma is the consensus step; by def
 compressor's `consensus_step`, measured on ring8 digits (docs/benchmarks.md).
 
 Bandwidth-adaptive levels (`PeerLeveled`, gossip/levels.py): a peer compresses at its own
-level (the lowest among its links in the schedule) and decodes each neighbour at that
-neighbour's, computed from the same schedule. The 1 / (1 + beta) scale of a payload is its
+level (the lowest among its links in a coordinator's schedule, or the one it decides and
+announces without a coordinator: schedule/own_levels.py) and decodes each neighbour at that
+neighbour's, computed from the same schedule or announced by it; both ends of an edge hold the
+same two levels at every round. The 1 / (1 + beta) scale of a payload is its
 sender's level's, at both ends. The consensus step of edge (i, j) is the smaller of the two
 ends' levels' steps (unless a step is given), the same at both ends, so the network sum is kept
 when neighbours compress at different levels.

@@ -13,8 +13,9 @@ gives its weight to the peer, and when the edge comes back both ends send their 
 exactly once (`resume_payload`), so each end's copy of the other's reference is exact again.
 
 Bandwidth-adaptive levels (`PeerLeveled`, gossip/levels.py): a peer compresses at its own
-level (the lowest among its links in the schedule) and decodes each neighbour at that
-neighbour's, computed from the same schedule. zeta and gamma stay those of the configured
+level (the lowest among its links in a coordinator's schedule, or the one it decides and
+announces without a coordinator: schedule/own_levels.py) and decodes each neighbour at that
+neighbour's, computed from the same schedule or announced by it. zeta and gamma stay those of the configured
 compressor at every level: zeta must be the sender's at every end that tracks its reference,
 and one pair for all keeps that true without a table of pairs.
 

@@ -1,7 +1,8 @@
 """One compression level per peer for the algorithms that broadcast a payload (Choco, DEF-ATC).
 
 A sender compresses once for all its neighbours, so its level is its own: the lowest level
-among its links in the schedule (schedule/rate.py `peer_levels`). A level is a position on the
+among its links in a coordinator's schedule (schedule/rate.py `peer_levels`), or, without a
+coordinator, the level it decides and announces (schedule/own_levels.py). A level is a position on the
 ladder of the algorithm's compressor (compress/ladder.py); it applies to every group the
 schedule compresses with the algorithm's own compressor (the default one-group-per-parameter
 layout included), while a group a planner gave another compressor keeps it. Levels change
