@@ -6,6 +6,7 @@ within a few decisions and a recovery raises it again."""
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Callable
 
 import pytest
@@ -39,7 +40,8 @@ def _run(
     level, levels = start, []
     # the level before the first decision (one below): a link that only ever carried one size
     # cannot tell its latency from its bandwidth, and is priced as bytes only
-    sends = [(LADDER.bytes_per_round[start - 1], link(0, LADDER.bytes_per_round[start - 1]))] * 4
+    before = LADDER.bytes_per_round[start - 1]
+    sends = [(before, link(0, before)) for _ in range(4)]
     for decision in range(decisions):
         for _ in range(SENDS_PER_DECISION):
             nbytes = LADDER.bytes_per_round[level]
@@ -47,6 +49,38 @@ def _run(
         level = controller.update({KEY: level}, {KEY: [sends[-HISTORY:]]}, budget)[KEY]
         levels.append(level)
     return levels
+
+
+def _busy(seed: int, per_byte: float = 0.0) -> Callable[[int, int], float]:
+    """20 ms plus up to 10 ms of noise whatever the size, one send in eight held up 200 ms more
+    (a busy CPU, in spells when unlucky), plus `per_byte` seconds per byte."""
+    rng = random.Random(seed)
+
+    def seconds(decision: int, nbytes: int) -> float:
+        spike = 0.2 if rng.random() < 1 / 8 else 0.0
+        return 0.02 + rng.uniform(0.0, 0.01) + spike + nbytes * per_byte
+
+    return seconds
+
+
+def test_sends_that_take_20_ms_whatever_their_size_do_not_ratchet_the_level_down():
+    """No bandwidth limit and a 50 ms budget: every level fits. Over 20 such links (120
+    decisions each) the level ends at or above where it started on nearly all, at the top on
+    most; the old estimate (the slowest send's seconds per byte, no latency) took all 20 to
+    the lowest level. An unlucky busy spell at the start can still hold one low."""
+    finals = [_run(7, _busy(seed), 120)[-1] for seed in range(20)]
+    assert sum(level >= 7 for level in finals) >= 17, finals
+    assert statistics.median(finals) == LADDER.levels[-1], finals
+
+
+def test_a_busy_link_with_bandwidth_stays_where_its_bandwidth_puts_it():
+    """The same busy sends plus 100 Mbit/s: level 7 (7 ms of bytes) fits, level 8 (14 ms) fits
+    but is too close to the budget to rise to (the dead band). Over 20 links most end at 7 or
+    8 (the old estimate: all 20 at the lowest level)."""
+    finals = [_run(7, _busy(seed, 8e-8), 120)[-1] for seed in range(20)]
+    assert sum(level >= 7 for level in finals) >= 13, finals
+    assert statistics.median(finals) >= 7, finals
+    assert sum(level == LADDER.levels[0] for level in finals) <= 1, finals
 
 
 def test_a_tenfold_drop_lowers_the_level_within_a_few_decisions_and_recovery_raises_it():

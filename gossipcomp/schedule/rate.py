@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +43,8 @@ DEFAULT_RAISE_AFTER = 3  # decisions in a row proposing a higher level before it
 DEFAULT_LOWER_AFTER = 2  # and a lower one
 DEFAULT_DROP_AT = 3.0  # a level predicted over 3 x budget goes down at once (noise: 2-3 x)
 SEPARABLE_SPAN = 1.5  # sends whose sizes span this factor separate latency from bandwidth
+SIZE_SENDS = 3  # sends of one size before its median time counts towards the latency
+LATENCY_MEMORY = 8  # separated latencies per link whose median stands in for later ones
 LATENCY_BOUND_SHARE = 0.25  # on a link slower than the budget whatever the size: bytes' share
 FIRST_DECISION_ROUND = DEFAULT_WINDOW // 2  # rounds before a first decision (start-up is slow)
 
@@ -86,12 +89,15 @@ def estimate_link(
     samples: Sequence[tuple[int, float]],
     window: int = DEFAULT_WINDOW,
     latency_s: float | None = None,
+    *,
+    settled: bool = False,
 ) -> LinkCost:
     """Latency and seconds per byte of a link from its sends, oldest first: the slower of the
     estimates over the last `window` sends and over the last half of them, compared at their
     mean size. A link that slowed down shows within a few sends; one that sped up, only once
-    the whole window agrees. The latency comes from every send given (`separate_latency`), or
-    else `latency_s` (one separated before), or else 0. ValueError when there is no send."""
+    the whole window agrees (`settled`: the whole window's estimate alone). The latency comes
+    from every send given (`separate_latency`), or else `latency_s` (one separated before), or
+    else 0. ValueError when there is no send."""
     sends = [check_sample(nbytes, seconds, "link estimate") for nbytes, seconds in samples]
     sends = [(b, s) for b, s in sends if b > 0]
     recent = sends[-window:]
@@ -100,25 +106,30 @@ def estimate_link(
     latency = separate_latency(sends)
     if latency is None:
         latency = min(latency_s or 0.0, _median_time(recent))
+    if settled:
+        return _fit(recent, latency)
     at = sum(b for b, _ in recent) / len(recent)
     fits = (_fit(recent, latency), _fit(recent[-max(2, window // 2) :], latency))
     return max(fits, key=lambda cost: cost.seconds(at))
 
 
 def separate_latency(sends: Sequence[tuple[int, float]]) -> float | None:
-    """The part of a send's time that does not grow with its size, when `sends` (bytes > 0)
-    span sizes `SEPARABLE_SPAN` apart: the intercept of a robust line through them, at most
-    the median time of the sends of any one size (a latency no send of that size beat). None
-    when their sizes lie closer (PowerGossip's two steps of one rank): noise then decides the
-    slope."""
-    sizes = [b for b, _ in sends]
-    if not sizes or max(sizes) < SEPARABLE_SPAN * min(sizes):
-        return None
-    intercept, _ = fit_line([float(b) for b in sizes], [s for _, s in sends], "link estimate")
+    """The part of a send's time that does not grow with its size, when the sizes lie
+    `SEPARABLE_SPAN` apart: through the (lower) median time of each size sent at least
+    `SIZE_SENDS` times (or, with fewer than two such sizes, through every send), a robust
+    slope, and the lowest time less its bytes' share by that slope. Medians, as a busy CPU
+    holds up a minority of sends whatever their size. None when the sizes lie closer
+    (PowerGossip's two steps of one rank): noise would decide the slope."""
     by_size: dict[int, list[float]] = {}
     for nbytes, seconds in sends:
         by_size.setdefault(nbytes, []).append(seconds)
-    return min([intercept, *(statistics.median(times) for times in by_size.values())])
+    medians = [(b, statistics.median_low(t)) for b, t in by_size.items() if len(t) >= SIZE_SENDS]
+    points = medians if len(medians) >= 2 else list(sends)
+    sizes = [b for b, _ in points]
+    if not sizes or max(sizes) < SEPARABLE_SPAN * min(sizes):
+        return None
+    _, per_byte = fit_line([float(b) for b in sizes], [t for _, t in points], "link estimate")
+    return max(0.0, min(t - per_byte * b for b, t in points))
 
 
 def _median_time(sends: Sequence[tuple[int, float]]) -> float:
@@ -200,7 +211,8 @@ class RateController:
         self.lower_after = lower_after
         self.drop_at = drop_at
         self._streaks: dict[Link, tuple[int, int]] = {}  # link -> (proposed level, times)
-        self._latency: dict[Link, float] = {}  # link -> the latency its sends last separated
+        # link -> the latencies its sends separated at the last decisions that could
+        self._latency: dict[Link, deque[float]] = {}
 
     def choose(self, current: int | None, cost: LinkCost, budget_s: float) -> int:
         """The level proposed for a link now at `current` (None: not set yet) costing `cost`,
@@ -241,38 +253,53 @@ class RateController:
             estimates = self._estimates(key, directions)
             if not estimates:
                 continue
-            worst = LinkCost(
-                max(e.latency_s for e in estimates), max(e.seconds_per_byte for e in estimates)
+            worst, settled = (
+                LinkCost(max(e.latency_s for e in kind), max(e.seconds_per_byte for e in kind))
+                for kind in zip(*estimates, strict=True)
             )
-            chosen[key] = self._patient(key, current.get(key), worst, budget_s)
+            chosen[key] = self._patient(key, current.get(key), worst, settled, budget_s)
         return chosen
 
     def _estimates(
         self, key: Link, directions: Sequence[Sequence[tuple[int, float]]]
-    ) -> list[LinkCost]:
-        """Each direction's estimate (those without a send left out). The latency the sends
-        separate is remembered per link (the slower direction's), and stands in while they
-        no longer do: a link that stays at one level keeps what its earlier sizes showed."""
+    ) -> list[tuple[LinkCost, LinkCost]]:
+        """Each direction's estimate and its settled one (`estimate_link`; directions without
+        a send left out). The latency the sends
+        separate is remembered per link (the slower direction's, at the last
+        `LATENCY_MEMORY` decisions that separated one), and their median stands in while
+        they no longer do: a link that stays at one level keeps what its earlier sizes showed,
+        and one unlucky snapshot (a busy spell at one size) does not decide it."""
+        memory = self._latency.setdefault(key, deque(maxlen=LATENCY_MEMORY))
+        known = statistics.median(memory) if memory else None
         estimates, separated = [], []
         for samples in directions:
             try:
-                estimates.append(estimate_link(samples, latency_s=self._latency.get(key)))
+                estimates.append(
+                    (
+                        estimate_link(samples, latency_s=known),
+                        estimate_link(samples, latency_s=known, settled=True),
+                    )
+                )
             except ValueError:
                 continue
             latency = separate_latency([(b, t) for b, t in samples if b > 0])
             if latency is not None:
                 separated.append(latency)
         if separated:
-            self._latency[key] = max(separated)
+            memory.append(max(separated))
         return estimates
 
-    def _patient(self, key: Link, current: int | None, cost: LinkCost, budget_s: float) -> int:
-        """`choose`, once the proposal has repeated enough (module docstring)."""
+    def _patient(
+        self, key: Link, current: int | None, cost: LinkCost, settled: LinkCost, budget_s: float
+    ) -> int:
+        """`choose`, once the proposal has repeated enough (module docstring); at once when
+        going down from a level whose `settled` estimate (the whole window: most of its sends,
+        not a short busy spell) is over `drop_at` x budget."""
         proposal = self.choose(current, cost, budget_s)
         if current is None or current not in self.costs.bytes_per_round or proposal == current:
             self._streaks.pop(key, None)
             return proposal
-        if proposal < current and self.costs.seconds(current, cost) > self.drop_at * budget_s:
+        if proposal < current and self.costs.seconds(current, settled) > self.drop_at * budget_s:
             self._streaks.pop(key, None)
             return proposal
         level, times = self._streaks.get(key, (proposal, 0))
