@@ -653,7 +653,15 @@ class Peer:
         self._comm_seconds += hood.comm_seconds
         failed.update(result.failed)
         failed.update({j: "no level exchange" for j in synced if j not in result.received})
-        self._hear_levels(hood)
+        heard = False
+        for j, envelope in result.received.items():
+            if envelope.notice is not None and j not in failed:
+                try:
+                    heard |= book.hear(j, envelope.notice, self.round)
+                except NoticeConflict as error:
+                    failed[j] = str(error)
+        if heard:
+            self._expect_local_levels()
         return failed
 
     def after_local_step(self) -> bool:
@@ -983,8 +991,7 @@ class Peer:
             return None
         book = SenderLevels(self.rank, self._weights, self._sender_levels.default)
         if saved is not None:
-            book.load_state_dict(saved)
-            self._schedule_specs(self.schedules.current, book)  # levels on the ladder
+            book.load_state_dict(saved)  # levels checked on the ladder with the specs
         return book
 
     def _load_algorithm(self, state: Any, levels: Mapping[int, int], round: int) -> None:
