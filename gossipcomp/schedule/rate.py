@@ -1,11 +1,20 @@
 """Bandwidth-adaptive compression: per link, the highest-fidelity level that fits a round budget.
 
-Each link's speed is estimated from the transfers training already makes (no probing traffic):
-each direction's last `window` sends, fitted as latency + bytes x seconds per byte (`fit_line`,
-robust to outliers; when every send had the same size, the seconds per byte of the slowest
-recent send, latency 0), and the same over the last half of them; the slower of the two counts,
-so a link that slows down shows within a few sends while one that speeds up must do so for the
-whole window.
+Each link's speed is estimated from the transfers training already makes (no probing traffic),
+as latency + bytes x seconds per byte. A send's time on a busy machine is mostly latency (CPU,
+scheduling) that no level changes, with spells where a few sends take ten times as long, so:
+
+- the latency is what the sends show does not grow with bytes: through the (lower) median
+  time of each size sent at least three times, a robust slope, and the lowest of those times
+  less its bytes' share (`separate_latency`), once the sizes lie 1.5x apart (a link that
+  carried two levels; PowerGossip's two steps of one rank lie closer). The controller keeps the
+  last eight such latencies per link and their median stands in once the sends are all of one
+  size again; a link never seen at two sizes counts none (bytes only: never overshoots);
+- the seconds per byte are the lower median, over a direction's last `window` sends and over
+  the last half of them, of what each send took beyond the latency, per byte; the slower of
+  the two counts, so a link that slows down shows within three of four sends while one that
+  speeds up must do so for the whole window, and a busy spell of a minority of sends is not a
+  slow link.
 
 A level is a number on a ladder of one compressor family, from most compressed to none (for
 PowerGossip the rank: 1, 2, 4, ... up to the rank that averages every matrix exactly). For each
@@ -18,11 +27,19 @@ byte, and picks per link:
   flapping);
 - when the current level no longer fits, the highest level that does (the lowest when none);
 - when the next level up fits inside `raise_below` x budget, that level: one step at a time,
-  since a prediction far beyond the sizes the link has carried is an extrapolation (a link
-  seen only at rank 1 looks all latency), while going down goes as far as needed at once.
+  since a prediction far beyond the sizes the link has carried is an extrapolation, while
+  going down goes as far as needed at once.
+
+A level also fits when its bytes take at most a quarter of the time (`LATENCY_BOUND_SHARE`):
+on a link whose latency alone leaves less than that, a lower level would shorten nothing but
+the bytes, so a drop must come from time that grows with bytes. A proposal is taken once it
+repeats (`raise_after`, `lower_after`), or at once going down from a level the whole window
+(not a busy spell in its last sends) puts over `drop_at` x budget.
 
 The budget is a round's local computation time (so communication hides behind it) unless set.
-Pure arithmetic: no clock, no networking; the coordinator feeds it what peers report.
+Pure arithmetic: no clock, no networking; the coordinator feeds it what peers report (its
+first decision waits for round `FIRST_DECISION_ROUND`: start-up sends are slow), or without
+one each edge's lower end its own sends (schedule/announce.py).
 """
 
 from __future__ import annotations
