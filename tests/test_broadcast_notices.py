@@ -22,6 +22,7 @@ import grpc
 import pytest
 import torch
 from conftest import build_network, gossip_round, run_in_threads, stacked
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gossipcomp.cli import main
 from gossipcomp.compress import parse_spec
@@ -33,12 +34,21 @@ from gossipcomp.peer import Peer
 from gossipcomp.schedule.announce import MIN_SENDS, NOTICE_LEAD, NoticeConflict
 from gossipcomp.schedule.costs import LinkCost
 from gossipcomp.schedule.own_levels import SenderLevels
+from gossipcomp.security import PeerKeys
 from gossipcomp.topology import build_topology
-from gossipcomp.transport.base import Envelope, Identity, LevelNotice, NoticeRules
+from gossipcomp.transport.authentication import Authenticator
+from gossipcomp.transport.base import (
+    Envelope,
+    EnvelopeRejected,
+    Identity,
+    LevelNotice,
+    NoticeRules,
+)
 from gossipcomp.transport.codec import encode_raw, tensor_spec
 from gossipcomp.transport.memory import Fault, InMemoryHub, InMemoryTransport
 from gossipcomp.transport.notices import MAX_NOTICE_LEAD
 from gossipcomp.transport.throttled import LinkRates, RateChange, ThrottledTransport
+from gossipcomp.transport.wire import content_sha256, header_of
 
 RING4 = build_topology("ring", n=4)
 EDGES = ((0, 1), (1, 2), (2, 3), (0, 3))
@@ -447,6 +457,35 @@ def test_hostile_notices_of_a_senders_own_level_are_refused_at_the_door(
     good = LevelNotice(2, 10 if phase == RESUME_PHASE else 12)
     sending.send(0, _envelope(1, phase, good), deadline=time.monotonic() + 5)
     assert receiving._inbox.mailbox.pending() == 1
+
+
+def test_a_signed_resume_envelope_covers_the_level_it_states():
+    """The level a resume envelope states is part of the signed header: altered, added or
+    dropped after signing, the header no longer verifies."""
+    private = {r: Ed25519PrivateKey.generate() for r in (0, 1)}
+    public = {r: key.public_key() for r, key in private.items()}
+    envelope = _envelope(1, RESUME_PHASE, LevelNotice(2, 10))
+    header = header_of(envelope)
+    Authenticator(1, PeerKeys(private[1], public)).prove_envelope(
+        header, 0, content_sha256(envelope)
+    )
+    Authenticator(0, PeerKeys(private[0], public)).check_envelope(header)
+    for change in (
+        lambda h: setattr(h.level_notice, "level", 4),
+        lambda h: setattr(h.level_notice, "effective_round", 11),
+        lambda h: h.ClearField("level_notice"),
+    ):
+        altered = type(header)()
+        altered.CopyFrom(header)
+        change(altered)
+        with pytest.raises(EnvelopeRejected, match="signature"):
+            Authenticator(0, PeerKeys(private[0], public)).check_envelope(altered)
+    unsigned = header_of(_envelope(1, RESUME_PHASE, None))
+    Authenticator(1, PeerKeys(private[1], public)).prove_envelope(unsigned, 0, b"\0" * 32)
+    Authenticator(0, PeerKeys(private[0], public)).check_envelope(unsigned)  # as signed
+    unsigned.level_notice.level, unsigned.level_notice.effective_round = 2, 10
+    with pytest.raises(EnvelopeRejected, match="signature"):
+        Authenticator(0, PeerKeys(private[0], public)).check_envelope(unsigned)
 
 
 # -- the command line ---------------------------------------------------------------------------
