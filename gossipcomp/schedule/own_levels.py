@@ -29,8 +29,8 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from gossipcomp.schedule.announce import MIN_SENDS, NOTICE_LEAD, LocalRateControl, NoticeConflict
-from gossipcomp.schedule.costs import LinkCost, TransferLog
-from gossipcomp.schedule.rate import DEFAULT_WINDOW, MAX_LEVEL, LevelCosts, link
+from gossipcomp.schedule.costs import TransferLog
+from gossipcomp.schedule.rate import MAX_LEVEL, LevelCosts, link
 from gossipcomp.schedule.schedule import MAX_ROUND
 from gossipcomp.text import quoted
 from gossipcomp.transport.base import LevelNotice
@@ -178,7 +178,7 @@ class OwnLevelControl:
         """`budget_s`: seconds a round's transfers over one link may take; None: this peer's
         median compute time per round (as LocalRateControl measures it)."""
         self.local = LocalRateControl(costs, budget_s)  # the budget and the controller
-        self._decided = False  # the first decision prices sends as bytes only (announce.py)
+        self._decided = False  # the first decision jumps, as an edge's does (announce.py)
 
     def note_compute(self, seconds: float) -> None:
         self.local.note_compute(seconds)
@@ -197,12 +197,10 @@ class OwnLevelControl:
             or any(len(s) < MIN_SENDS for s in samples)
         ):
             return None
-        controller, current = self.local.controller, levels.own
-        if not self._decided:
-            per_byte = max(s / max(1, b) for sent in samples for b, s in sent[-DEFAULT_WINDOW:])
-            chosen = controller.choose(None, LinkCost(0.0, per_byte), budget)
-            self._decided = True
-        else:  # every link as one "direction" of the peer's own key: the slowest one counts
-            key = link(levels.rank, levels.rank)
-            chosen = controller.update({key: current}, {key: samples}, budget)[key]
+        # every link as one "direction" of the peer's own key: the slowest one counts; the
+        # first decision jumps to the level that fits (no current level for the controller)
+        key, current = link(levels.rank, levels.rank), levels.own
+        known = {key: current} if self._decided else {}
+        chosen = self.local.controller.update(known, {key: samples}, budget).get(key, current)
+        self._decided = True
         return None if chosen == current else levels.decide(chosen, round)
