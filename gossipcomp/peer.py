@@ -246,7 +246,12 @@ class Peer:
             self._specs[LEVELS_PHASE] = ()
             for schedule in (self.schedules.current, *self.schedules.staged):
                 self.transport.expect(LEVELS_PHASE, (), schedule.epoch)
-            rules = NoticeRules(frozenset(costs.levels), MAX_NOTICE_LEAD, True, RESUME_PHASE)
+            rules = NoticeRules(
+                frozenset(costs.levels),
+                MAX_NOTICE_LEAD,
+                own_levels=True,  # a notice sets its sender's own level
+                in_force_phase=RESUME_PHASE,  # a resume envelope's: the level in force then
+            )
             self.transport.accept_notices(rules)
             return
         self._rate = LocalRateControl(costs, round_budget)
