@@ -138,3 +138,22 @@ def test_a_link_slower_than_the_budget_whatever_the_size_keeps_its_level():
     assert controller.choose(7, LinkCost(0.08, 1e-9), BUDGET) == 8  # up: its bytes are free
     # bytes that matter still lower it, to the highest level whose bytes take a quarter of it
     assert controller.choose(7, LinkCost(0.08, 6e-7), BUDGET) == 5
+
+
+def test_a_link_lowered_right_after_it_rose_needs_more_patience_to_rise_again():
+    """Estimates that alternate between fitting the next level and not (noise) would flap a
+    link every few decisions: after a raise then a drop, rising again takes twice the
+    decisions, and a first decision prices every second as bytes."""
+    controller = RateController(LADDER)
+    fast = [(45088, 0.005)] * 8 + [(90144, 0.006)] * 8  # level 8 fits in 0.6 x budget
+    slow = [(90144, 0.2)] * 16  # level 7 over 3 x budget: down at once
+    assert controller.update({KEY: 6}, {KEY: [fast]}, BUDGET) == {KEY: 6}
+    assert controller.update({KEY: 6}, {KEY: [fast]}, BUDGET) == {KEY: 6}
+    assert controller.update({KEY: 6}, {KEY: [fast]}, BUDGET) == {KEY: 7}
+    assert controller.update({KEY: 7}, {KEY: [slow]}, BUDGET)[KEY] < 7
+    rises = [controller.update({KEY: 6}, {KEY: [fast]}, BUDGET)[KEY] for _ in range(6)]
+    assert rises == [6, 6, 6, 6, 6, 7], rises
+    # a first decision: 20 ms for 1 KB and for 90 KB (all latency, the top would fit), priced
+    # as bytes at 90 KB's rate: level 8, 180 KB in 40 ms
+    first = [(936, 0.02)] * 4 + [(90144, 0.02)] * 4
+    assert RateController(LADDER).update({}, {KEY: [first]}, BUDGET) == {KEY: 8}

@@ -19,11 +19,10 @@ any waiting notice. Nothing on the wire is needed to agree then, so a lost notic
 leave the two ends at different levels while the edge carries gossip.
 
 An edge's first decision (and the first after a resume) jumps straight to the level that fits,
-so it prices the link as if every second of its sends were bytes (no latency, the median send's
-seconds per byte): the sends so far are all at one level, whose two payload sizes (right and
-left steps alternate) lie too close together to separate latency from bandwidth (rate.py
-`SEPARABLE_SPAN`). This never overshoots; later decisions climb one level at a time as usual,
-and once the edge has carried two levels its latency is known (rate.py `estimate_link`).
+so it prices the link as if every second of its sends were bytes (no latency: rate.py
+`RateController.update`): the sends so far are few, at one level and start-up ones among them,
+and a latency read from them could take a slow link for a fast one. This never overshoots;
+later decisions climb one level at a time as usual, with the latency the edge's sizes show.
 
 `EdgeLevels` keeps one peer's levels and waiting notices; `LocalRateControl` makes the lower
 end's decisions. Pure bookkeeping: no clock, no networking.

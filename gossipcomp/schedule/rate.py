@@ -7,9 +7,10 @@ scheduling) that no level changes, with spells where a few sends take ten times 
 - the latency is what the sends show does not grow with bytes: through the (lower) median
   time of each size sent at least three times, a robust slope, and the lowest of those times
   less its bytes' share (`separate_latency`), once the sizes lie 1.5x apart (a link that
-  carried two levels; PowerGossip's two steps of one rank lie closer). The controller keeps the
-  last eight such latencies per link and their median stands in once the sends are all of one
-  size again; a link never seen at two sizes counts none (bytes only: never overshoots);
+  carried two levels, or PowerGossip's right and left steps on the wide MLP: 58 and 26 KB at
+  rank 4). The controller keeps the last eight such latencies per link and their median stands
+  in once the sends are all of one size again; a link never seen at two sizes, and a link's
+  first decision, count none (bytes only: never overshoots);
 - the seconds per byte are the lower median, over a direction's last `window` sends and over
   the last half of them, of what each send took beyond the latency, per byte; the slower of
   the two counts, so a link that slows down shows within three of four sends while one that
@@ -34,7 +35,9 @@ A level also fits when its bytes take at most a quarter of the time (`LATENCY_BO
 on a link whose latency alone leaves less than that, a lower level would shorten nothing but
 the bytes, so a drop must come from time that grows with bytes. A proposal is taken once it
 repeats (`raise_after`, `lower_after`), or at once going down from a level the whole window
-(not a busy spell in its last sends) puts over `drop_at` x budget.
+(not a busy spell in its last sends) puts over `drop_at` x budget. A link lowered right after
+it was raised (the estimate that raised it was noise) needs twice the patience to rise again,
+up to `MAX_BACKOFF` times; a second raise in a row halves it.
 
 The budget is a round's local computation time (so communication hides behind it) unless set.
 Pure arithmetic: no clock, no networking; the coordinator feeds it what peers report (its
@@ -62,6 +65,7 @@ DEFAULT_DROP_AT = 3.0  # a level predicted over 3 x budget goes down at once (no
 SEPARABLE_SPAN = 1.5  # sends whose sizes span this factor separate latency from bandwidth
 SIZE_SENDS = 3  # sends of one size before its median time counts towards the latency
 LATENCY_MEMORY = 8  # separated latencies per link whose median stands in for later ones
+MAX_BACKOFF = 8  # at most 8 x raise_after decisions before a link that flapped rises again
 LATENCY_BOUND_SHARE = 0.25  # on a link slower than the budget whatever the size: bytes' share
 FIRST_DECISION_ROUND = DEFAULT_WINDOW // 2  # rounds before a first decision (start-up is slow)
 
@@ -108,19 +112,21 @@ def estimate_link(
     latency_s: float | None = None,
     *,
     settled: bool = False,
+    bytes_only: bool = False,
 ) -> LinkCost:
     """Latency and seconds per byte of a link from its sends, oldest first: the slower of the
     estimates over the last `window` sends and over the last half of them, compared at their
     mean size. A link that slowed down shows within a few sends; one that sped up, only once
     the whole window agrees (`settled`: the whole window's estimate alone). The latency comes
     from every send given (`separate_latency`), or else `latency_s` (one separated before), or
-    else 0. ValueError when there is no send."""
+    else 0 (and with `bytes_only`, always: every second counts as bytes, which never
+    overshoots). ValueError when there is no send."""
     sends = [check_sample(nbytes, seconds, "link estimate") for nbytes, seconds in samples]
     sends = [(b, s) for b, s in sends if b > 0]
     recent = sends[-window:]
     if not recent:
         raise ValueError("link estimate: no send of at least one byte to estimate from")
-    latency = separate_latency(sends)
+    latency = 0.0 if bytes_only else separate_latency(sends)
     if latency is None:
         latency = min(latency_s or 0.0, _median_time(recent))
     if settled:
@@ -136,7 +142,7 @@ def separate_latency(sends: Sequence[tuple[int, float]]) -> float | None:
     `SIZE_SENDS` times (or, with fewer than two such sizes, through every send), a robust
     slope, and the lowest time less its bytes' share by that slope. Medians, as a busy CPU
     holds up a minority of sends whatever their size. None when the sizes lie closer
-    (PowerGossip's two steps of one rank): noise would decide the slope."""
+    (one level's payloads of near-equal sizes): noise would decide the slope."""
     by_size: dict[int, list[float]] = {}
     for nbytes, seconds in sends:
         by_size.setdefault(nbytes, []).append(seconds)
@@ -228,6 +234,8 @@ class RateController:
         self.lower_after = lower_after
         self.drop_at = drop_at
         self._streaks: dict[Link, tuple[int, int]] = {}  # link -> (proposed level, times)
+        # link -> (its last change: +1 up, -1 down; the factor on raise_after, 1 to MAX_BACKOFF)
+        self._changes: dict[Link, tuple[int, int]] = {}
         # link -> the latencies its sends separated at the last decisions that could
         self._latency: dict[Link, deque[float]] = {}
 
@@ -264,10 +272,12 @@ class RateController:
     ) -> dict[Link, int]:
         """New levels for every link (those without sends to estimate from keep theirs).
         `sends[link]` holds each direction's sends, oldest first; a link is as slow as its
-        slower direction."""
+        slower direction. A link's first level (none yet, or one off the ladder) jumps to
+        what fits with every second of its sends priced as bytes: it never overshoots."""
         chosen = dict(current)
         for key, directions in sends.items():
-            estimates = self._estimates(key, directions)
+            first = current.get(key) not in self.costs.bytes_per_round
+            estimates = self._estimates(key, directions, bytes_only=first)
             if not estimates:
                 continue
             worst, settled = (
@@ -278,14 +288,14 @@ class RateController:
         return chosen
 
     def _estimates(
-        self, key: Link, directions: Sequence[Sequence[tuple[int, float]]]
+        self, key: Link, directions: Sequence[Sequence[tuple[int, float]]], bytes_only: bool
     ) -> list[tuple[LinkCost, LinkCost]]:
         """Each direction's estimate and its settled one (`estimate_link`; directions without
-        a send left out). The latency the sends
-        separate is remembered per link (the slower direction's, at the last
-        `LATENCY_MEMORY` decisions that separated one), and their median stands in while
-        they no longer do: a link that stays at one level keeps what its earlier sizes showed,
-        and one unlucky snapshot (a busy spell at one size) does not decide it."""
+        a send left out). The latency the sends separate is remembered per link (the slower
+        direction's, at the last `LATENCY_MEMORY` decisions that separated one), and their
+        median stands in while they no longer do: a link that stays at one level keeps what
+        its earlier sizes showed, and one unlucky snapshot (a busy spell at one size) does
+        not decide it."""
         memory = self._latency.setdefault(key, deque(maxlen=LATENCY_MEMORY))
         known = statistics.median(memory) if memory else None
         estimates, separated = [], []
@@ -293,7 +303,7 @@ class RateController:
             try:
                 estimates.append(
                     (
-                        estimate_link(samples, latency_s=known),
+                        estimate_link(samples, latency_s=known, bytes_only=bytes_only),
                         estimate_link(samples, latency_s=known, settled=True),
                     )
                 )
@@ -317,14 +327,27 @@ class RateController:
             self._streaks.pop(key, None)
             return proposal
         if proposal < current and self.costs.seconds(current, settled) > self.drop_at * budget_s:
-            self._streaks.pop(key, None)
-            return proposal
+            return self._change(key, current, proposal)
         level, times = self._streaks.get(key, (proposal, 0))
         same_way = (level > current) == (proposal > current)
         times = times + 1 if same_way else 1
-        needed = self.raise_after if proposal > current else self.lower_after
+        backoff = self._changes.get(key, (0, 1))[1]
+        needed = self.raise_after * backoff if proposal > current else self.lower_after
         if times >= needed:
-            self._streaks.pop(key, None)
-            return proposal
+            return self._change(key, current, proposal)
         self._streaks[key] = (proposal, times)
         return current
+
+    def _change(self, key: Link, current: int, proposal: int) -> int:
+        """Take `proposal`. A link lowered right after it was raised (the estimate that
+        raised it was noise) needs twice the patience to rise again, up to `MAX_BACKOFF`
+        times; one raised twice in a row, half of it again."""
+        self._streaks.pop(key, None)
+        way = 1 if proposal > current else -1
+        last, backoff = self._changes.get(key, (0, 1))
+        if way < 0 and last > 0:
+            backoff = min(MAX_BACKOFF, 2 * backoff)
+        elif way > 0 and last > 0:
+            backoff = max(1, backoff // 2)
+        self._changes[key] = (way, backoff)
+        return proposal
