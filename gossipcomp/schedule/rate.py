@@ -128,7 +128,7 @@ def estimate_link(
         raise ValueError("link estimate: no send of at least one byte to estimate from")
     latency = 0.0 if bytes_only else separate_latency(sends)
     if latency is None:
-        latency = min(latency_s or 0.0, _median_time(recent))
+        latency = min(latency_s or 0.0, statistics.median(s for _, s in recent))
     if settled:
         return _fit(recent, latency)
     at = sum(b for b, _ in recent) / len(recent)
@@ -153,10 +153,6 @@ def separate_latency(sends: Sequence[tuple[int, float]]) -> float | None:
         return None
     _, per_byte = fit_line([float(b) for b in sizes], [t for _, t in points], "link estimate")
     return max(0.0, min(t - per_byte * b for b, t in points))
-
-
-def _median_time(sends: Sequence[tuple[int, float]]) -> float:
-    return statistics.median(s for _, s in sends)
 
 
 def _fit(sends: Sequence[tuple[int, float]], latency_s: float) -> LinkCost:
