@@ -22,7 +22,13 @@ from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.costs import LinkCost
 from gossipcomp.schedule.critical import CriticalPhase
-from gossipcomp.schedule.rate import LevelCosts, RateController, estimate_link, rank_ladder
+from gossipcomp.schedule.rate import (
+    FIRST_DECISION_ROUND,
+    LevelCosts,
+    RateController,
+    estimate_link,
+    rank_ladder,
+)
 from gossipcomp.schedule.schedule import LinkLevel, Schedule, ScheduleRefused
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.base import PROTOCOL_VERSION, Identity
@@ -350,6 +356,22 @@ def test_boost_raises_the_links_of_a_critical_peer_one_level(boost):
     levels = {(x.low, x.high): x.level for x in coordinator.published[-1].links}
     boosted = 16 if boost else 8
     assert levels == {(0, 1): 8, (0, 3): 8, (1, 2): boosted, (2, 3): boosted}
+
+
+def test_the_coordinator_decides_levels_only_past_the_start_up_rounds():
+    """Start-up sends (handshakes, first rounds) are slow: no level is set until every peer
+    has reported from round FIRST_DECISION_ROUND on."""
+    coordinator = Coordinator(RING4, report_every=1, adaptive=True, round_budget=0.01)
+    for rank in range(4):
+        early = _report(rank, critical=False)
+        early.round = FIRST_DECISION_ROUND - 1
+        coordinator.receive(early)
+    assert not any(schedule.links for schedule in coordinator.published)
+    for rank in range(3):
+        coordinator.receive(_report(rank, critical=False))
+        assert not any(schedule.links for schedule in coordinator.published)  # peer 3 is not
+    coordinator.receive(_report(3, critical=False))
+    assert {x.level for x in coordinator.published[-1].links} == {8}
 
 
 @pytest.mark.parametrize(
