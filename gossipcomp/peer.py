@@ -7,6 +7,8 @@ communicating (inside exchanges). `apply(schedule)` stages a new schedule (tenso
 their compressors) for the round it takes effect; every peer switches at that round.
 `adapt_levels()` lets the peers set compression levels among themselves, without a coordinator
 (link levels: schedule/announce.py; a broadcasting algorithm's own levels: schedule/own_levels.py).
+The peer's side of compression levels, whoever sets them, is `CompressionLevels`
+(peer_levels.py), which the peer calls at a few points of its round.
 
     model = build_mlp(seed=0)
     with Peer.over_grpc(model, topology, rank, DPSGD()) as peer:
@@ -24,7 +26,6 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +34,9 @@ import torch
 from gossipcomp.gossip.base import (
     RESUME_PHASE,
     GossipAlgorithm,
-    LinkLeveled,
     LinkStats,
     NamedParams,
     Neighbourhood,
-    PeerLeveled,
     Regroupable,
     Resumable,
 )
@@ -46,10 +45,12 @@ from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.state import checked_tensors
 from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
 from gossipcomp.models import gossiped_tensors, model_signature
-from gossipcomp.schedule.announce import EdgeLevels, LocalRateControl, NoticeConflict
+from gossipcomp.peer_levels import LEVELS_LOGGER as LEVELS_LOGGER
+from gossipcomp.peer_levels import LEVELS_PHASE as LEVELS_PHASE
+from gossipcomp.peer_levels import CompressionLevels, LevelBook
+from gossipcomp.schedule.announce import EdgeLevels
 from gossipcomp.schedule.costs import TransferLog
-from gossipcomp.schedule.own_levels import OwnLevelControl, SenderLevels
-from gossipcomp.schedule.rate import peer_levels
+from gossipcomp.schedule.own_levels import SenderLevels
 from gossipcomp.schedule.schedule import Schedule, ScheduleBook, ScheduleRefused
 from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
@@ -58,24 +59,19 @@ from gossipcomp.transport.base import (
     ExchangeResult,
     HelloAnswer,
     Identity,
-    LevelNotice,
-    NoticeRules,
+    Payload,
     PayloadSpec,
     PeerNotReady,
     Transport,
 )
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
-from gossipcomp.transport.notices import MAX_NOTICE_LEAD
 from gossipcomp.transport.throttled import LinkRates, ThrottledTransport
 
 AVERAGE_PHASE = "average"
-LEVELS_PHASE = "levels"  # after a resume exchange: waiting level notices, and a barrier
-LEVELS_LOGGER = "gossipcomp.levels"  # link level changes (the command line shows them)
 MAX_GOSSIP_MOVE = 100.0  # a gossip round may move the model by this many times (||x|| + 1)
 MIN_ROUND_SECONDS = 1e-6  # a checkpointed pace below this would believe any claimed round
 MAX_ROUND_TIMEOUT = 86400.0  # seconds: a round deadline beyond a day is a typing mistake
 log = logging.getLogger(__name__)
-levels_log = logging.getLogger(LEVELS_LOGGER)
 
 
 @dataclass(frozen=True)
@@ -167,16 +163,6 @@ class Peer:
         self._in_step_since: float | None = None  # start of the last round heard by a neighbour
         self.alone = False  # the last round reached no neighbour
         neighbours = topology.neighbors(rank)
-        self._level_changes: list[dict[str, Any]] = []
-        # levels set with the neighbours, without a coordinator (`adapt_levels`); None: fixed
-        # or a coordinator's
-        self._edge_levels: EdgeLevels | None = None
-        self._rate: LocalRateControl | None = None
-        # a broadcasting algorithm's levels set by each sender (`adapt_levels`); None: fixed or
-        # a coordinator's
-        self._sender_levels: SenderLevels | None = None
-        self._own_rate: OwnLevelControl | None = None
-        self._peer_level_changes: list[dict[str, Any]] = []
         self._edges = sorted((min(a, b), max(a, b)) for a, b in topology.graph.edges)
         self.schedules = ScheduleBook([name for name, _ in self._params], self._edges)
         self.links = LinkMonitor(
@@ -186,6 +172,17 @@ class Peer:
             on_resume=transport.allow_round,
             pace=pace,
             newest_epoch=lambda: self.schedules.newest.epoch,
+        )
+        # compression levels: a coordinator's schedules', or set with the neighbours
+        self._levels = CompressionLevels(
+            rank,
+            topology,
+            self._weights,
+            algorithm,
+            self._params,
+            transport,
+            self.links,
+            schedules=lambda: self.schedules,
         )
         specs = algorithm.setup(self._params, rank, neighbours)
         specs.setdefault(RESUME_PHASE, ())  # an empty resume exchange confirms both ends are there
@@ -228,35 +225,7 @@ class Peer:
         `start()` and before restoring a checkpoint; every peer of the network must (a peer
         that does not refuses notices). From then on schedules with link levels are refused:
         levels come from a coordinator or from the peers, never both."""
-        if not isinstance(self.algorithm, LinkLeveled | PeerLeveled):
-            raise ValueError(
-                f"levels set by peers: algorithm {self.algorithm.name!r} has no level per link "
-                "or per peer (powergossip, choco and def have)"
-            )
-        if any(s.links for s in (self.schedules.current, *self.schedules.staged)):
-            raise ValueError(
-                "levels set by peers: this peer holds a schedule with link levels (a "
-                "coordinator's); expected none"
-            )
-        costs = self.algorithm.level_costs(self._params)
-        if isinstance(self.algorithm, PeerLeveled):
-            self._own_rate = OwnLevelControl(costs, round_budget)
-            default = self.algorithm.default_level()
-            self._sender_levels = SenderLevels(self.rank, self._weights, default)
-            self._specs[LEVELS_PHASE] = ()
-            for schedule in (self.schedules.current, *self.schedules.staged):
-                self.transport.expect(LEVELS_PHASE, (), schedule.epoch)
-            rules = NoticeRules(
-                frozenset(costs.levels),
-                MAX_NOTICE_LEAD,
-                own_levels=True,  # a notice sets its sender's own level
-                in_force_phase=RESUME_PHASE,  # a resume envelope's: the level in force then
-            )
-            self.transport.accept_notices(rules)
-            return
-        self._rate = LocalRateControl(costs, round_budget)
-        self._edge_levels = EdgeLevels(self.rank, self._weights)
-        self.transport.accept_notices(NoticeRules(frozenset(costs.levels), MAX_NOTICE_LEAD))
+        self._specs.update(self._levels.adapt(round_budget))
 
     def apply(self, schedule: Schedule) -> None:
         """Stage `schedule` to take effect at its effective round (every peer switches then).
@@ -270,53 +239,31 @@ class Peer:
         specs = self._schedule_specs(schedule)
         self.schedules.stage(schedule, self.round)
         self._expect_epoch(schedule.epoch, specs)
-        if self._level_book is not None:  # waiting level notices hold under it too
-            self._expect_local_levels()
+        self._levels.expect()  # waiting level notices hold under it too
 
     @property
-    def _level_book(self) -> EdgeLevels | SenderLevels | None:
-        """The levels set with the neighbours (None: fixed or a coordinator's)."""
-        return self._edge_levels or self._sender_levels
+    def _edge_levels(self) -> EdgeLevels | None:
+        """The link levels set with the neighbours (None: fixed or a coordinator's)."""
+        return self._levels.edges
+
+    @property
+    def _sender_levels(self) -> SenderLevels | None:
+        """A broadcasting algorithm's levels set by the senders (None: fixed or a
+        coordinator's)."""
+        return self._levels.senders
 
     def _schedule_specs(
-        self, schedule: Schedule, book: EdgeLevels | SenderLevels | None = None
+        self, schedule: Schedule, book: LevelBook | None = None
     ) -> dict[str, PayloadSpec]:
         """Per phase, what neighbours' envelopes hold under `schedule` (with the levels in
         force in `book`, default this peer's, when peers set them); ScheduleRefused when it
         does not fit this peer's model or algorithm."""
         schedule.check([name for name, _ in self._params])
         schedule.check_links(self._edges)
-        book = book or self._level_book
-        if book is not None and schedule.links:
-            raise ScheduleRefused(
-                f"schedule epoch {schedule.epoch}: link levels, but this peer sets its links' "
-                "levels with its neighbours (adaptive without a coordinator); expected a "
-                "schedule without links"
-            )
         specs = dict(self._specs)
-        if isinstance(self.algorithm, PeerLeveled):
-            try:
-                specs.update(
-                    self.algorithm.peer_specs(
-                        self._params, schedule.groups or None, self._peer_levels(schedule, book)
-                    )
-                )
-            except ValueError as error:
-                raise ScheduleRefused(f"schedule epoch {schedule.epoch}: {error}") from None
-        elif schedule.links:
-            if not isinstance(self.algorithm, LinkLeveled):
-                raise ScheduleRefused(
-                    f"schedule epoch {schedule.epoch}: algorithm {self.algorithm.name!r} has no "
-                    "per-link level; expected a schedule without links"
-                )
-            try:
-                specs.update(
-                    self.algorithm.link_specs(
-                        self._params, schedule.groups or None, schedule.levels_of(self.rank)
-                    )
-                )
-            except ValueError as error:
-                raise ScheduleRefused(f"schedule epoch {schedule.epoch}: {error}") from None
+        leveled = self._levels.schedule_specs(schedule, book)
+        if leveled is not None:
+            specs.update(leveled)
         elif isinstance(self.algorithm, Regroupable):
             try:
                 specs.update(self.algorithm.specs(self._params, schedule.groups or None))
@@ -327,42 +274,8 @@ class Peer:
                 f"schedule epoch {schedule.epoch}: algorithm {self.algorithm.name!r} sends no "
                 "compressed groups; expected a schedule without groups"
             )
-        if isinstance(book, EdgeLevels):
-            try:
-                specs.update(self._level_specs(schedule, book.in_force))
-            except ValueError as error:
-                raise ScheduleRefused(f"schedule epoch {schedule.epoch}: {error}") from None
+        specs.update(self._levels.local_specs(schedule, book))
         return specs
-
-    def _level_specs(
-        self, schedule: Schedule, levels: Mapping[int, int]
-    ) -> dict[str, Mapping[int, PayloadSpec] | PayloadSpec]:
-        """Per phase, each neighbour's envelope under `schedule`'s groups at `levels` (per
-        link, or per peer for a broadcasting algorithm)."""
-        if isinstance(self.algorithm, PeerLeveled):
-            return self.algorithm.peer_specs(self._params, schedule.groups or None, levels)
-        assert isinstance(self.algorithm, LinkLeveled)
-        return self.algorithm.link_specs(self._params, schedule.groups or None, levels)
-
-    def _expect_local_levels(self) -> None:
-        """Declare, under every schedule in use, what each neighbour's envelopes hold at the
-        level in force now and, from its round on, at the level a waiting notice sets (the
-        transport picks by the envelope's round). Called whenever levels set with the
-        neighbours change."""
-        book = self._level_book
-        assert book is not None
-        in_force, waiting = book.in_force, book.waiting()
-        for schedule in (self.schedules.current, *self.schedules.staged):
-            for phase, spec in self._level_specs(schedule, in_force).items():
-                self.transport.expect(phase, spec, schedule.epoch)
-            for j in self._weights:
-                later: dict[str, PayloadSpec] = {}
-                if j in waiting:
-                    changed = {**in_force, j: waiting[j].level}
-                    for phase, spec in self._level_specs(schedule, changed).items():
-                        later[phase] = spec[j] if isinstance(spec, Mapping) else spec
-                round = waiting[j].effective_round if j in waiting else 0
-                self.transport.expect_from(j, round, later, schedule.epoch)
 
     def _expect_epoch(self, epoch: int, specs: dict[str, PayloadSpec]) -> None:
         for phase, spec in specs.items():
@@ -379,10 +292,7 @@ class Peer:
             return
         if isinstance(self.algorithm, Regroupable):
             self.algorithm.regroup(self._params, schedule.groups or None)
-        if isinstance(self.algorithm, LinkLeveled) and self._edge_levels is None:
-            self._switch_levels(self.schedules.history[-2], schedule)
-        if isinstance(self.algorithm, PeerLeveled):
-            self._switch_peer_levels(self.schedules.history[-2], schedule)
+        self._levels.switch_schedule(self.schedules.history[-2], schedule, self.round)
         self.transport.forget_epochs_before(previous)
         log.info(
             "peer %d: schedule epoch %d (%s, %d groups) in force from round %d",
@@ -392,62 +302,6 @@ class Peer:
             len(schedule.groups) or len(self._params),
             self.round,
         )
-
-    def _switch_levels(self, before: Schedule, after: Schedule) -> None:
-        """Put `after`'s link levels in force (the algorithm is LinkLeveled), logging each
-        link whose level changes."""
-        assert isinstance(self.algorithm, LinkLeveled)
-        old, new = before.levels_of(self.rank), after.levels_of(self.rank)
-        self.algorithm.set_levels(new, after.effective_round)  # the same round at both ends
-        for j in sorted(set(old) | set(new)):
-            if old.get(j) == new.get(j):
-                continue
-            label = self.algorithm.level_label(new[j]) if j in new else "default"
-            edge = [min(self.rank, j), max(self.rank, j)]
-            self._level_changes.append({"round": self.round, "link": edge, "level": label})
-            if self.rank < j:  # one line per link
-                levels_log.info("link %d-%d: %s from round %d", *edge, label, self.round)
-
-    def _peer_levels(
-        self, schedule: Schedule, book: EdgeLevels | SenderLevels | None = None
-    ) -> dict[int, int]:
-        """The level this peer and each neighbour broadcast at under `schedule` (the algorithm
-        is PeerLeveled): each one's own in `book` (default this peer's) when the senders set
-        them, otherwise each one's slowest link's; ScheduleRefused for a link level that is
-        not on the algorithm's ladder, wherever it is (a schedule comes from the network)."""
-        assert isinstance(self.algorithm, PeerLeveled)
-        book = book or self._level_book
-        if isinstance(book, SenderLevels):
-            return book.in_force
-        top = max(self.algorithm.level_costs(self._params).levels)
-        for x in schedule.links:
-            if x.level > top:
-                raise ScheduleRefused(
-                    f"schedule epoch {schedule.epoch}: link {x.low}-{x.high} level {x.level}, "
-                    f"expected a level in [1, {top}] (the ladder of {self.algorithm.name})"
-                )
-        table = {(x.low, x.high): x.level for x in schedule.links}
-        around = {p: self.topology.neighbors(p) for p in (self.rank, *self._weights)}
-        return peer_levels(table, around, self.algorithm.default_level())
-
-    def _switch_peer_levels(self, before: Schedule, after: Schedule) -> None:
-        """Put `after`'s levels in force (the algorithm is PeerLeveled), logging the change of
-        this peer's own level and of each of its links' level."""
-        assert isinstance(self.algorithm, PeerLeveled)
-        old, new = self._peer_levels(before), self._peer_levels(after)
-        self.algorithm.set_peer_levels(self._params, new, after.effective_round)
-        if old[self.rank] != new[self.rank]:
-            label = self.algorithm.level_label(new[self.rank])
-            self._peer_level_changes.append({"round": self.round, "level": label})
-            levels_log.info("peer %d: %s from round %d", self.rank, label, self.round)
-        links_before, links_after = before.levels_of(self.rank), after.levels_of(self.rank)
-        for j in sorted(set(links_before) | set(links_after)):
-            if links_before.get(j) != links_after.get(j):
-                label = (
-                    self.algorithm.level_label(links_after[j]) if j in links_after else "default"
-                )
-                edge = [min(self.rank, j), max(self.rank, j)]
-                self._level_changes.append({"round": self.round, "link": edge, "level": label})
 
     @classmethod
     def over_grpc(
@@ -604,21 +458,13 @@ class Peer:
         due = self.links.resuming_at(self.round)
         if not due:
             return
-        if self._edge_levels is not None:  # both ends: back to the algorithm's own level
-            reset = {j: None for j in due if self._edge_levels.reset(j)}
-            if reset:
-                self._put_local_levels(reset)
-        if self._sender_levels is not None:  # the resume envelope states the own level
-            for j in due:
-                self.transport.announce(j, LevelNotice(self._sender_levels.own, self.round))
+        self._levels.before_resume(due, self.round)
         resumable = isinstance(self.algorithm, Resumable)
         payload = self.algorithm.resume_payload(self._params) if resumable else None
-        hood = self._neighbourhood(self._links, due)
         # always exchanged, empty when there is nothing to resynchronise: an edge is back only
         # when both ends reached the resume round
-        result = hood.exchange(RESUME_PHASE, payload or ())
-        self._comm_seconds += hood.comm_seconds
-        unsynced = self._resync_sender_levels(result) if self._sender_levels is not None else {}
+        result = self._exchange(RESUME_PHASE, due, payload or ())
+        unsynced = self._levels.after_resume(result, self.round, self._exchange)
         for j in due:
             if j in result.received and j not in result.failed and j not in unsynced:
                 if resumable:
@@ -631,43 +477,12 @@ class Peer:
                 reason = result.failed.get(j) or unsynced.get(j, "no resume payload")
                 self.links.resume_failed(j, self.round, reason)
 
-    def _resync_sender_levels(self, resumed: ExchangeResult) -> dict[int, str]:
-        """Take in the level each resuming neighbour states in its resume envelope (in force
-        at this round), then exchange the waiting notices in one more, empty exchange, which
-        also makes sure both ends hold each other's level before either sends this round's
-        gossip (schedule/own_levels.py). Returns the neighbours whose levels did not come
-        through, with why: their edge does not resume."""
-        book = self._sender_levels
-        assert book is not None
-        failed: dict[int, str] = {}
-        changed = False
-        for j, envelope in resumed.received.items():
-            if envelope.notice is None:
-                failed[j] = "its resume envelope stated no level"
-            elif j not in resumed.failed:
-                changed |= book.resync(j, envelope.notice.level)
-        if changed:
-            self._put_sender_levels({})
-        synced = [j for j in resumed.received if j not in resumed.failed and j not in failed]
-        for j in synced:
-            self.transport.announce(j, book.own_notice)
-        if not synced:
-            return failed
-        hood = self._neighbourhood(self._links, synced)
-        result = hood.exchange(LEVELS_PHASE, ())
+    def _exchange(self, phase: str, live: list[int], payload: Payload = ()) -> ExchangeResult:
+        """One exchange of this round with the neighbours `live`, its time counted."""
+        hood = self._neighbourhood(self._links, live)
+        result = hood.exchange(phase, payload)
         self._comm_seconds += hood.comm_seconds
-        failed.update(result.failed)
-        failed.update({j: "no level exchange" for j in synced if j not in result.received})
-        heard = False
-        for j, envelope in result.received.items():
-            if envelope.notice is not None and j not in failed:
-                try:
-                    heard |= book.hear(j, envelope.notice, self.round)
-                except NoticeConflict as error:
-                    failed[j] = str(error)
-        if heard:
-            self._expect_local_levels()
-        return failed
+        return result
 
     def after_local_step(self) -> bool:
         """Count one local optimizer step; gossip when `local_steps` of them have been taken
@@ -691,23 +506,21 @@ class Peer:
         now = time.perf_counter()
         if self._last_mark is not None:
             self._compute_seconds += now - self._last_mark
-            for rate in (self._rate, self._own_rate):
-                if rate is not None:
-                    rate.note_compute(now - self._last_mark)
+            self._levels.note_compute(now - self._last_mark)
         if self._in_step_since is not None:
             self.links.pace.record(now - self._in_step_since)
         self.links.poll_probes(self.round, self.transport.probe)
         self._catch_up()
         self._switch_schedule()
-        self._switch_local_levels()
+        self._levels.switch_due(self.round)
         self._resume_edges()
-        self._decide_levels()
+        self._levels.decide(self.round, self._links.sends)
         hood = self._neighbourhood(self._links, self.links.live())
         before = [p.detach().clone() for _, p in self._params]
         self.algorithm.step(self._params, hood)
         for j, reason in hood.failed.items():
             self.links.failed(j, self.round, reason)
-        self._hear_levels(hood)
+        self._levels.hear(hood, self.round)
         heard = [j for j in hood.weights if j not in hood.failed]
         if heard and not self._acceptable(before):
             self._refuse_round(before, self._to_blame(hood, heard, before))
@@ -718,82 +531,6 @@ class Peer:
         self.round += 1
         self._comm_seconds += hood.comm_seconds
         self._last_mark = time.perf_counter()
-
-    def _switch_local_levels(self) -> None:
-        """Put in force the levels set with the neighbours whose round has come."""
-        if self._edge_levels is not None:
-            changes = self._edge_levels.due(self.round)
-            if changes:
-                self._put_local_levels(changes)
-        if self._sender_levels is not None:
-            changes = self._sender_levels.due(self.round)
-            if changes:
-                self._put_sender_levels(changes)
-
-    def _put_sender_levels(self, changed: Mapping[int, int]) -> None:
-        """Compress at the own level and decode each neighbour at its own from this round on
-        (`changed`: the peers whose level changes), logging a change of the own level."""
-        assert isinstance(self.algorithm, PeerLeveled) and self._sender_levels is not None
-        self.algorithm.set_peer_levels(self._params, self._sender_levels.in_force, self.round)
-        if self.rank in changed:
-            label = self.algorithm.level_label(changed[self.rank])
-            self._peer_level_changes.append({"round": self.round, "level": label})
-            levels_log.info("peer %d: %s from round %d", self.rank, label, self.round)
-        self._expect_local_levels()
-
-    def _put_local_levels(self, changed: Mapping[int, int | None]) -> None:
-        """Use the levels set with the neighbours from this round on (`changed`: the edges
-        whose level changes, None for the algorithm's own), logging each change."""
-        assert isinstance(self.algorithm, LinkLeveled) and self._edge_levels is not None
-        self.algorithm.set_levels(self._edge_levels.in_force, self.round)
-        for j, level in sorted(changed.items()):
-            label = "default" if level is None else self.algorithm.level_label(level)
-            edge = [min(self.rank, j), max(self.rank, j)]
-            self._level_changes.append({"round": self.round, "link": edge, "level": label})
-            if self.rank < j:  # one line per link
-                levels_log.info("link %d-%d: %s from round %d", *edge, label, self.round)
-        self._expect_local_levels()
-
-    def _decide_levels(self) -> None:
-        """The lower-ranked end's decisions for its live edges (a broadcasting peer's: its own
-        level), and the notices this round's envelopes carry (each repeats until its round)."""
-        if self._own_rate is not None and self._sender_levels is not None:
-            book = self._sender_levels
-            self._own_rate.decide(book, self.links.live(), self._links.sends, self.round)
-            for j in self._weights:
-                self.transport.announce(j, book.own_notice)
-            return
-        if self._rate is None or self._edge_levels is None:
-            return
-        decided = self._rate.decide(
-            self._edge_levels, self.links.live(), self._links.sends, self.round
-        )
-        if decided:
-            self._expect_local_levels()
-        for j in self._weights:
-            self.transport.announce(j, self._edge_levels.notice_for(j))
-
-    def _hear_levels(self, hood: Neighbourhood) -> None:
-        """Take in the notices lower-ranked neighbours (any neighbour, of its own level, for a
-        broadcasting algorithm) sent this round (checked at receipt). One contradicting a
-        notice of its own that still waits loses its edge, which comes back through a resume
-        (at the algorithm's own level, or at the level the neighbour states then)."""
-        book = self._level_book
-        if book is None:
-            return
-        heard = False
-        for j, envelopes in hood.received.items():
-            if (isinstance(book, EdgeLevels) and j > self.rank) or j in hood.failed:
-                continue
-            for notice in {e.notice for e in envelopes if e.notice is not None}:
-                try:
-                    heard |= book.hear(j, notice, self.round)
-                except NoticeConflict as error:
-                    log.warning("peer %d: %s; edge taken down to resynchronise", self.rank, error)
-                    self.links.failed(j, self.round, str(error))
-                    break
-        if heard:
-            self._expect_local_levels()
 
     def _acceptable(self, before: list[torch.Tensor]) -> bool:
         """Whether the model after this round's gossip is finite and moved no more than
@@ -845,8 +582,7 @@ class Peer:
         `stats`. Every peer must call it at the same point with the same `rounds`.
         """
         rounds = self.averaging_rounds() if rounds is None else rounds
-        for j in self._weights:  # no level notice outlives training
-            self.transport.announce(j, None)
+        self._levels.silence()  # no level notice outlives training
         copies = [(name, p.detach().clone()) for name, p in self._params]
         for _ in range(rounds):
             self._averager.step(copies, self._neighbourhood(LinkStats(), self.links.live()))
@@ -867,10 +603,7 @@ class Peer:
             "seconds_per_round": self.links.pace.seconds_per_round(),
             "schedules": self.schedules.state_dict(),
         }
-        if self._edge_levels is not None:  # levels set with the neighbours shape the state
-            state["link_levels"] = self._edge_levels.state_dict()
-        if self._sender_levels is not None:
-            state["broadcast_levels"] = self._sender_levels.state_dict()
+        state.update(self._levels.state_dict())  # levels set with the neighbours shape it
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -932,30 +665,17 @@ class Peer:
                     f"peer checkpoint: schedule epoch {schedules.current.epoch} in force from "
                     f"round {schedules.current.effective_round}, after the checkpoint's {round}"
                 )
-        edge_levels = self._saved_levels(state.get("link_levels"))
-        sender_levels = self._saved_sender_levels(state.get("broadcast_levels"))
-        book = edge_levels or sender_levels
+        levels = self._levels.checked(state.get("link_levels"), state.get("broadcast_levels"))
         in_use = (schedules.current, *schedules.staged)
-        specs = {s.epoch: self._schedule_specs(s, book) for s in in_use}  # checks they fit
-        levels = (
-            schedules.current.levels_of(self.rank) if edge_levels is None else edge_levels.in_force
-        )
-        self._load_algorithm(state["algorithm"], levels, schedules.current.effective_round)
+        specs = {s.epoch: self._schedule_specs(s, levels.book) for s in in_use}  # checks they fit
+        self._levels.load_algorithm(state["algorithm"], schedules.current, levels)
         # everything below was checked above: nothing can fail half-way
         if isinstance(self.algorithm, Regroupable):
             self.algorithm.regroup(self._params, schedules.current.groups or None)
-        if isinstance(self.algorithm, PeerLeveled):
-            levels = self._peer_levels(schedules.current, book)  # checked with the specs above
-            self.algorithm.set_peer_levels(self._params, levels, schedules.current.effective_round)
         self.schedules = schedules
         for epoch, epoch_specs in specs.items():
             self._expect_epoch(epoch, epoch_specs)
-        if edge_levels is not None:
-            self._edge_levels = edge_levels
-        if sender_levels is not None:
-            self._sender_levels = sender_levels
-        if book is not None:
-            self._expect_local_levels()
+        self._levels.restore(levels, schedules.current)
         self.transport.forget_epochs_before(schedules.current.epoch)
         self.model.load_state_dict(saved)
         self.round = round
@@ -968,56 +688,6 @@ class Peer:
         self.links.restored(round, 0.0 if saved_at is None else time.time() - saved_at)
         if seconds_per_round is not None:
             self.links.pace.assume(seconds_per_round)
-
-    def _saved_levels(self, saved: Any) -> EdgeLevels | None:
-        """The levels set with the neighbours that a checkpoint holds, checked (None when this
-        peer does not set levels so); ValueError when they do not fit this peer."""
-        if self._edge_levels is None:
-            if saved is not None:
-                raise ValueError(
-                    "peer checkpoint: link levels set with neighbours (adaptive without a "
-                    "coordinator), but this peer does not set levels so; expected none"
-                )
-            return None
-        edge_levels = EdgeLevels(self.rank, self._weights)
-        if saved is not None:
-            edge_levels.load_state_dict(saved)
-        return edge_levels
-
-    def _saved_sender_levels(self, saved: Any) -> SenderLevels | None:
-        """The broadcast levels set by the senders that a checkpoint holds, checked (None when
-        this peer does not set levels so); ValueError when they do not fit this peer."""
-        if self._sender_levels is None:
-            if saved is not None:
-                raise ValueError(
-                    "peer checkpoint: broadcast levels set by the peers (adaptive without a "
-                    "coordinator), but this peer does not set levels so; expected none"
-                )
-            return None
-        book = SenderLevels(self.rank, self._weights, self._sender_levels.default)
-        if saved is not None:
-            book.load_state_dict(saved)  # levels checked on the ladder with the specs
-        return book
-
-    def _load_algorithm(self, state: Any, levels: Mapping[int, int], round: int) -> None:
-        """Restore the algorithm's state saved at link `levels` (they shape the state, as
-        from `round`); on a mismatch, ValueError with the algorithm as it was."""
-        if not isinstance(self.algorithm, LinkLeveled):
-            self.algorithm.load_state_dict(state)  # checks everything, then assigns
-            return
-        before = self.algorithm.state_dict()
-        in_force = (
-            self.schedules.current.levels_of(self.rank)
-            if self._edge_levels is None
-            else self._edge_levels.in_force
-        )
-        self.algorithm.set_levels(levels, round)
-        try:
-            self.algorithm.load_state_dict(state)
-        except Exception:
-            self.algorithm.set_levels(in_force, round)
-            self.algorithm.load_state_dict(before)
-            raise
 
     @property
     def transfers(self) -> TransferLog:
@@ -1042,8 +712,8 @@ class Peer:
             mismatched_epoch_exchanges=self._links.epoch_mismatches,
             schedule_epochs=tuple(self.schedules.history),
             local_steps=self._steps_taken,
-            link_levels=tuple(self._level_changes),
-            peer_levels=tuple(self._peer_level_changes),
+            link_levels=tuple(self._levels.link_changes),
+            peer_levels=tuple(self._levels.own_changes),
             send_seconds={
                 j: statistics.median(s for _, s in self._links.sends.samples(j))
                 for j in self._links.sends.links()

@@ -30,6 +30,7 @@ LAYERS = {
     "allreduce": 5,
     "links": 6,
     "peer": 7,
+    "peer_levels": 7,
     "coordinator": 7,
     "coordinator_client": 8,
     "experiment": 9,
