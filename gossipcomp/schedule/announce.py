@@ -51,6 +51,30 @@ class NoticeConflict(ValueError):
     """A neighbour announced a change while another one it announced still waits."""
 
 
+def take_notice(
+    waiting: dict[int, LevelNotice], rank: int, neighbour: int, notice: LevelNotice, round: int
+) -> bool:
+    """Record `neighbour`'s `notice`, heard by peer `rank` during `round`, among the changes
+    `waiting` for their round; True when it is new. NoticeConflict when its round has passed
+    (it cannot be honoured as announced) or another change from that neighbour still waits."""
+    if notice.effective_round <= round:
+        raise NoticeConflict(
+            f"peer {rank}: level notice from peer {neighbour} for round "
+            f"{notice.effective_round}, heard in round {round}"
+        )
+    current = waiting.get(neighbour)
+    if current == notice:
+        return False
+    if current is not None:
+        raise NoticeConflict(
+            f"peer {rank}: peer {neighbour} announced level {notice.level} from round "
+            f"{notice.effective_round} while level {current.level} from round "
+            f"{current.effective_round} still waits"
+        )
+    waiting[neighbour] = notice
+    return True
+
+
 class EdgeLevels:
     """One peer's link levels set with its neighbours: the level in force on each edge (absent:
     the algorithm's own) and at most one announced change per edge waiting for its round."""
@@ -97,22 +121,7 @@ class EdgeLevels:
                 f"peer {self.rank}: level notice from peer {neighbour}, which is not a "
                 "lower-ranked neighbour"
             )
-        if notice.effective_round <= round:
-            raise NoticeConflict(
-                f"peer {self.rank}: level notice from peer {neighbour} for round "
-                f"{notice.effective_round}, heard in round {round}"
-            )
-        waiting = self._waiting.get(neighbour)
-        if waiting == notice:
-            return False
-        if waiting is not None:
-            raise NoticeConflict(
-                f"peer {self.rank}: peer {neighbour} announced level {notice.level} from round "
-                f"{notice.effective_round} while level {waiting.level} from round "
-                f"{waiting.effective_round} still waits"
-            )
-        self._waiting[neighbour] = notice
-        return True
+        return take_notice(self._waiting, self.rank, neighbour, notice, round)
 
     def notice_for(self, neighbour: int) -> LevelNotice | None:
         """What this peer's envelopes to `neighbour` carry: its own waiting decision for that

@@ -28,7 +28,13 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from gossipcomp.schedule.announce import MIN_SENDS, NOTICE_LEAD, LocalRateControl, NoticeConflict
+from gossipcomp.schedule.announce import (
+    MIN_SENDS,
+    NOTICE_LEAD,
+    LocalRateControl,
+    NoticeConflict,
+    take_notice,
+)
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.rate import MAX_LEVEL, LevelCosts, link
 from gossipcomp.schedule.schedule import MAX_ROUND
@@ -80,22 +86,7 @@ class SenderLevels:
         another change from it still waits, or the notice's round has passed."""
         if neighbour not in self.neighbours:
             raise NoticeConflict(f"peer {self.rank}: level notice from non-neighbour {neighbour}")
-        if notice.effective_round <= round:
-            raise NoticeConflict(
-                f"peer {self.rank}: level notice from peer {neighbour} for round "
-                f"{notice.effective_round}, heard in round {round}"
-            )
-        waiting = self._waiting.get(neighbour)
-        if waiting == notice:
-            return False
-        if waiting is not None:
-            raise NoticeConflict(
-                f"peer {self.rank}: peer {neighbour} announced level {notice.level} from round "
-                f"{notice.effective_round} while level {waiting.level} from round "
-                f"{waiting.effective_round} still waits"
-            )
-        self._waiting[neighbour] = notice
-        return True
+        return take_notice(self._waiting, self.rank, neighbour, notice, round)
 
     def due(self, round: int) -> dict[int, int]:
         """Put in force the changes whose round has come (a peer that jumped rounds takes
