@@ -162,30 +162,41 @@ class EdgeLevels:
         self._in_force, self._waiting = in_force, waiting
 
     def _rows(self, rows: Any, what: str, width: int) -> list[list[int]]:
-        """Checked rows [neighbour, level] (width 2) or [neighbour, level, round] (width 3):
-        distinct neighbours, levels in [1, MAX_LEVEL], rounds in [1, MAX_ROUND]."""
-        if not isinstance(rows, list) or len(rows) > len(self.neighbours):
+        return checked_level_rows(
+            rows,
+            f"link levels {what}",
+            width,
+            self.neighbours,
+            ("neighbour", f"neighbours of peer {self.rank}"),
+        )
+
+
+def checked_level_rows(
+    rows: Any, what: str, width: int, allowed: Collection[int], names: tuple[str, str]
+) -> list[list[int]]:
+    """Checkpoint rows [peer, level] (width 2) or [peer, level, round] (width 3), checked:
+    at most one per peer of `allowed`, levels in [1, MAX_LEVEL], rounds in [1, MAX_ROUND].
+    `names`: how errors call one peer and the peers allowed."""
+    one, among = names
+    if not isinstance(rows, list) or len(rows) > len(allowed):
+        raise ValueError(f"{what}: expected a list of at most {len(allowed)} rows")
+    highs = (MAX_LEVEL, MAX_ROUND)[: width - 1]
+    seen: set[int] = set()
+    for row in rows:
+        if (
+            not isinstance(row, list)
+            or len(row) != width
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in row)
+            or row[0] not in allowed
+            or row[0] in seen
+            or not all(1 <= x <= high for x, high in zip(row[1:], highs, strict=True))
+        ):
             raise ValueError(
-                f"link levels {what}: expected a list of at most {len(self.neighbours)} rows"
+                f"{what}: expected rows [{one}, level{', round' if width == 3 else ''}] with "
+                f"distinct {among} and levels in [1, {MAX_LEVEL}], got {quoted(row)}"
             )
-        highs = (MAX_LEVEL, MAX_ROUND)[: width - 1]
-        seen: set[int] = set()
-        for row in rows:
-            if (
-                not isinstance(row, list)
-                or len(row) != width
-                or any(isinstance(x, bool) or not isinstance(x, int) for x in row)
-                or row[0] not in self.neighbours
-                or row[0] in seen
-                or not all(1 <= x <= high for x, high in zip(row[1:], highs, strict=True))
-            ):
-                raise ValueError(
-                    f"link levels {what}: expected rows [neighbour, level"
-                    f"{', round' if width == 3 else ''}] with distinct neighbours of peer "
-                    f"{self.rank} and levels in [1, {MAX_LEVEL}], got {quoted(row)}"
-                )
-            seen.add(row[0])
-        return rows
+        seen.add(row[0])
+    return rows
 
 
 class LocalRateControl:

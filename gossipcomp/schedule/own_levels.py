@@ -33,11 +33,11 @@ from gossipcomp.schedule.announce import (
     NOTICE_LEAD,
     LocalRateControl,
     NoticeConflict,
+    checked_level_rows,
     take_notice,
 )
 from gossipcomp.schedule.costs import TransferLog
-from gossipcomp.schedule.rate import MAX_LEVEL, LevelCosts, link
-from gossipcomp.schedule.schedule import MAX_ROUND
+from gossipcomp.schedule.rate import LevelCosts, link
 from gossipcomp.text import quoted
 from gossipcomp.transport.base import LevelNotice
 
@@ -130,31 +130,10 @@ class SenderLevels:
         self._levels, self._waiting = levels, waiting
 
     def _rows(self, rows: Any, what: str, width: int) -> list[list[int]]:
-        """Checked rows [peer, level] (width 2) or [peer, level, round] (width 3): distinct
-        peers of this neighbourhood, levels in [1, MAX_LEVEL], rounds in [1, MAX_ROUND]."""
-        peers = set(self._levels)
-        if not isinstance(rows, list) or len(rows) > len(peers):
-            raise ValueError(
-                f"broadcast levels {what}: expected a list of at most {len(peers)} rows"
-            )
-        highs = (MAX_LEVEL, MAX_ROUND)[: width - 1]
-        seen: set[int] = set()
-        for row in rows:
-            if (
-                not isinstance(row, list)
-                or len(row) != width
-                or any(isinstance(x, bool) or not isinstance(x, int) for x in row)
-                or row[0] not in peers
-                or row[0] in seen
-                or not all(1 <= x <= high for x, high in zip(row[1:], highs, strict=True))
-            ):
-                raise ValueError(
-                    f"broadcast levels {what}: expected rows [peer, level"
-                    f"{', round' if width == 3 else ''}] with distinct peers of "
-                    f"{sorted(peers)} and levels in [1, {MAX_LEVEL}], got {quoted(row)}"
-                )
-            seen.add(row[0])
-        return rows
+        peers = sorted(self._levels)
+        return checked_level_rows(
+            rows, f"broadcast levels {what}", width, peers, ("peer", f"peers of {peers}")
+        )
 
 
 class OwnLevelControl:
