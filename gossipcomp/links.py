@@ -132,16 +132,19 @@ class LinkMonitor:
         on_resume: Callable[[int, int], None] = lambda neighbour, round: None,
         pace: RoundPace | None = None,
         newest_epoch: Callable[[], int] = lambda: 0,
+        on_newer_epoch: Callable[[int], None] = lambda neighbour: None,
     ) -> None:
         """`on_resume(neighbour, round)` is called (under the lock, with the final round)
         whenever an edge is agreed to resume at a round: the peer lets that neighbour's
         envelopes for it in, however far ahead. `pace`: how fast this peer goes through rounds
         (see `plausible_round`). `newest_epoch`: the newest schedule epoch the peer has; a
         probe answered by a neighbour with a newer one counts as unanswered (the edge resumes
-        once this peer has that schedule too)."""
+        once this peer has that schedule too), and `on_newer_epoch(neighbour)` is called so
+        the peer can fetch it from that neighbour."""
         self.rank = rank
         self._on_resume = on_resume
         self._newest_epoch = newest_epoch
+        self._on_newer_epoch = on_newer_epoch
         self.backoff = backoff or Backoff()
         self.pace = pace or RoundPace()
         self._clock = clock
@@ -399,7 +402,9 @@ class LinkMonitor:
             if finished.exception() is not None:
                 self._probe_unanswered(j)
             elif finished.result().schedule_epoch > self._newest_epoch():
-                self._probe_unanswered(j)
+                self._on_newer_epoch(j)  # fetched meanwhile: probe again after the first delay
+                with self._lock:
+                    self._links[j].retry_at = now + self.backoff.first
             elif not self.resume(j, finished.result(), round, alone):
                 with self._lock:
                     link = self._links[j]

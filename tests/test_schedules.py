@@ -209,12 +209,12 @@ def test_the_book_goes_to_the_latest_due_schedule_and_bounds_what_waits():
     assert jumped is not None and jumped.epoch == 3
     assert [s.epoch for s in book.staged] == [4]
     restored = ScheduleBook(["a", "b"])
-    restored.load_state_dict(book.state_dict())
+    restored.load_state_dict(book.state_dict(), round=35)
     assert restored.current == book.current and restored.staged == book.staged
     state = book.state_dict()
     state["staged"] = [Schedule(2, 5).to_dict()]  # goes back in epoch and round
     with pytest.raises(ScheduleRefused, match="does not follow"):
-        ScheduleBook(["a", "b"]).load_state_dict(state)
+        ScheduleBook(["a", "b"]).load_state_dict(state, round=35)
 
 
 def _trainers(rounds: int, directory, schedule: Schedule | None) -> list[PeerTrainer]:

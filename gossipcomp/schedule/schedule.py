@@ -10,11 +10,22 @@ only those sent under the epoch it is in (transport/inbox.py).
 Staging checks a schedule completely (it covers every parameter exactly once, names only known
 parameters and compressors, goes forward in epoch, and takes effect in the future) and refuses
 it with a `ScheduleRefused` naming what is wrong, leaving the book unchanged: a schedule may
-come from the network (the coordinator), so it is hostile until checked.
+come from the network (the coordinator, or a neighbour that holds it), so it is hostile until
+checked.
+
+Nothing a schedule says can freeze a peer. It takes effect at most `SCHEDULE_HORIZON` rounds
+after the peer's own round, so whatever is staged is in force, and out of the way, within that
+many rounds. Its epoch is at most `EPOCH_ALLOWANCE` past the epoch in force plus the rounds
+since that took effect, so no sender can use up the epochs (an honest coordinator publishes at
+most about one a round). A newer epoch supersedes every staged schedule that would take effect
+at or after its round: a restarted coordinator, whose epochs continue above the newest any peer
+reports holding, is told apart by its epoch alone and replaces whatever its predecessor (or a
+rogue) left staged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +38,10 @@ from gossipcomp.text import quoted
 MAX_EPOCH = 2**31 - 1  # epochs travel as int64 but are bounded like the envelope field
 MAX_ROUND = 2**53 - 1  # rounds on the wire lie below 2^53
 MAX_STAGED = 4  # schedules waiting for their round at one peer; more is refused
+# rounds after a peer's own round within which a schedule must take effect: twice the
+# coordinator's largest publication margin (coordinator.MAX_MARGIN), room for a peer behind
+SCHEDULE_HORIZON = 20_000
+EPOCH_ALLOWANCE = 64  # epochs a schedule may skip beyond one per round since the current one
 MAX_GROUPS = 1 << 16  # groups in one schedule: far above any model's parameter count
 MAX_PLANNER_NAME = 64  # characters of the planner label kept in reports
 MAX_LINKS = 1 << 20  # links in one schedule: far above any topology's edge count
@@ -211,6 +226,11 @@ def _integer(field: str, value: Any, high: int) -> None:
         )
 
 
+def _allowed_epoch(current: Schedule, round: int) -> int:
+    since = max(0, round - current.effective_round)
+    return min(MAX_EPOCH, current.epoch + EPOCH_ALLOWANCE + since)
+
+
 class ScheduleBook:
     """One peer's schedules: the one in force and those staged for later rounds (at most
     MAX_STAGED), in order of epoch and effective round."""
@@ -233,30 +253,57 @@ class ScheduleBook:
     def staged(self) -> tuple[Schedule, ...]:
         return tuple(self._staged)
 
-    def stage(self, schedule: Schedule, round: int) -> None:
-        """Accept `schedule` to take effect at its round; ScheduleRefused (nothing changed)
-        when it does not cover the model, goes back in epoch, or takes effect at or before
-        `round` (the peer's current round: it may already have exchanged under the old one)."""
+    def stage(self, schedule: Schedule, round: int, *, late: bool = False) -> Schedule:
+        """Accept `schedule` to take effect at its round and return it as staged;
+        ScheduleRefused (nothing changed) when it does not cover the model, does not go forward
+        in epoch or goes too far (`allowed_epoch`), takes effect more than `SCHEDULE_HORIZON`
+        rounds after `round` (the peer's current round), or at or before `round` (it may
+        already have exchanged under the old one). `late` (a schedule a neighbour already
+        holds, which this peer missed): one whose round has passed here takes effect at the
+        next round instead. Staged schedules that would take effect at or after its round are
+        superseded (dropped); at most MAX_STAGED wait."""
         newest = self.newest
         if schedule.epoch <= newest.epoch:
             raise ScheduleRefused(
                 f"schedule epoch {schedule.epoch}: expected an epoch after {newest.epoch}, the "
                 "newest this peer has (schedules only go forward)"
             )
-        if schedule.effective_round <= max(round, newest.effective_round):
+        allowed = self.allowed_epoch(round)
+        if schedule.epoch > allowed:
+            raise ScheduleRefused(
+                f"schedule epoch {schedule.epoch}: expected at most epoch {allowed} (epoch "
+                f"{self.current.epoch} in force, {EPOCH_ALLOWANCE} more plus one a round since): "
+                "epochs cannot be used up"
+            )
+        horizon = round + SCHEDULE_HORIZON
+        if schedule.effective_round > horizon:
             raise ScheduleRefused(
                 f"schedule epoch {schedule.epoch}: takes effect at round "
-                f"{schedule.effective_round}, expected a round after "
-                f"{max(round, newest.effective_round)} (this peer's round, or the newest "
-                "schedule's): a schedule cannot take effect in the past"
+                f"{schedule.effective_round}, expected at most {horizon} ({SCHEDULE_HORIZON} "
+                f"rounds after this peer's round {round})"
             )
-        if len(self._staged) >= MAX_STAGED:
+        if schedule.effective_round <= round:
+            if not late:
+                raise ScheduleRefused(
+                    f"schedule epoch {schedule.epoch}: takes effect at round "
+                    f"{schedule.effective_round}, expected a round after {round} (this peer's "
+                    "round): a schedule cannot take effect in the past"
+                )
+            schedule = dataclasses.replace(schedule, effective_round=round + 1)
+        kept = [s for s in self._staged if s.effective_round < schedule.effective_round]
+        if len(kept) >= MAX_STAGED:
             raise ScheduleRefused(
                 f"schedule epoch {schedule.epoch}: {MAX_STAGED} schedules already wait for "
                 "their round at this peer"
             )
         self._check(schedule)
-        self._staged.append(schedule)
+        self._staged = [*kept, schedule]
+        return schedule
+
+    def allowed_epoch(self, round: int) -> int:
+        """The highest epoch a schedule staged at `round` may have: `EPOCH_ALLOWANCE` past the
+        epoch in force, plus one for every round since it took effect."""
+        return _allowed_epoch(self.current, round)
 
     def _check(self, schedule: Schedule) -> None:
         schedule.check(self._names)
@@ -288,9 +335,11 @@ class ScheduleBook:
             "history": [s.to_dict() for s in self.history],
         }
 
-    def load_state_dict(self, state: Any) -> None:
-        """Restore what `state_dict` returned; ScheduleRefused (nothing changed) when any part
-        is malformed, does not cover the model, or is out of order."""
+    def load_state_dict(self, state: Any, round: int) -> None:
+        """Restore what `state_dict` returned at `round` (the checkpoint's); ScheduleRefused
+        (nothing changed) when any part is malformed, does not cover the model, is out of
+        order, or is out of the bounds staging holds to at that round (in force after it,
+        staged beyond the horizon, an epoch past `allowed_epoch`)."""
         if not isinstance(state, Mapping) or set(state) != {"current", "staged", "history"}:
             raise ScheduleRefused("schedules: expected keys ['current', 'history', 'staged']")
         current = Schedule.from_dict(state["current"])
@@ -308,7 +357,19 @@ class ScheduleBook:
                 raise ScheduleRefused(
                     f"schedules: staged epoch {after.epoch} does not follow epoch {before.epoch}"
                 )
+        if current.effective_round > round:
+            raise ScheduleRefused(
+                f"schedules: epoch {current.epoch} in force from round "
+                f"{current.effective_round}, after the checkpoint's round {round}"
+            )
+        allowed = _allowed_epoch(current, round)
         for schedule in staged:
+            if schedule.effective_round > round + SCHEDULE_HORIZON or schedule.epoch > allowed:
+                raise ScheduleRefused(
+                    f"schedules: staged epoch {schedule.epoch} from round "
+                    f"{schedule.effective_round} is beyond what a peer at round {round} stages "
+                    f"(at most epoch {allowed}, round {round + SCHEDULE_HORIZON})"
+                )
             self._check(schedule)
         self.current, self._staged = current, staged
         self.history = history or [current]

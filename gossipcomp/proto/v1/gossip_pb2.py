@@ -22,31 +22,34 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from gossipcomp.proto.v1 import coordinator_pb2 as gossipcomp_dot_v1_dot_coordinator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agossipcomp/v1/gossip.proto\x12\rgossipcomp.v1\"Y\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\x7f\n\x0bSenderProof\x12\x0e\n\x06key_id\x18\x01 \x01(\x0c\x12\x14\n\x0ctimestamp_ms\x18\x02 \x01(\x03\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x10\n\x08receiver\x18\x04 \x01(\x05\x12\x16\n\x0e\x63ontent_sha256\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\"5\n\x0bLevelNotice\x12\r\n\x05level\x18\x01 \x01(\x03\x12\x17\n\x0f\x65\x66\x66\x65\x63tive_round\x18\x02 \x01(\x03\"\xfb\x01\n\x0e\x45nvelopeHeader\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06sender\x18\x02 \x01(\x05\x12\r\n\x05round\x18\x03 \x01(\x03\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x16\n\x0eschedule_epoch\x18\x05 \x01(\x03\x12,\n\x07tensors\x18\x06 \x03(\x0b\x32\x1b.gossipcomp.v1.TensorHeader\x12)\n\x05proof\x18\x07 \x01(\x0b\x32\x1a.gossipcomp.v1.SenderProof\x12\x30\n\x0clevel_notice\x18\x08 \x01(\x0b\x32\x1a.gossipcomp.v1.LevelNotice\"L\n\rEnvelopeChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1d.gossipcomp.v1.EnvelopeHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"#\n\tPushReply\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"\xe8\x01\n\x0cHelloRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06sender\x18\x02 \x01(\x05\x12\x15\n\rtopology_hash\x18\x03 \x01(\t\x12\x17\n\x0fmodel_signature\x18\x04 \x01(\t\x12)\n\x05proof\x18\x05 \x01(\x0b\x32\x1a.gossipcomp.v1.SenderProof\x12\r\n\x05round\x18\x10 \x01(\x03\x12\x1d\n\x15proposed_resume_round\x18\x11 \x01(\x03\x12\r\n\x05\x61lone\x18\x12 \x01(\x08\x12\x16\n\x0eschedule_epoch\x18\x13 \x01(\x03\"\xdf\x01\n\nHelloReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x10\n\x08receiver\x18\x02 \x01(\x05\x12\x15\n\rtopology_hash\x18\x03 \x01(\t\x12\x17\n\x0fmodel_signature\x18\x04 \x01(\t\x12)\n\x05proof\x18\x05 \x01(\x0b\x32\x1a.gossipcomp.v1.SenderProof\x12\r\n\x05round\x18\x10 \x01(\x03\x12\x14\n\x0cresume_round\x18\x11 \x01(\x03\x12\r\n\x05\x61lone\x18\x12 \x01(\x08\x12\x16\n\x0eschedule_epoch\x18\x13 \x01(\x03\x32\xce\x01\n\x06Gossip\x12?\n\x05Hello\x12\x1b.gossipcomp.v1.HelloRequest\x1a\x19.gossipcomp.v1.HelloReply\x12@\n\x04Push\x12\x1c.gossipcomp.v1.EnvelopeChunk\x1a\x18.gossipcomp.v1.PushReply(\x01\x12\x41\n\x07PushOne\x12\x1c.gossipcomp.v1.EnvelopeChunk\x1a\x18.gossipcomp.v1.PushReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agossipcomp/v1/gossip.proto\x12\rgossipcomp.v1\x1a\x1fgossipcomp/v1/coordinator.proto\"Y\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\x7f\n\x0bSenderProof\x12\x0e\n\x06key_id\x18\x01 \x01(\x0c\x12\x14\n\x0ctimestamp_ms\x18\x02 \x01(\x03\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x10\n\x08receiver\x18\x04 \x01(\x05\x12\x16\n\x0e\x63ontent_sha256\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\"5\n\x0bLevelNotice\x12\r\n\x05level\x18\x01 \x01(\x03\x12\x17\n\x0f\x65\x66\x66\x65\x63tive_round\x18\x02 \x01(\x03\"\xfb\x01\n\x0e\x45nvelopeHeader\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06sender\x18\x02 \x01(\x05\x12\r\n\x05round\x18\x03 \x01(\x03\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x16\n\x0eschedule_epoch\x18\x05 \x01(\x03\x12,\n\x07tensors\x18\x06 \x03(\x0b\x32\x1b.gossipcomp.v1.TensorHeader\x12)\n\x05proof\x18\x07 \x01(\x0b\x32\x1a.gossipcomp.v1.SenderProof\x12\x30\n\x0clevel_notice\x18\x08 \x01(\x0b\x32\x1a.gossipcomp.v1.LevelNotice\"L\n\rEnvelopeChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1d.gossipcomp.v1.EnvelopeHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"#\n\tPushReply\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"\xe8\x01\n\x0cHelloRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06sender\x18\x02 \x01(\x05\x12\x15\n\rtopology_hash\x18\x03 \x01(\t\x12\x17\n\x0fmodel_signature\x18\x04 \x01(\t\x12)\n\x05proof\x18\x05 \x01(\x0b\x32\x1a.gossipcomp.v1.SenderProof\x12\r\n\x05round\x18\x10 \x01(\x03\x12\x1d\n\x15proposed_resume_round\x18\x11 \x01(\x03\x12\r\n\x05\x61lone\x18\x12 \x01(\x08\x12\x16\n\x0eschedule_epoch\x18\x13 \x01(\x03\"\xdf\x01\n\nHelloReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x10\n\x08receiver\x18\x02 \x01(\x05\x12\x15\n\rtopology_hash\x18\x03 \x01(\t\x12\x17\n\x0fmodel_signature\x18\x04 \x01(\t\x12)\n\x05proof\x18\x05 \x01(\x0b\x32\x1a.gossipcomp.v1.SenderProof\x12\r\n\x05round\x18\x10 \x01(\x03\x12\x14\n\x0cresume_round\x18\x11 \x01(\x03\x12\r\n\x05\x61lone\x18\x12 \x01(\x08\x12\x16\n\x0eschedule_epoch\x18\x13 \x01(\x03\":\n\x0cScheduleList\x12*\n\tschedules\x18\x01 \x03(\x0b\x32\x17.gossipcomp.v1.Schedule2\x95\x02\n\x06Gossip\x12?\n\x05Hello\x12\x1b.gossipcomp.v1.HelloRequest\x1a\x19.gossipcomp.v1.HelloReply\x12@\n\x04Push\x12\x1c.gossipcomp.v1.EnvelopeChunk\x1a\x18.gossipcomp.v1.PushReply(\x01\x12\x41\n\x07PushOne\x12\x1c.gossipcomp.v1.EnvelopeChunk\x1a\x18.gossipcomp.v1.PushReply\x12\x45\n\tSchedules\x12\x1b.gossipcomp.v1.HelloRequest\x1a\x1b.gossipcomp.v1.ScheduleListb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gossipcomp.v1.gossip_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TENSORHEADER']._serialized_start=45
-  _globals['_TENSORHEADER']._serialized_end=134
-  _globals['_SENDERPROOF']._serialized_start=136
-  _globals['_SENDERPROOF']._serialized_end=263
-  _globals['_LEVELNOTICE']._serialized_start=265
-  _globals['_LEVELNOTICE']._serialized_end=318
-  _globals['_ENVELOPEHEADER']._serialized_start=321
-  _globals['_ENVELOPEHEADER']._serialized_end=572
-  _globals['_ENVELOPECHUNK']._serialized_start=574
-  _globals['_ENVELOPECHUNK']._serialized_end=650
-  _globals['_PUSHREPLY']._serialized_start=652
-  _globals['_PUSHREPLY']._serialized_end=687
-  _globals['_HELLOREQUEST']._serialized_start=690
-  _globals['_HELLOREQUEST']._serialized_end=922
-  _globals['_HELLOREPLY']._serialized_start=925
-  _globals['_HELLOREPLY']._serialized_end=1148
-  _globals['_GOSSIP']._serialized_start=1151
-  _globals['_GOSSIP']._serialized_end=1357
+  _globals['_TENSORHEADER']._serialized_start=78
+  _globals['_TENSORHEADER']._serialized_end=167
+  _globals['_SENDERPROOF']._serialized_start=169
+  _globals['_SENDERPROOF']._serialized_end=296
+  _globals['_LEVELNOTICE']._serialized_start=298
+  _globals['_LEVELNOTICE']._serialized_end=351
+  _globals['_ENVELOPEHEADER']._serialized_start=354
+  _globals['_ENVELOPEHEADER']._serialized_end=605
+  _globals['_ENVELOPECHUNK']._serialized_start=607
+  _globals['_ENVELOPECHUNK']._serialized_end=683
+  _globals['_PUSHREPLY']._serialized_start=685
+  _globals['_PUSHREPLY']._serialized_end=720
+  _globals['_HELLOREQUEST']._serialized_start=723
+  _globals['_HELLOREQUEST']._serialized_end=955
+  _globals['_HELLOREPLY']._serialized_start=958
+  _globals['_HELLOREPLY']._serialized_end=1181
+  _globals['_SCHEDULELIST']._serialized_start=1183
+  _globals['_SCHEDULELIST']._serialized_end=1241
+  _globals['_GOSSIP']._serialized_start=1244
+  _globals['_GOSSIP']._serialized_end=1521
 # @@protoc_insertion_point(module_scope)

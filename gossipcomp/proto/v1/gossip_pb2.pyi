@@ -1,3 +1,4 @@
+from gossipcomp.proto.v1 import coordinator_pb2 as _coordinator_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -121,3 +122,9 @@ class HelloReply(_message.Message):
     alone: bool
     schedule_epoch: int
     def __init__(self, protocol_version: _Optional[int] = ..., receiver: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., proof: _Optional[_Union[SenderProof, _Mapping]] = ..., round: _Optional[int] = ..., resume_round: _Optional[int] = ..., alone: _Optional[bool] = ..., schedule_epoch: _Optional[int] = ...) -> None: ...
+
+class ScheduleList(_message.Message):
+    __slots__ = ("schedules",)
+    SCHEDULES_FIELD_NUMBER: _ClassVar[int]
+    schedules: _containers.RepeatedCompositeFieldContainer[_coordinator_pb2.Schedule]
+    def __init__(self, schedules: _Optional[_Iterable[_Union[_coordinator_pb2.Schedule, _Mapping]]] = ...) -> None: ...

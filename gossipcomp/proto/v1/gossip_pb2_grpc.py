@@ -49,6 +49,11 @@ class GossipStub:
                 request_serializer=gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.SerializeToString,
                 response_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.Schedules = channel.unary_unary(
+                '/gossipcomp.v1.Gossip/Schedules',
+                request_serializer=gossipcomp_dot_v1_dot_gossip__pb2.HelloRequest.SerializeToString,
+                response_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.ScheduleList.FromString,
+                _registered_method=True)
 
 
 class GossipServicer:
@@ -78,6 +83,16 @@ class GossipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Schedules(self, request, context):
+        """The schedules this peer holds that are newer than the request's schedule_epoch. A peer that
+        learns from a handshake that a neighbour holds a newer epoch asks that neighbour, at its
+        address in the topology, and checks each schedule as it checks a coordinator's. The request
+        is a handshake (the same checks and proof as Hello) and changes nothing at the receiver.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GossipServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +110,11 @@ def add_GossipServicer_to_server(servicer, server):
                     servicer.PushOne,
                     request_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.FromString,
                     response_serializer=gossipcomp_dot_v1_dot_gossip__pb2.PushReply.SerializeToString,
+            ),
+            'Schedules': grpc.unary_unary_rpc_method_handler(
+                    servicer.Schedules,
+                    request_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.HelloRequest.FromString,
+                    response_serializer=gossipcomp_dot_v1_dot_gossip__pb2.ScheduleList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +198,33 @@ class Gossip:
             '/gossipcomp.v1.Gossip/PushOne',
             gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.SerializeToString,
             gossipcomp_dot_v1_dot_gossip__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Schedules(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gossipcomp.v1.Gossip/Schedules',
+            gossipcomp_dot_v1_dot_gossip__pb2.HelloRequest.SerializeToString,
+            gossipcomp_dot_v1_dot_gossip__pb2.ScheduleList.FromString,
             options,
             channel_credentials,
             insecure,
