@@ -26,11 +26,13 @@ import math
 import statistics
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from gossipcomp.coordinator import schedule_from_proto, schedule_to_proto
 from gossipcomp.gossip.base import (
     RESUME_PHASE,
     GossipAlgorithm,
@@ -48,6 +50,7 @@ from gossipcomp.models import gossiped_tensors, model_signature
 from gossipcomp.peer_levels import LEVELS_LOGGER as LEVELS_LOGGER
 from gossipcomp.peer_levels import LEVELS_PHASE as LEVELS_PHASE
 from gossipcomp.peer_levels import CompressionLevels, LevelBook
+from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.announce import EdgeLevels
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.own_levels import SenderLevels
@@ -65,6 +68,7 @@ from gossipcomp.transport.base import (
     Transport,
 )
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
+from gossipcomp.transport.schedules import SharesSchedules
 from gossipcomp.transport.throttled import LinkRates, ThrottledTransport
 
 AVERAGE_PHASE = "average"
@@ -172,6 +176,7 @@ class Peer:
             on_resume=transport.allow_round,
             pace=pace,
             newest_epoch=lambda: self.schedules.newest.epoch,
+            on_newer_epoch=self._want_schedules,
         )
         # compression levels: a coordinator's schedules', or set with the neighbours
         self._levels = CompressionLevels(
@@ -195,6 +200,12 @@ class Peer:
         if ready:
             self._ready.set()
         transport.set_hello_handler(self._answer_hello)
+        # neighbours whose newer schedules this peer wants, and the fetches under way
+        self._schedule_lock = threading.Lock()
+        self._wanted: set[int] = set()
+        self._fetches: dict[int, Future[list[cpb.Schedule]]] = {}
+        if isinstance(transport, SharesSchedules):
+            transport.set_schedule_source(self._schedules_newer_than)
 
     def ready(self) -> None:
         """Start answering neighbours' handshakes (see `ready` in the constructor)."""
@@ -207,11 +218,72 @@ class Peer:
             raise PeerNotReady(f"peer {self.rank} is restoring its checkpoint")
         newest = self.schedules.newest.epoch
         if epoch > newest:  # the edge resumes once this peer has that schedule too
+            self._want_schedules(sender)  # asked at its own address: a forged claim costs that
             raise PeerNotReady(
                 f"peer {self.rank} has schedules up to epoch {newest}, not yet epoch {epoch}"
             )
         answer = self.links.answer_hello(sender, their_round, proposed, alone, self.round)
         return dataclasses.replace(answer, schedule_epoch=newest)
+
+    def _want_schedules(self, neighbour: int) -> None:
+        """`neighbour` holds a newer schedule epoch (its handshake said so): fetch its schedules
+        at the start of the next round (any thread may call this)."""
+        with self._schedule_lock:
+            self._wanted.add(neighbour)
+
+    def _schedules_newer_than(self, neighbour: int, epoch: int) -> list[cpb.Schedule]:
+        """What a neighbour that holds up to `epoch` is sent when it asks (server thread)."""
+        book = self.schedules
+        held = (book.current, *book.staged)
+        return [schedule_to_proto(s) for s in held if s.epoch > epoch]
+
+    def _fetch_schedules(self) -> None:
+        """Stage what finished fetches brought (as `adopt` does), then ask the neighbours
+        wanted since, one question to each at a time."""
+        with self._schedule_lock:
+            done = {j: f for j, f in self._fetches.items() if f.done()}
+            for j in done:
+                del self._fetches[j]
+            asked = self._wanted - set(self._fetches)
+            self._wanted -= asked
+        for j, fetched in sorted(done.items()):
+            if fetched.exception() is not None:
+                log.warning(
+                    "peer %d: neighbour %d did not send its schedules (%s)",
+                    self.rank,
+                    j,
+                    fetched.exception(),
+                )
+                continue
+            for message in fetched.result():
+                try:
+                    self.adopt(schedule_from_proto(message))
+                except ScheduleRefused as refused:
+                    log.error("peer %d: refused neighbour %d's schedule: %s", self.rank, j, refused)
+        if not isinstance(self.transport, SharesSchedules):
+            return
+        for j in sorted(asked):
+            future = self.transport.fetch_schedules(j)
+            with self._schedule_lock:
+                self._fetches[j] = future
+
+    def adopt(self, schedule: Schedule) -> bool:
+        """Stage a schedule a neighbour holds, checked as `apply` checks a coordinator's; one
+        whose round this peer has passed takes effect at its next round (the edges it left
+        resume once both ends are in it). False when this peer already has its epoch."""
+        if schedule.epoch <= self.schedules.newest.epoch:
+            return False
+        specs = self._schedule_specs(schedule)
+        staged = self.schedules.stage(schedule, self.round, late=True)
+        self._expect_epoch(staged.epoch, specs)
+        self._levels.expect()
+        log.warning(
+            "peer %d: schedule epoch %d from a neighbour, in force from round %d",
+            self.rank,
+            staged.epoch,
+            staged.effective_round,
+        )
+        return True
 
     def adapt_levels(self, round_budget: float | None = None) -> None:
         """Set levels with the neighbours, without a coordinator. A link-leveled algorithm
@@ -389,6 +461,7 @@ class Peer:
         )
         for j, answer in answers.items():
             if answer.schedule_epoch > self.schedules.newest.epoch:
+                self._want_schedules(j)
                 self.links.mark_down(
                     j, self.round, f"runs schedule epoch {answer.schedule_epoch}, not yet here"
                 )
@@ -509,6 +582,7 @@ class Peer:
             self._levels.note_compute(now - self._last_mark)
         if self._in_step_since is not None:
             self.links.pace.record(now - self._in_step_since)
+        self._fetch_schedules()
         self.links.poll_probes(self.round, self.transport.probe)
         self._catch_up()
         self._switch_schedule()
@@ -659,12 +733,7 @@ class Peer:
             )
         schedules = ScheduleBook([name for name, _ in self._params], self._edges)
         if "schedules" in state:
-            schedules.load_state_dict(state["schedules"])
-            if schedules.current.effective_round > round:
-                raise ValueError(
-                    f"peer checkpoint: schedule epoch {schedules.current.epoch} in force from "
-                    f"round {schedules.current.effective_round}, after the checkpoint's {round}"
-                )
+            schedules.load_state_dict(state["schedules"], round)  # bounds as staging does
         levels = self._levels.checked(state.get("link_levels"), state.get("broadcast_levels"))
         in_use = (schedules.current, *schedules.staged)
         specs = {s.epoch: self._schedule_specs(s, levels.book) for s in in_use}  # checks they fit
