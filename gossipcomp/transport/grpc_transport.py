@@ -38,6 +38,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.proto.v1 import gossip_pb2_grpc as pb_grpc
 from gossipcomp.security.signing_keys import PeerKeys
@@ -68,6 +69,7 @@ from gossipcomp.transport.base import (
 from gossipcomp.transport.buffers import BufferPool
 from gossipcomp.transport.inbox import Inbox
 from gossipcomp.transport.mailbox import Mailbox
+from gossipcomp.transport.schedules import MAX_SHARED_SCHEDULES, ScheduleSource
 from gossipcomp.transport.wire import (
     DEFAULT_CHUNK_BYTES,
     ContentCheck,
@@ -185,6 +187,7 @@ class _GossipService:
         self._in_flight: dict[tuple[int, str], int] = {}
         self._buffers = BufferPool(options.receive_pool_bytes)
         self.on_hello: HelloHandler = no_rejoin
+        self.on_schedules: ScheduleSource = lambda sender, epoch: ()  # none until a peer says
 
     async def _refuse(self, context: grpc.aio.ServicerContext, refused: EnvelopeRejected) -> None:
         code, details = refused.code.value, str(refused)
@@ -221,9 +224,36 @@ class _GossipService:
             self._auth.prove_reply(reply, request)
         return reply
 
+    async def Schedules(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ScheduleList:
+        """The schedules this peer holds past the asking neighbour's epoch: a handshake's
+        checks, then the peer's own list (changes nothing here)."""
+        try:
+            request = pb.HelloRequest.FromString(raw)
+        except DecodeError:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "request: expected a HelloRequest message"
+            )
+        try:
+            self._check_hello(request)
+        except EnvelopeRejected as refused:
+            await self._refuse(context, refused)
+        held = list(self.on_schedules(request.sender, request.schedule_epoch))
+        return pb.ScheduleList(schedules=held[:MAX_SHARED_SCHEDULES])
+
     def _answer_hello(self, request: pb.HelloRequest) -> HelloAnswer:
-        """Check a handshake (proof, identity, sender, ranges) and answer it; raises
-        EnvelopeRejected naming the field."""
+        """Check a handshake and answer it; raises EnvelopeRejected naming the field."""
+        self._check_hello(request)
+        return self.on_hello(
+            request.sender,
+            request.round,
+            request.proposed_resume_round,
+            request.alone,
+            request.schedule_epoch,
+        )
+
+    def _check_hello(self, request: pb.HelloRequest) -> None:
+        """Check a handshake (proof, identity, sender, ranges); raises EnvelopeRejected
+        naming the field."""
         mine = self._identity
         if self._auth is not None:  # before anything else: strangers learn nothing
             self._auth.check_hello(request)
@@ -414,6 +444,9 @@ def _handlers(service: _GossipService) -> grpc.GenericRpcHandler:
             "PushOne": grpc.unary_unary_rpc_method_handler(
                 service.PushOne, response_serializer=pb.PushReply.SerializeToString
             ),
+            "Schedules": grpc.unary_unary_rpc_method_handler(
+                service.Schedules, response_serializer=pb.ScheduleList.SerializeToString
+            ),
         },
     )
 
@@ -561,6 +594,35 @@ class GrpcTransport:
 
     def set_hello_handler(self, handler: HelloHandler) -> None:
         self._service.on_hello = handler
+
+    def set_schedule_source(self, source: ScheduleSource) -> None:
+        self._service.on_schedules = source
+
+    def fetch_schedules(self, neighbour: int) -> futures.Future[list[cpb.Schedule]]:
+        """See transport/schedules.py: a handshake-proved request to `neighbour`'s address."""
+        if neighbour not in self._stubs:
+            raise RuntimeError(f"peer {self.rank}: schedules asked before connect()")
+        request = self._hello_request(neighbour, 0, 0, False)
+        call = self._stubs[neighbour].Schedules.future(
+            request, timeout=self._options.hello_timeout
+        )
+        fetched: futures.Future[list[cpb.Schedule]] = futures.Future()
+
+        def done(finished: grpc.Future) -> None:
+            try:
+                held = list(finished.result().schedules)
+                if len(held) > MAX_SHARED_SCHEDULES:
+                    raise EnvelopeRejected(
+                        RejectCode.INVALID_ARGUMENT,
+                        f"schedules from peer {neighbour}: {len(held)}, at most "
+                        f"{MAX_SHARED_SCHEDULES}",
+                    )
+                fetched.set_result(held)
+            except BaseException as error:  # refused, unanswered, too many: nothing fetched
+                fetched.set_exception(error)
+
+        call.add_done_callback(done)
+        return fetched
 
     def connect(
         self,
