@@ -18,25 +18,22 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import math
-import threading
 import time
 from collections import Counter
 from collections.abc import (
     AsyncIterator,
     Callable,
     Collection,
-    Coroutine,
     Iterable,
     Iterator,
     Mapping,
 )
 from concurrent import futures
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import gossip_pb2 as pb
@@ -70,6 +67,7 @@ from gossipcomp.transport.buffers import BufferPool
 from gossipcomp.transport.inbox import Inbox
 from gossipcomp.transport.mailbox import Mailbox
 from gossipcomp.transport.schedules import MAX_SHARED_SCHEDULES, ScheduleSource
+from gossipcomp.transport.serving import AsyncServer, Method, ServingLimits, bounded_handler
 from gossipcomp.transport.wire import (
     DEFAULT_CHUNK_BYTES,
     ContentCheck,
@@ -89,7 +87,6 @@ WHY_PLAINTEXT_STAYS_ON_LOOPBACK = (
     "plaintext trusts everyone who can reach the port: any process that connects can claim to "
     "be a neighbour, forge envelopes and poison the model"
 )
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -292,13 +289,6 @@ class _GossipService:
                 f"proposed_resume_round: expected 0 (none) or more than round {request.round}, "
                 f"got {request.proposed_resume_round}",
             )
-        return self.on_hello(
-            request.sender,
-            request.round,
-            request.proposed_resume_round,
-            request.alone,
-            request.schedule_epoch,
-        )
 
     async def Push(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -429,46 +419,31 @@ def _signed_header(
     return header
 
 
-def _handlers(service: _GossipService) -> grpc.GenericRpcHandler:
-    """The Gossip service with Push reading serialised chunks (parsed in wire.py, not by gRPC)."""
-    return grpc.method_handlers_generic_handler(
+def _handlers(service: _GossipService, limits: ServingLimits) -> grpc.GenericRpcHandler:
+    """The Gossip service with Push reading serialised chunks (parsed in wire.py, not by gRPC);
+    Hello is parsed in its handler, so a malformed one is INVALID_ARGUMENT, not UNKNOWN."""
+    return bounded_handler(
         SERVICE_NAME,
-        {
-            "Hello": grpc.unary_unary_rpc_method_handler(  # parsed in the handler: a
-                service.Hello,  # malformed one is INVALID_ARGUMENT, not UNKNOWN
-                response_serializer=pb.HelloReply.SerializeToString,
-            ),
-            "Push": grpc.stream_unary_rpc_method_handler(
-                service.Push, response_serializer=pb.PushReply.SerializeToString
-            ),
-            "PushOne": grpc.unary_unary_rpc_method_handler(
-                service.PushOne, response_serializer=pb.PushReply.SerializeToString
-            ),
-            "Schedules": grpc.unary_unary_rpc_method_handler(
-                service.Schedules, response_serializer=pb.ScheduleList.SerializeToString
-            ),
-        },
+        (
+            Method("Hello", service.Hello, pb.HelloReply.SerializeToString),
+            Method("Push", service.Push, pb.PushReply.SerializeToString, streaming_request=True),
+            Method("PushOne", service.PushOne, pb.PushReply.SerializeToString),
+            Method("Schedules", service.Schedules, pb.ScheduleList.SerializeToString),
+        ),
+        limits,
     )
 
 
-class _ServerLoop:
-    """A grpc.aio server on an event loop of its own thread, driven from synchronous code."""
-
-    def __init__(self, rank: int) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name=f"gossip-server-{rank}", daemon=True
-        )
-        self._thread.start()
-
-    def run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
-        """Run `coroutine` on the loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
-
-    def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+def _serving_limits(options: GrpcOptions) -> ServingLimits:
+    """The server's limits from the transport's options (Push bounds its own stream)."""
+    return ServingLimits(
+        max_message_bytes=options.max_message_bytes,
+        max_streams_per_connection=options.max_streams_per_connection,
+        header_timeout=options.first_chunk_timeout,
+        call_timeout=options.stream_timeout,
+        max_calls_per_caller=options.max_streams_per_caller,
+        blocking_workers=1,
+    )
 
 
 class GrpcTransport:
@@ -510,16 +485,16 @@ class GrpcTransport:
         self._service = _GossipService(
             identity, self._inbox, self._auth, self._options, callers_verified=tls is not None
         )
-        self._loop = _ServerLoop(self.rank)
-        try:
-            port = self._loop.run(self._start_server(bind, credentials))
-        except BaseException:
-            self._loop.close()
-            raise
-        if port == 0:
-            self._loop.close()
-            raise OSError(f"peer {self.rank}: cannot bind gRPC server to {bind}")
-        self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
+        limits = _serving_limits(self._options)
+        self._server = AsyncServer(
+            f"peer {self.rank}",
+            bind,
+            (_handlers(self._service, limits),),
+            limits,
+            credentials,
+            health_services=("", SERVICE_NAME),
+        )
+        self.address = self._server.address
         self._pool = futures.ThreadPoolExecutor(
             max_workers=max(2, len(self._neighbours)), thread_name_prefix=f"gossip-push-{self.rank}"
         )
@@ -529,30 +504,6 @@ class GrpcTransport:
         self._push_ones: dict[int, grpc.UnaryUnaryMultiCallable] = {}
         self._notices: dict[int, LevelNotice] = {}  # neighbour -> what its envelopes carry
         self._closed = False
-
-    async def _start_server(self, bind: str, credentials: grpc.ServerCredentials | None) -> int:
-        """Create, bind and start the server on the loop (grpc.aio objects belong to it)."""
-        options = [
-            *self._options.channel_options(),
-            ("grpc.max_concurrent_streams", self._options.max_streams_per_connection),
-        ]
-        self._server = grpc.aio.server(options=options)
-        self._server.add_generic_rpc_handlers((_handlers(self._service),))
-        self._health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        if credentials is None:
-            port = self._server.add_insecure_port(bind)
-        else:
-            port = self._server.add_secure_port(bind, credentials)
-        if port:
-            await self._server.start()
-            for service in ("", SERVICE_NAME):
-                await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        return port
-
-    async def _stop_server(self) -> None:
-        await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace=0.5)
 
     def expect(
         self,
@@ -871,8 +822,7 @@ class GrpcTransport:
         if self._closed:
             return
         self._closed = True
-        self._loop.run(self._stop_server())
-        self._loop.close()
+        self._server.stop(grace=0.5)
         for channel in self._channels.values():
             channel.close()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,324 @@
+"""One way to serve gRPC: every gossipcomp service (peer, coordinator, any later one) is built here.
+
+Learned twice: a synchronous server with a few worker threads is stopped by a handful of streams
+that send their headers and never their request. So every server is a grpc.aio server on an
+event loop of its own thread (driven from synchronous code): a waiting call holds no thread.
+Each method is wrapped by `bounded_handler`:
+
+- header deadline: a unary request must arrive within `header_timeout` seconds of the call's
+  headers (the method is read as a stream for this; on the wire a unary call is a stream of one
+  message), else DEADLINE_EXCEEDED;
+- completion deadline: the whole call ends within `call_timeout` seconds, else DEADLINE_EXCEEDED;
+- a request that does not parse is INVALID_ARGUMENT naming the message expected, not INTERNAL;
+- per-caller limits: HTTP/2 lets one connection open at most `max_streams_per_connection`
+  streams, and `CallerSlots` bounds the calls in flight of one caller (a connection, or a
+  claimed identity on one connection), so strangers' calls never take the capacity of the
+  members' own connections.
+
+A method whose request is a stream (the peer's Push) bounds its own reads (its first chunk and its
+whole envelope have deadlines of their own, so it reads chunks without a timer each): it is
+served with the completion deadline only when `bound_streams` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hashable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+_T = TypeVar("_T")
+Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """Sizes, deadlines and per-caller limits of one server."""
+
+    max_message_bytes: int = 16 << 20  # one gRPC message, received or sent
+    max_streams_per_connection: int = 64  # HTTP/2 streams one connection may have open
+    header_timeout: float = 10.0  # seconds from a call's headers to its (first) request message
+    call_timeout: float = 30.0  # seconds a whole call may take
+    max_calls_per_caller: int = 8  # calls in flight of one caller (CallerSlots)
+    # threads for blocking work of handlers (`AsyncServer.run_blocking`); a call waiting for
+    # its request holds none of them
+    blocking_workers: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout", "call_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 < value < float("inf")):
+                raise ValueError(f"ServingLimits.{name}: expected seconds > 0, got {value!r}")
+        for name in (
+            "max_message_bytes",
+            "max_streams_per_connection",
+            "max_calls_per_caller",
+            "blocking_workers",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServingLimits.{name}: expected an integer >= 1, got {value!r}")
+
+    def server_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_concurrent_streams", self.max_streams_per_connection),
+        ]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One RPC of a service: its behaviour and how its messages are (de)serialised.
+
+    `request`: parses the request bytes (a protobuf message's FromString); None hands the
+    behaviour the raw bytes (it parses them itself). `streaming_request`: the behaviour takes
+    an async iterator of requests and bounds its own reads (module docstring).
+    """
+
+    name: str
+    behavior: Behavior
+    response: Callable[[Any], bytes]
+    request: Callable[[bytes], Any] | None = None
+    streaming_request: bool = False
+
+
+class CallerSlots:
+    """Calls in flight per caller, at most `limit` each (one event loop's calls: not locked).
+
+    `hold(key, context)` is an async context manager that aborts the call with
+    RESOURCE_EXHAUSTED when the caller `key` already has `limit` calls in flight.
+    """
+
+    def __init__(self, limit: int, what: str = "calls") -> None:
+        if limit < 1:
+            raise ValueError(f"CallerSlots: expected a limit >= 1, got {limit}")
+        self.limit = limit
+        self._what = what
+        self._in_flight: dict[Hashable, int] = {}
+
+    def in_flight(self, key: Hashable) -> int:
+        return self._in_flight.get(key, 0)
+
+    def hold(self, key: Hashable, context: grpc.aio.ServicerContext) -> _Slot:
+        return _Slot(self, key, context)
+
+
+class _Slot:
+    def __init__(self, slots: CallerSlots, key: Hashable, context: grpc.aio.ServicerContext):
+        self._slots, self._key, self._context = slots, key, context
+
+    async def __aenter__(self) -> None:
+        slots = self._slots
+        held = slots._in_flight.get(self._key, 0)
+        if held >= slots.limit:
+            await self._context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{slots._what}: at most {slots.limit} in flight per caller",
+            )
+        slots._in_flight[self._key] = held + 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        left = self._slots._in_flight.pop(self._key) - 1
+        if left:
+            self._slots._in_flight[self._key] = left
+
+
+def bounded_handler(
+    service: str, methods: Sequence[Method], limits: ServingLimits, bound_streams: bool = False
+) -> grpc.GenericRpcHandler:
+    """The generic handler of `service`, every method bounded as the module docstring says."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for method in methods:
+        if method.streaming_request:
+            behavior = method.behavior
+            if bound_streams:
+                behavior = _with_call_deadline(behavior, limits)
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(
+                behavior,
+                request_deserializer=method.request,
+                response_serializer=method.response,
+            )
+        else:
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(
+                _unary_with_deadlines(method, limits), response_serializer=method.response
+            )
+    return grpc.method_handlers_generic_handler(service, handlers)
+
+
+def _unary_with_deadlines(method: Method, limits: ServingLimits) -> Behavior:
+    """A unary behaviour served as a stream: its request must come within the header deadline,
+    parse, and the call must end within the completion deadline."""
+    parse, behavior = method.request, method.behavior
+    expected = _message_name(parse)
+
+    async def served(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        header_deadline = started + min(limits.header_timeout, limits.call_timeout)
+        try:
+            async with asyncio.timeout_at(header_deadline) as scope:
+                raw = await anext(requests, None)
+        except TimeoutError:
+            if not scope.expired():
+                raise
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"request: not received within {limits.header_timeout:g} s of the call's headers",
+            )
+        if raw is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: expected {expected}")
+        request: Any = raw
+        if parse is not None:
+            try:
+                request = parse(raw)
+            except DecodeError:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"request: expected {expected}"
+                )
+        try:
+            async with asyncio.timeout_at(started + limits.call_timeout) as scope:
+                return await behavior(request, context)
+        except TimeoutError:
+            if not scope.expired():
+                raise
+            await _abort_late(context, limits)
+
+    return served
+
+
+def _with_call_deadline(behavior: Behavior, limits: ServingLimits) -> Behavior:
+    async def served(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            async with asyncio.timeout(limits.call_timeout) as scope:
+                return await behavior(requests, context)
+        except TimeoutError:
+            if not scope.expired():
+                raise
+            await _abort_late(context, limits)
+
+    return served
+
+
+async def _abort_late(context: grpc.aio.ServicerContext, limits: ServingLimits) -> None:
+    await context.abort(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"call: not finished within {limits.call_timeout:g} s",
+    )
+
+
+def _message_name(parse: Callable[[bytes], Any] | None) -> str:
+    owner = getattr(parse, "__self__", None)
+    descriptor = getattr(owner, "DESCRIPTOR", None)
+    name = getattr(descriptor, "name", None)
+    return f"a {name} message" if name else "one request message"
+
+
+class ServerLoop:
+    """An asyncio event loop on a thread of its own, driven from synchronous code."""
+
+    def __init__(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        """Run `coroutine` on the loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+class AsyncServer:
+    """A started grpc.aio server with the health service, on a `ServerLoop` of its own.
+
+    `handlers` come from `bounded_handler`; `health_services` are reported SERVING once the
+    server listens. Raises OSError when `bind` cannot be listened on, naming `who`.
+    """
+
+    def __init__(
+        self,
+        who: str,
+        bind: str,
+        handlers: Sequence[grpc.GenericRpcHandler],
+        limits: ServingLimits,
+        credentials: grpc.ServerCredentials | None = None,
+        health_services: Sequence[str] = ("",),
+    ) -> None:
+        self.limits = limits
+        self._blocking = futures.ThreadPoolExecutor(
+            max_workers=limits.blocking_workers, thread_name_prefix=f"{who}-work"
+        )
+        self._loop = ServerLoop(f"{who}-server")
+        self._stopped = False
+        try:
+            port = self._loop.run(self._start(bind, handlers, credentials, tuple(health_services)))
+        except BaseException:
+            self._close_loop()
+            raise
+        if port == 0:
+            self._close_loop()
+            raise OSError(f"{who}: cannot listen on {bind!r}")
+        self.port = port
+        self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
+
+    async def _start(
+        self,
+        bind: str,
+        handlers: Sequence[grpc.GenericRpcHandler],
+        credentials: grpc.ServerCredentials | None,
+        health_services: tuple[str, ...],
+    ) -> int:
+        """Create, bind and start the server on the loop (grpc.aio objects belong to it)."""
+        self._server = grpc.aio.server(options=self.limits.server_options())
+        self._server.add_generic_rpc_handlers(tuple(handlers))
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        if credentials is None:
+            port = self._server.add_insecure_port(bind)
+        else:
+            port = self._server.add_secure_port(bind, credentials)
+        if port:
+            await self._server.start()
+            for service in health_services:
+                await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return port
+
+    async def run_blocking(self, work: Callable[[], _T]) -> _T:
+        """Run blocking `work` on the server's worker threads (from a handler on its loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._blocking, work)
+
+    def run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        """Run `coroutine` on the server's loop and wait for its result."""
+        return self._loop.run(coroutine)
+
+    async def _stop(self, grace: float) -> None:
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace=grace)
+
+    def stop(self, grace: float = 0.5) -> None:
+        """Stop serving (calls in flight get `grace` seconds) and end the loop's thread."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self._loop.run(self._stop(grace))
+        finally:
+            self._close_loop()
+
+    def wait(self) -> None:
+        """Block until the server stops."""
+        self._loop.run(self._server.wait_for_termination())
+
+    def _close_loop(self) -> None:
+        self._loop.close()
+        self._blocking.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,149 @@
+"""The one way gossipcomp serves gRPC (transport/serving.py), over real gRPC on loopback.
+
+What every service gets from it: a call that sends its headers and never its request is cut
+at the header deadline and holds nothing meanwhile, a call that runs too long is cut at the
+completion deadline, a request that does not parse is INVALID_ARGUMENT naming the message, and
+one caller's calls in flight are bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gossipcomp.proto.v1 import gossip_pb2 as pb
+from gossipcomp.transport.serving import (
+    AsyncServer,
+    CallerSlots,
+    Method,
+    ServingLimits,
+    bounded_handler,
+)
+
+SERVICE = "test.Echo"
+
+
+def _idle(stop: threading.Event) -> Iterator[bytes]:
+    """A request stream that sends nothing until `stop`: headers only."""
+    yield from ()
+    stop.wait()
+
+
+class _Echo:
+    def __init__(self, slots: CallerSlots) -> None:
+        self.slots = slots
+        self.release = asyncio.Event()
+
+    async def echo(self, request: pb.PushReply, context: grpc.aio.ServicerContext) -> pb.PushReply:
+        return pb.PushReply(received_bytes=request.received_bytes + 1)
+
+    async def slow(self, request: pb.PushReply, context: grpc.aio.ServicerContext) -> pb.PushReply:
+        await asyncio.sleep(60)
+        return request
+
+    async def held(self, request: pb.PushReply, context: grpc.aio.ServicerContext) -> pb.PushReply:
+        async with self.slots.hold(context.peer(), context):
+            await asyncio.sleep(1.5)
+        return request
+
+
+def _serve(limits: ServingLimits) -> AsyncServer:
+    echo = _Echo(CallerSlots(2, "echoes"))
+    methods = [
+        Method(name, behaviour, pb.PushReply.SerializeToString, pb.PushReply.FromString)
+        for name, behaviour in (("Echo", echo.echo), ("Slow", echo.slow), ("Held", echo.held))
+    ]
+    return AsyncServer("test", "127.0.0.1:0", [bounded_handler(SERVICE, methods, limits)], limits)
+
+
+def test_headers_without_a_request_are_cut_and_hold_nothing_meanwhile():
+    limits = ServingLimits(header_timeout=1.0, call_timeout=5.0, blocking_workers=1)
+    server = _serve(limits)
+    stop = threading.Event()
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.insecure_channel(server.address, own) for _ in range(4)]
+    try:
+        idle = [
+            channels[i % 4].stream_unary(f"/{SERVICE}/Echo").future(_idle(stop), timeout=60)
+            for i in range(100)
+        ]
+        time.sleep(0.3)
+        with grpc.insecure_channel(server.address) as channel:
+            echo = channel.unary_unary(
+                f"/{SERVICE}/Echo",
+                request_serializer=pb.PushReply.SerializeToString,
+                response_deserializer=pb.PushReply.FromString,
+            )
+            started = time.monotonic()
+            for i in range(20):
+                assert echo(pb.PushReply(received_bytes=i), timeout=2).received_bytes == i + 1
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=2
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            assert time.monotonic() - started < 2.0
+        errors = [call.exception(10) for call in idle]
+        assert {e and e.code() for e in errors} == {grpc.StatusCode.DEADLINE_EXCEEDED}
+        assert "not received within 1 s" in errors[0].details()
+    finally:
+        stop.set()
+        for channel in channels:
+            channel.close()
+        server.stop()
+
+
+def test_a_call_that_runs_past_its_deadline_is_cut():
+    server = _serve(ServingLimits(header_timeout=1.0, call_timeout=0.5))
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as raised:
+                channel.unary_unary(f"/{SERVICE}/Slow")(b"", timeout=30)
+            assert raised.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "not finished within 0.5 s" in raised.value.details()
+            assert time.monotonic() - started < 5
+    finally:
+        server.stop()
+
+
+def test_a_request_that_does_not_parse_is_invalid_argument_naming_the_message():
+    server = _serve(ServingLimits())
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            with pytest.raises(grpc.RpcError) as raised:
+                channel.unary_unary(f"/{SERVICE}/Echo")(b"\xff\xff\xff", timeout=5)
+            assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert raised.value.details() == "request: expected a PushReply message"
+    finally:
+        server.stop()
+
+
+def test_one_caller_has_a_bounded_number_of_calls_in_flight():
+    server = _serve(ServingLimits())
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            held = channel.unary_unary(f"/{SERVICE}/Held")
+            calls = [held.future(b"", timeout=10) for _ in range(3)]
+            errors = [call.exception(10) for call in calls]
+            refused = [e for e in errors if e is not None]
+            assert len(refused) == 1
+            assert refused[0].code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "echoes: at most 2 in flight per caller" in refused[0].details()
+            assert held(b"", timeout=10) == b""  # slots come back when calls end
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("header_timeout", 0), ("call_timeout", float("inf")), ("max_calls_per_caller", 0)],
+)
+def test_limits_that_would_not_bound_anything_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"ServingLimits.{field}"):
+        ServingLimits(**{field: value})
