@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from gossipcomp.allreduce.agreement import check_ddp_hook
 from gossipcomp.allreduce.comm import Communicator, torch_future
 from gossipcomp.allreduce.memory import Names, ParameterMemory
 from gossipcomp.compress import CompressionContext, ErrorFeedback, parse_spec
@@ -377,5 +378,6 @@ def register(
     order = {name: index for index, (name, _) in enumerate(named)}
     comm = communicator or Communicator(ddp.process_group)
     state, hook = make_state(spec, names, order, comm, seed, error_feedback)
+    check_ddp_hook(comm, ddp, state, hook, half)  # every rank the same (agreement.py)
     ddp.register_comm_hook(state, half_wrapper(hook, half) if half is not None else hook)
     return state

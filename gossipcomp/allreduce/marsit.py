@@ -23,6 +23,7 @@ import time
 import torch
 from torch import nn
 
+from gossipcomp.allreduce.agreement import check_model_sync
 from gossipcomp.allreduce.comm import Communicator
 from gossipcomp.compress import CompressionContext, bitpack
 from gossipcomp.compress.flat import FlatLayout
@@ -77,6 +78,7 @@ class MarsitSync:
     """Marsit over all of a model's gradients, with global compensation (module docstring)."""
 
     def __init__(self, model: nn.Module, communicator: Communicator, seed: int = 0) -> None:
+        check_model_sync(communicator, "MarsitSync", model, seed=seed)  # agreement.py
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.layout = FlatLayout.of(self.params)
         self.communicator = communicator

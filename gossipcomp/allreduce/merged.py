@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gossipcomp.allreduce.agreement import check_model_sync
 from gossipcomp.allreduce.comm import Communicator
 from gossipcomp.allreduce.hooks import CompressedState
 from gossipcomp.compress import ErrorFeedback, parse_spec
@@ -79,6 +80,7 @@ class MergedSync:
         self._futures: list[concurrent.futures.Future[None]] = []
         self.round = 0
         self.wait_seconds = 0.0  # time synchronize() spent waiting for communication
+        check_model_sync(communicator, "MergedSync", model, plan=self.groups, states=self._state_of)
         self._handles = [p.register_post_accumulate_grad_hook(self._ready) for _, p in named]
 
     def _state(self, spec: str, seed: int, error_feedback: bool) -> CompressedState:

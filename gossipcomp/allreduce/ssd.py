@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gossipcomp.allreduce.agreement import check_model_sync
 from gossipcomp.allreduce.comm import Communicator
 from gossipcomp.compress.flat import FlatLayout
 
@@ -47,6 +48,7 @@ class SSDSGD:
             raise ValueError(f"ssd k: expected steps between pulls >= 1, got {k}")
         if warmup < 0:
             raise ValueError(f"ssd warmup: expected steps >= 0, got {warmup}")
+        check_model_sync(communicator, "SSDSGD", model, k=k, warmup=warmup, optimizer=optimizer)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.layout = FlatLayout.of(self.params)
         self.optimizer, self.communicator = optimizer, communicator

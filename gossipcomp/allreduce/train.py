@@ -9,7 +9,8 @@ sync:
   or "threshold");
 - marsit: MarsitSync (the compressor is Marsit's sign ring);
 - ssd: SSDSGD over plain all-reduce, k = ssd_k, warm-up ssd_warmup steps.
-Every rank builds the same model from the seed and trains on its share of the data.
+Every rank builds the same model from the seed and trains on its share of the data; ranks
+given different configurations refuse together before the first collective (agreement.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gossipcomp.allreduce import reference
+from gossipcomp.allreduce.agreement import check_same_setup
 from gossipcomp.allreduce.comm import Communicator, Traffic
 from gossipcomp.allreduce.hooks import register
 from gossipcomp.allreduce.launch import Session
@@ -121,6 +123,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     x_test, y_test = x_test.to(device), y_test.to(device)
     optimizer = make_optimizer(model, config.lr, config.momentum)
     comm = Communicator()
+    check_same_setup(comm, "gossipcomp allreduce", {"config": asdict(config)})
     forward: nn.Module = model
     after_backward: Callable[[], None] = lambda: None  # noqa: E731
     step: Callable[[], None] = optimizer.step
