@@ -9,8 +9,9 @@ and everything else a run needs (the topology, this peer's rank, PowerGossip's r
 model, TLS files, where the report and checkpoints go) before training starts, so a mistake costs
 seconds, not a run. Exit status: 0 done; 2 the command cannot run as given (a bad flag, file,
 address or topology, a neighbour unreachable or refusing at start); 1 training failed (diverged,
-or a peer of the simulation did); 1 with a traceback for an internal error (a bug); 130
-interrupted. Every error but an internal one is one line on stderr without a traceback.
+a peer heard no neighbour for --max-failed-rounds rounds, or a peer of the simulation did); 1
+with a traceback for an internal error (a bug); 130 interrupted. Every error but an internal one
+is one line on stderr without a traceback.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from gossipcomp.gossip import ALGORITHMS, ATTACKS, parse_clip
 from gossipcomp.gossip.powergossip import largest_useful_rank
 from gossipcomp.gossip.specs import MAX_GOSSIP_STEPS, parse_options
 from gossipcomp.models import MODELS
-from gossipcomp.peer import LEVELS_LOGGER, MAX_ROUND_TIMEOUT
+from gossipcomp.peer import LEVELS_LOGGER, MAX_ROUND_TIMEOUT, GossipStalled
 from gossipcomp.plot import MAX_PIXELS, MAX_REPORTS, MIN_PIXELS, curve_of, plot_curves, plot_reports
 from gossipcomp.presentation import format_topology
 from gossipcomp.report import Report
@@ -345,6 +346,13 @@ def _add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool)
         "bytes of 1 over the same --rounds",
     )
     g.add_argument(
+        "--max-failed-rounds",
+        type=integer("max failed rounds", 0),
+        default=d.max_failed_rounds,
+        help="stop with an error (exit status 1) when a peer has heard no neighbour for this "
+        "many rounds in a row, training alone (0: never stop; a warning comes after 3)",
+    )
+    g.add_argument(
         "--no-gossip-buffers",
         dest="gossip_buffers",
         action="store_false",
@@ -491,6 +499,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         attack_scale=args.attack_scale,
         gossip_buffers=args.gossip_buffers,
         local_steps=args.local_steps,
+        max_failed_rounds=args.max_failed_rounds,
     )
 
 
@@ -872,7 +881,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, HandshakeError, PeerUnreachableError) as error:
         _error(prog, error)  # ValueError covers TopologyError and CheckpointError
         return 2
-    except (TrainingDiverged, TrainingAborted) as error:
+    except (TrainingDiverged, TrainingAborted, GossipStalled) as error:
         _error(prog, error)
         return 1
     except KeyboardInterrupt:

@@ -40,7 +40,7 @@ from gossipcomp.gossip.specs import (
     parse_options,
 )
 from gossipcomp.models import MODELS, build_model
-from gossipcomp.peer import MAX_ROUND_TIMEOUT, Peer, PeerStats
+from gossipcomp.peer import DEFAULT_MAX_FAILED_ROUNDS, MAX_ROUND_TIMEOUT, Peer, PeerStats
 from gossipcomp.schedule import CompressorCost, CostModel, LinkCost, TensorInfo, make_planner
 from gossipcomp.schedule.schedule import Schedule
 from gossipcomp.text import quoted
@@ -112,6 +112,8 @@ class TrainConfig:
     # floating-point buffers (BatchNorm's running statistics) gossiped with the parameters
     gossip_buffers: bool = True
     local_steps: int = 1  # local optimizer steps between gossip rounds (local SGD)
+    # rounds in a row without hearing any neighbour before a peer stops (0: never)
+    max_failed_rounds: int = DEFAULT_MAX_FAILED_ROUNDS
 
     def __post_init__(self) -> None:
         """Refuse any setting that could not train, naming it, before anything runs."""
@@ -122,6 +124,7 @@ class TrainConfig:
         _integer("rank", self.rank, 1)
         _integer("gossip_steps", self.gossip_steps, 1, MAX_GOSSIP_STEPS)
         _integer("local_steps", self.local_steps, 1, MAX_LOCAL_STEPS)
+        _integer("max_failed_rounds", self.max_failed_rounds, 0, MAX_WIRE_ROUND - 1)
         _number("lr", self.lr, 0.0, MAX_LR)
         _number("momentum", self.momentum, 0.0, 1.0, closed_low=True, closed_high=False)
         _number("round_timeout", self.round_timeout, 0.0, MAX_ROUND_TIMEOUT)
@@ -706,8 +709,9 @@ def _history(saved: Any, round: int, config: TrainConfig) -> list[Evaluation]:
 
 
 def _identity(config: dict[str, Any]) -> dict[str, Any]:
-    """The settings a checkpoint must agree on; the run's length, evaluation interval and
-    timeout may change between a run and its restart. A setting missing from an older
-    checkpoint ran with its default."""
+    """The settings a checkpoint must agree on; the run's length, evaluation interval,
+    timeout and bound on failed rounds may change between a run and its restart. A setting
+    missing from an older checkpoint ran with its default."""
     full = {**TrainConfig().to_dict(), **config}
-    return {k: v for k, v in full.items() if k not in ("rounds", "eval_every", "round_timeout")}
+    free = ("rounds", "eval_every", "round_timeout", "max_failed_rounds")
+    return {k: v for k, v in full.items() if k not in free}

@@ -168,33 +168,83 @@ def build_cnn(
 
 
 def gossiped_tensors(
-    model: nn.Module, gossip_buffers: bool = True
+    model: nn.Module, gossip_buffers: bool = True, constant_buffers: bool = True
 ) -> list[tuple[str, torch.Tensor]]:
-    """What gossip averages: every parameter, then (with `gossip_buffers`) every floating-point
-    buffer, such as BatchNorm's running mean and variance, so that peers evaluate with the same
-    statistics. Integer buffers (BatchNorm's num_batches_tracked) count steps: they stay local."""
+    """What gossip averages: every parameter, then (with `gossip_buffers`) the floating-point
+    buffers training changes, such as BatchNorm's running mean and variance, so that peers
+    evaluate with the same statistics. Left out, each peer keeping its own: integer buffers
+    (BatchNorm's num_batches_tracked counts steps), non-persistent buffers (not part of the
+    model's state: register_buffer(..., persistent=False)) and, with `constant_buffers`, the
+    buffers that are not a normalisation layer's running statistics (`constant_tensors`)."""
     tensors = list(model.named_parameters())
     if gossip_buffers:
-        tensors += [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+        constant = {name for name, _ in constant_tensors(model, gossip_buffers, constant_buffers)}
+        tensors += [
+            (name, b) for name, b in _persistent_float_buffers(model) if name not in constant
+        ]
     return tensors
 
 
-def model_signature(model: nn.Module, gossip_buffers: bool = True) -> str:
+def constant_tensors(
+    model: nn.Module, gossip_buffers: bool = True, constant_buffers: bool = True
+) -> list[tuple[str, torch.Tensor]]:
+    """The buffers taken as constant: equal on every peer and never changed by training (a
+    causal mask, a positional table), so gossiping them would only cost bytes. With
+    `gossip_buffers` and `constant_buffers`, every persistent floating-point buffer but the
+    running statistics of normalisation layers (modules with `track_running_stats` set). The
+    model signature holds their values, so peers whose copies differ are refused at the
+    handshake; Peer checks every round that training left them unchanged."""
+    if not (gossip_buffers and constant_buffers):
+        return []
+    statistics = {
+        name
+        for prefix, module in model.named_modules()
+        if getattr(module, "track_running_stats", False) is True
+        for name, _ in module.named_buffers(prefix=prefix, recurse=False)
+    }
+    return [(name, b) for name, b in _persistent_float_buffers(model) if name not in statistics]
+
+
+def _persistent_float_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The floating-point buffers in the model's state_dict (non-persistent ones are not)."""
+    state = model.state_dict(keep_vars=True)
+    return [(n, b) for n, b in model.named_buffers() if b.is_floating_point() and n in state]
+
+
+def model_signature(
+    model: nn.Module, gossip_buffers: bool = True, constant_buffers: bool = True
+) -> str:
     """Hex sha256 of the (name, shape, dtype) of every parameter, in registration order, then of
-    every buffer with whether it is gossiped.
+    every buffer with whether it is gossiped, kept local, or constant (with a sha256 of its
+    values: peers whose constant buffers differ would never agree, so they are refused).
 
     Peers compare it in the handshake: equal signatures mean the flat layouts of what they
-    exchange agree. Values are not hashed, so training does not change the signature; a model
-    without buffers has the signature of its parameters alone.
+    exchange agree. Other values are not hashed, so training does not change the signature; a
+    model without buffers has the signature of its parameters alone.
     """
     layout = [[name, list(p.shape), str(p.dtype)] for name, p in model.named_parameters()]
-    gossiped = {name for name, _ in gossiped_tensors(model, gossip_buffers)}
+    gossiped = {name for name, _ in gossiped_tensors(model, gossip_buffers, constant_buffers)}
+    constant = dict(constant_tensors(model, gossip_buffers, constant_buffers))
     layout += [
-        [name, list(b.shape), str(b.dtype), "gossiped" if name in gossiped else "local"]
+        [name, list(b.shape), str(b.dtype), _buffer_role(name, gossiped, constant)]
         for name, b in model.named_buffers()
     ]
     blob = json.dumps(layout, separators=(",", ":")).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()
+
+
+def _buffer_role(name: str, gossiped: set[str], constant: dict[str, torch.Tensor]) -> str:
+    if name in gossiped:
+        return "gossiped"
+    if name in constant:
+        return f"constant:{tensor_digest(constant[name])}"
+    return "local"
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """Hex sha256 of a tensor's values (its bytes in row-major order)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
 
 
 def parameter_vector(model: nn.Module, dtype: torch.dtype = torch.float64) -> torch.Tensor:

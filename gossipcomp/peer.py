@@ -46,7 +46,7 @@ from gossipcomp.gossip.clipping import total_norm
 from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.state import checked_tensors
 from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
-from gossipcomp.models import gossiped_tensors, model_signature
+from gossipcomp.models import constant_tensors, gossiped_tensors, model_signature
 from gossipcomp.peer_levels import LEVELS_LOGGER as LEVELS_LOGGER
 from gossipcomp.peer_levels import LEVELS_PHASE as LEVELS_PHASE
 from gossipcomp.peer_levels import CompressionLevels, LevelBook
@@ -67,6 +67,7 @@ from gossipcomp.transport.base import (
     PeerNotReady,
     Transport,
 )
+from gossipcomp.transport.codec import all_finite
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
 from gossipcomp.transport.schedules import SharesSchedules
 from gossipcomp.transport.throttled import LinkRates, ThrottledTransport
@@ -75,6 +76,9 @@ AVERAGE_PHASE = "average"
 MAX_GOSSIP_MOVE = 100.0  # a gossip round may move the model by this many times (||x|| + 1)
 MIN_ROUND_SECONDS = 1e-6  # a checkpointed pace below this would believe any claimed round
 MAX_ROUND_TIMEOUT = 86400.0  # seconds: a round deadline beyond a day is a typing mistake
+# consecutive rounds without hearing any neighbour before the peer stops (0: never)
+DEFAULT_MAX_FAILED_ROUNDS = 20
+FAILED_ROUNDS_WARNING = 3  # ... and before it warns that its exchanges keep failing
 log = logging.getLogger(__name__)
 
 
@@ -104,6 +108,11 @@ class PeerStats:
         return sum(self.bytes_sent.values())
 
 
+class GossipStalled(RuntimeError):
+    """A peer heard none of its neighbours for `max_failed_rounds` rounds in a row: it has been
+    training alone, which is not what a gossip run was asked to do."""
+
+
 class Peer:
     """One peer of a gossip network, wrapping a model that the caller trains."""
 
@@ -122,6 +131,8 @@ class Peer:
         max_move: float | None = MAX_GOSSIP_MOVE,
         gossip_buffers: bool = True,
         local_steps: int = 1,
+        constant_buffers: bool = True,
+        max_failed_rounds: int = DEFAULT_MAX_FAILED_ROUNDS,
     ) -> None:
         """`ready=False` (a peer about to restore a checkpoint): neighbours' handshakes are
         answered "not ready" until `ready()`, so none is answered from a round about to change.
@@ -132,10 +143,18 @@ class Peer:
         distance to a neighbour, so only a lying or broken neighbour gets near the default;
         clipping (`--clip`) is what bounds smaller lies. `gossip_buffers`: floating-point
         buffers (BatchNorm's running statistics) are gossiped with the parameters, as one more
-        tensor each (models.gossiped_tensors); False keeps each peer's own. Every peer of a
+        tensor each (models.gossiped_tensors); False keeps each peer's own. Non-persistent
+        buffers (register_buffer(..., persistent=False)) are never gossiped. Every peer of a
         network must agree (the handshake's model signature says which buffers travel).
-        `local_steps`: `after_local_step()` gossips after every `local_steps` of them (local SGD:
-        1/local_steps of the bytes)."""
+        `constant_buffers`: the floating-point buffers that are not a normalisation layer's
+        running statistics (a causal mask, a positional table) are taken as constant: never
+        sent, their values in the model signature (a neighbour whose copy differs is refused
+        at the handshake), and checked unchanged every round (ValueError if training changed
+        one); False gossips them every round like the statistics. `local_steps`:
+        `after_local_step()` gossips after every `local_steps` of them (local SGD: 1/local_steps
+        of the bytes). `max_failed_rounds`: after that many rounds in a row in which no
+        neighbour was heard, `gossip()` raises GossipStalled (0: never); a warning comes after
+        FAILED_ROUNDS_WARNING of them. Losing some neighbours is not a failed round."""
         if not 0 <= rank < topology.n:
             raise ValueError(
                 f"rank {rank} out of range for topology {topology.name} (n={topology.n})"
@@ -158,7 +177,25 @@ class Peer:
         self.local_steps = local_steps
         self._steps_taken = 0
         self.gossip_buffers = gossip_buffers
-        self._params: NamedParams = gossiped_tensors(model, gossip_buffers)
+        self.constant_buffers = constant_buffers
+        self._params: NamedParams = gossiped_tensors(model, gossip_buffers, constant_buffers)
+        # (name, buffer, its value now): each checked unchanged every round
+        self._constants = [
+            (name, b, b.detach().clone())
+            for name, b in constant_tensors(model, gossip_buffers, constant_buffers)
+        ]
+        if (
+            isinstance(max_failed_rounds, bool)
+            or not isinstance(max_failed_rounds, int)
+            or max_failed_rounds < 0
+        ):
+            raise ValueError(
+                f"max_failed_rounds: expected an integer >= 0 (0: never stop), got "
+                f"{quoted(max_failed_rounds)}"
+            )
+        self.max_failed_rounds = max_failed_rounds
+        self.failed_rounds = 0  # rounds in a row in which no neighbour was heard
+        self._failure_reasons: dict[int, str] = {}  # neighbour -> why its last exchange failed
         self._weights = topology.neighbor_weights(rank)
         self._links = LinkStats()
         self._compute_seconds = 0.0
@@ -391,12 +428,15 @@ class Peer:
         gossip_buffers: bool = True,
         local_steps: int = 1,
         link_rates: LinkRates | None = None,
+        constant_buffers: bool = True,
+        max_failed_rounds: int = DEFAULT_MAX_FAILED_ROUNDS,
     ) -> Peer:
         """A peer with its own gRPC server at `bind` (default: its address in the topology).
         A stream that carries an envelope must finish within the round's deadline. With
         `link_rates`, its links are throttled to those rates (transport/throttled.py)."""
         _check_round_timeout(round_timeout)
-        identity = Identity(rank, topology.hash, model_signature(model, gossip_buffers))
+        signature = model_signature(model, gossip_buffers, constant_buffers)
+        identity = Identity(rank, topology.hash, signature)
         options = dataclasses.replace(options or GrpcOptions(), stream_timeout=round_timeout)
         grpc_transport = GrpcTransport(
             identity,
@@ -419,6 +459,8 @@ class Peer:
                 ready=ready,
                 gossip_buffers=gossip_buffers,
                 local_steps=local_steps,
+                constant_buffers=constant_buffers,
+                max_failed_rounds=max_failed_rounds,
             )
         except Exception:
             transport.close()
@@ -433,7 +475,7 @@ class Peer:
     @property
     def signature(self) -> str:
         """The model signature this peer's handshake carries (models.model_signature)."""
-        return model_signature(self.model, self.gossip_buffers)
+        return model_signature(self.model, self.gossip_buffers, self.constant_buffers)
 
     @property
     def address(self) -> str | None:
@@ -448,7 +490,13 @@ class Peer:
         answers with a resume round: until then this peer trains alone (catching up, when it is
         behind), then both ends resynchronise the edge and gossip on it again. An edge that was
         down when the checkpoint was written is resynchronised whatever the rounds.
+
+        Raises ValueError, before reaching any neighbour, when a gossiped tensor holds NaN/Inf
+        (every neighbour would refuse it, and the peer would train alone) or a constant buffer
+        is not what it was when the peer was made.
         """
+        self._check_gossiped_finite()
+        self._check_constants("at start")
         book = addresses or dict(enumerate(self.topology.addresses))
         restored = self.round > 0  # its round is stale: adopt the neighbours'
         proposals = {j: self.round + RESUME_MARGIN for j in self.links.not_up()}
@@ -469,6 +517,39 @@ class Peer:
                 self.links.resume(j, answer, self.round, alone=restored)
         self._catch_up()  # at once: the neighbours reach the resume round within a few rounds
         self._last_mark = time.perf_counter()
+
+    def _check_gossiped_finite(self) -> None:
+        """Refuse to start with a gossiped tensor holding NaN/Inf, naming it and the remedy."""
+        buffers = {name for name, _ in self.model.named_buffers()}
+        for name, tensor in self._params:
+            if all_finite(tensor.detach()):
+                continue
+            if name in buffers:
+                raise ValueError(
+                    f"peer {self.rank}: buffer {name!r} holds NaN/Inf, and every neighbour "
+                    "refuses non-finite values, so this peer would train alone; expected finite "
+                    "gossiped buffers: make it non-persistent (register_buffer(..., "
+                    "persistent=False)) if it is no part of the model's state, or leave buffers "
+                    "out of gossip (Peer(gossip_buffers=False), --no-gossip-buffers)"
+                )
+            raise ValueError(
+                f"peer {self.rank}: parameter {name!r} holds NaN/Inf, and every neighbour "
+                "refuses non-finite values; expected a finite model (look at its "
+                "initialisation, or the checkpoint it was restored from)"
+            )
+
+    def _check_constants(self, when: str) -> None:
+        """Raise ValueError naming a constant buffer (not gossiped: see the constructor) whose
+        value is no longer what it was when the peer was made."""
+        for name, buffer, value in self._constants:
+            if not torch.equal(buffer.detach(), value):
+                raise ValueError(
+                    f"peer {self.rank}: buffer {name!r} changed {when}, but it was taken as "
+                    "constant (it is not a normalisation layer's running statistic), so it is "
+                    "not gossiped and peers would disagree on it; expected it unchanged, or "
+                    "Peer(constant_buffers=False) to gossip every floating-point buffer every "
+                    "round"
+                )
 
     def _catch_up(self) -> None:
         """Move to a resuming neighbour's round when rounds disagree (see links.py): forward
@@ -496,6 +577,7 @@ class Peer:
         """Say so when a round reached no neighbour at all (the peer trains alone), and when
         neighbours are back. `failed`: neighbours whose exchange failed this round."""
         alone = not set(hood.weights) - failed
+        self._count_failed_round(alone and bool(self._weights))
         if alone and not self.alone:
             lost = sorted(set(self._weights) - (set(hood.weights) - failed))
             log.warning(
@@ -507,6 +589,47 @@ class Peer:
         elif self.alone and not alone:
             log.warning("peer %d: neighbours reachable again in round %d", self.rank, self.round)
         self.alone = alone
+
+    def _count_failed_round(self, failed: bool) -> None:
+        """Count rounds in a row in which no neighbour was heard (`_stop_if_stalled` ends the
+        run after `max_failed_rounds`), with a warning after FAILED_ROUNDS_WARNING of them."""
+        if not failed:
+            self.failed_rounds = 0
+            return
+        self.failed_rounds += 1
+        if self.failed_rounds == FAILED_ROUNDS_WARNING:
+            log.warning(
+                "peer %d: no exchange with any neighbour succeeded for %d rounds in a row (to "
+                "round %d), so it trains alone; %s; %s",
+                self.rank,
+                self.failed_rounds,
+                self.round,
+                self._failure_summary(),
+                f"it stops after {self.max_failed_rounds} (max_failed_rounds, "
+                "--max-failed-rounds; 0: never)"
+                if self.max_failed_rounds
+                else "max_failed_rounds is 0: it goes on alone",
+            )
+
+    def _stop_if_stalled(self) -> None:
+        """Raise GossipStalled once `max_failed_rounds` rounds in a row heard no neighbour."""
+        if self.max_failed_rounds and self.failed_rounds >= self.max_failed_rounds:
+            raise GossipStalled(
+                f"peer {self.rank}: no exchange with any neighbour succeeded for "
+                f"{self.failed_rounds} rounds in a row (to round {self.round - 1}), so it was "
+                f"training alone; {self._failure_summary()}; stopped (max_failed_rounds "
+                f"{self.max_failed_rounds}, --max-failed-rounds; 0: never stop)"
+            )
+
+    def _failure_summary(self) -> str:
+        """The last failure of each neighbour, each reason cut short (it may quote a
+        neighbour's words)."""
+        if not self._failure_reasons:
+            return "no neighbour answered"
+        return "last failures: " + "; ".join(
+            f"neighbour {j}: {quoted(reason, 160)}"
+            for j, reason in sorted(self._failure_reasons.items())
+        )
 
     def _neighbourhood(self, links: LinkStats, live: list[int] | None = None) -> Neighbourhood:
         """This peer's view of the network for the current round: the live neighbours (all by
@@ -549,6 +672,7 @@ class Peer:
             else:
                 reason = result.failed.get(j) or unsynced.get(j, "no resume payload")
                 self.links.resume_failed(j, self.round, reason)
+                self._failure_reasons[j] = reason
 
     def _exchange(self, phase: str, live: list[int], payload: Payload = ()) -> ExchangeResult:
         """One exchange of this round with the neighbours `live`, its time counted."""
@@ -582,6 +706,7 @@ class Peer:
             self._levels.note_compute(now - self._last_mark)
         if self._in_step_since is not None:
             self.links.pace.record(now - self._in_step_since)
+        self._check_constants(f"before round {self.round}")
         self._fetch_schedules()
         self.links.poll_probes(self.round, self.transport.probe)
         self._catch_up()
@@ -594,6 +719,7 @@ class Peer:
         self.algorithm.step(self._params, hood)
         for j, reason in hood.failed.items():
             self.links.failed(j, self.round, reason)
+            self._failure_reasons[j] = reason
         self._levels.hear(hood, self.round)
         heard = [j for j in hood.weights if j not in hood.failed]
         if heard and not self._acceptable(before):
@@ -605,6 +731,7 @@ class Peer:
         self.round += 1
         self._comm_seconds += hood.comm_seconds
         self._last_mark = time.perf_counter()
+        self._stop_if_stalled()
 
     def _acceptable(self, before: list[torch.Tensor]) -> bool:
         """Whether the model after this round's gossip is finite and moved no more than
@@ -640,6 +767,7 @@ class Peer:
         )
         for j in heard:
             self.links.failed(j, self.round, reason)
+            self._failure_reasons[j] = reason
 
     def averaging_rounds(self, tolerance: float = 1e-6) -> int:
         """Exact-gossip rounds that shrink disagreement by `tolerance` on this topology."""

@@ -296,6 +296,7 @@ class _Setup:
                     ready=self.checkpoints is None,
                     gossip_buffers=self.config.gossip_buffers,
                     link_rates=self.link_rates,
+                    max_failed_rounds=self.config.max_failed_rounds,
                 )
             )
             if self.peer_levels is not None:
@@ -560,6 +561,7 @@ def run_peer(
         round_timeout=config.round_timeout,
         ready=checkpoints is None,
         gossip_buffers=config.gossip_buffers,
+        max_failed_rounds=config.max_failed_rounds,
     ) as peer:
         if peer_levels is not None:
             peer.adapt_levels(peer_levels.round_budget)
