@@ -39,14 +39,18 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from gossipcomp.transport.base import MAX_WIRE_ROUND, HelloAnswer
+from gossipcomp.transport.base import HelloAnswer
+from gossipcomp.transport.claims import (
+    DEFAULT_ROUND_SECONDS,
+    agreed_round,
+    furthest_round,
+    quorum_of,
+)
 
 log = logging.getLogger(__name__)
 
 RESUME_MARGIN = 5  # rounds between agreeing on a resume round and using it
 MAX_RESUME_MARGIN = 640  # the margin doubles each time an answer came too late to be used
-SPEED_ALLOWANCE = 2.0  # a neighbour may run rounds this many times faster than this peer's best
-DEFAULT_ROUND_SECONDS = 0.005  # the fastest round assumed before any was measured
 PACE_WINDOW = 64  # recent in-step rounds whose fastest sets the pace
 
 
@@ -213,9 +217,10 @@ class LinkMonitor:
             return self._plausible(self._links[neighbour])
 
     def _plausible(self, link: _Link) -> int:
-        elapsed = max(0.0, self._clock() - link.in_step_at)
-        rounds = SPEED_ALLOWANCE * elapsed / self.pace.seconds_per_round()
-        return link.in_step_round + RESUME_MARGIN + math.ceil(min(rounds, float(MAX_WIRE_ROUND)))
+        elapsed = self._clock() - link.in_step_at
+        return furthest_round(
+            link.in_step_round, elapsed, self.pace.seconds_per_round(), RESUME_MARGIN
+        )
 
     def _believed(
         self, link: _Link, their_round: int, proposed: int, alone: bool
@@ -254,7 +259,8 @@ class LinkMonitor:
         )
         ahead = [r for r in ahead if r > round]
         if ahead:
-            agreed = ahead[1] if len(ahead) >= 2 else ahead[0]
+            agreed = agreed_round(ahead, quorum_of(len(ahead)))
+            assert agreed is not None
             target = min(agreed, first_resume - 1)
             return target if target > round else None
         if free and round > first_resume:
