@@ -63,7 +63,7 @@ def _serve(limits: ServingLimits) -> AsyncServer:
 
 
 def test_headers_without_a_request_are_cut_and_hold_nothing_meanwhile():
-    limits = ServingLimits(header_timeout=1.0, call_timeout=5.0, blocking_workers=1)
+    limits = ServingLimits(header_timeout=1.0, call_timeout=5.0)
     server = _serve(limits)
     stop = threading.Event()
     own = [("grpc.use_local_subchannel_pool", 1)]

@@ -442,7 +442,6 @@ def _serving_limits(options: GrpcOptions) -> ServingLimits:
         header_timeout=options.first_chunk_timeout,
         call_timeout=options.stream_timeout,
         max_calls_per_caller=options.max_streams_per_caller,
-        blocking_workers=1,
     )
 
 

@@ -46,9 +46,6 @@ class ServingLimits:
     header_timeout: float = 10.0  # seconds from a call's headers to its (first) request message
     call_timeout: float = 30.0  # seconds a whole call may take
     max_calls_per_caller: int = 8  # calls in flight of one caller (CallerSlots)
-    # threads for blocking work of handlers (`AsyncServer.run_blocking`); a call waiting for
-    # its request holds none of them
-    blocking_workers: int = 4
 
     def __post_init__(self) -> None:
         for name in ("header_timeout", "call_timeout"):
@@ -59,7 +56,6 @@ class ServingLimits:
             "max_message_bytes",
             "max_streams_per_connection",
             "max_calls_per_caller",
-            "blocking_workers",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -255,9 +251,6 @@ class AsyncServer:
         health_services: Sequence[str] = ("",),
     ) -> None:
         self.limits = limits
-        self._blocking = futures.ThreadPoolExecutor(
-            max_workers=limits.blocking_workers, thread_name_prefix=f"{who}-work"
-        )
         self._loop = ServerLoop(f"{who}-server")
         self._stopped = False
         try:
@@ -293,10 +286,6 @@ class AsyncServer:
                 await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return port
 
-    async def run_blocking(self, work: Callable[[], _T]) -> _T:
-        """Run blocking `work` on the server's worker threads (from a handler on its loop)."""
-        return await asyncio.get_running_loop().run_in_executor(self._blocking, work)
-
     def run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         """Run `coroutine` on the server's loop and wait for its result."""
         return self._loop.run(coroutine)
@@ -321,4 +310,20 @@ class AsyncServer:
 
     def _close_loop(self) -> None:
         self._loop.close()
-        self._blocking.shutdown(wait=False, cancel_futures=True)
+
+
+class BlockingWork:
+    """A few threads for handlers' blocking work, so it never stalls the server's event loop;
+    only calls whose request has arrived (and was checked) take one."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        if workers < 1:
+            raise ValueError(f"BlockingWork: expected workers >= 1, got {workers}")
+        self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+
+    async def run(self, work: Callable[[], _T]) -> _T:
+        """Run `work` on one of the threads (from a handler on the server's loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
