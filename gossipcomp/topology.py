@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -554,10 +555,30 @@ def _allowlisted(raw: object, keys: list[str | None], source: str) -> list[str |
     return merged
 
 
+def shipped_topologies() -> list[str]:
+    """The names of the topologies that ship inside the package (gossipcomp/topologies)."""
+    folder = resources.files("gossipcomp.topologies")
+    return sorted(
+        f.name.removesuffix(".yaml") for f in folder.iterdir() if f.name.endswith(".yaml")
+    )
+
+
 def load_topology(path: str | os.PathLike[str]) -> Topology:
-    """Read and validate a topology YAML file (schema: see ``topology_from_dict``), through the
-    hardened reader of gossipcomp.yaml_files: no aliases, bounded size, depth and node count."""
+    """Read and validate a topology: a YAML file (schema: see ``topology_from_dict``) or, when
+    no file has that name, a shipped topology by name ('ring4', 'torus16': shipped_topologies()),
+    as the command line takes them. Files go through the hardened reader of
+    gossipcomp.yaml_files: no aliases, bounded size, depth and node count."""
     source = os.fspath(path)
+    if not os.path.lexists(source):
+        names = shipped_topologies()
+        if source not in names:
+            problem = "no such file, and not a shipped topology"
+            raise TopologyError(
+                f"topology file {source}: {problem}; expected a file or one of {names}"
+            )
+        shipped = resources.files("gossipcomp.topologies").joinpath(f"{source}.yaml")
+        with resources.as_file(shipped) as shipped_path:
+            return load_topology(shipped_path)
     try:
         spec = load_yaml_file(source, "topology file", "a YAML mapping of topology keys")
     except (FileNotFoundError, ValueError) as error:
