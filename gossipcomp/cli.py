@@ -23,7 +23,6 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 from typing import NoReturn
 
@@ -70,7 +69,7 @@ from gossipcomp.simulation import (
     usable_cores,
 )
 from gossipcomp.text import quoted
-from gossipcomp.topology import Topology, TopologyError, load_topology
+from gossipcomp.topology import Topology, load_topology
 from gossipcomp.transport.base import HandshakeError, PeerUnreachableError
 from gossipcomp.transport.grpc_transport import is_loopback
 from gossipcomp.transport.throttled import MAX_MBIT, LinkRates, RateChange
@@ -81,19 +80,7 @@ MAX_STARTUP_TIMEOUT = 86400.0  # seconds: waiting a day for neighbours is a typi
 
 def resolve_topology(spec: str) -> Topology:
     """Load a topology from a file path, or by the name of a shipped one (e.g. 'ring8')."""
-    path = Path(spec)
-    if path.exists():
-        return load_topology(path)
-    shipped = resources.files("gossipcomp.topologies").joinpath(f"{spec}.yaml")
-    if shipped.is_file():
-        with resources.as_file(shipped) as shipped_path:
-            return load_topology(shipped_path)
-    names = sorted(
-        p.name.removesuffix(".yaml")
-        for p in resources.files("gossipcomp.topologies").iterdir()
-        if p.name.endswith(".yaml")
-    )
-    raise TopologyError(f"{spec}: no such file, and not a shipped topology (shipped: {names})")
+    return load_topology(spec)
 
 
 _consensus_number = number("consensus step", 0.0, 2.0, high_closed=False)
@@ -507,7 +494,8 @@ class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
     """Shows '(default: X)' where there is a value to show; None and flags say it in words."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+        flag = action.nargs == 0  # takes no value (store_true/false): its help says what it does
+        if flag or action.default is None or action.default == argparse.SUPPRESS:
             return action.help or ""
         return super()._get_help_string(action)
 
