@@ -27,17 +27,17 @@ import io
 import logging
 import os
 import re
-import stat
 import tempfile
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
+from gossipcomp.files import FileRefused, open_regular_file
 from gossipcomp.text import quoted
 
 log = logging.getLogger(__name__)
@@ -49,14 +49,6 @@ _MAX_DEPTH = 32  # nesting of a checkpoint's values; a PeerTrainer's is about 8
 _NAME = re.compile(r"rank(\d+)-round(\d+)\.ckpt")
 _SCALARS = (int, float, str, bool, type(None), torch.dtype, torch.device)
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format: a zip archive
-_NOT_REGULAR = {
-    stat.S_IFLNK: "a symbolic link",
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFDIR: "a directory",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFSOCK: "a socket",
-}
 
 
 class CheckpointError(ValueError):
@@ -211,8 +203,9 @@ class CheckpointStore:
         """
         path = Path(path)
         try:
-            with _open_regular_file(path) as file:
-                size = os.fstat(file.fileno()).st_size
+            with open_regular_file(
+                path, "checkpoint", "a checkpoint file written by gossipcomp", follow_links=False
+            ) as (file, size):
                 if max_payload is not None and size > max_payload + _HEADER_LIMIT:
                     raise CheckpointError(
                         path,
@@ -223,6 +216,8 @@ class CheckpointStore:
                 length, digest = self._parse_header(path, header)
                 _check_length(path, length, size - len(header), max_payload)
                 payload = file.read(length + 1)
+        except FileRefused as error:
+            raise CheckpointError(path, f"file type: {error.problem}") from None
         except OSError as error:
             raise CheckpointError(path, f"cannot be read: {error}") from error
         if len(payload) != length:  # the file changed since fstat
@@ -333,31 +328,6 @@ class CheckpointStore:
                 kept += 1
                 continue
             path.unlink(missing_ok=True)
-
-
-def _open_regular_file(path: Path) -> BinaryIO:
-    """`path` opened for reading, only if it is a regular file.
-
-    Checkpoints are written by `save` as regular files, so anything else named like one was
-    not: a FIFO would block the reader forever, a device never ends, and a symbolic link may
-    point anywhere (at a huge file, another peer's state, /dev/zero), so links are refused too,
-    not followed. The file is opened without following a link and without blocking (for a FIFO
-    swapped in after the lstat), then checked again to be the very file that was inspected.
-    """
-    before = os.lstat(path)
-    if not stat.S_ISREG(before.st_mode):
-        kind = _NOT_REGULAR.get(stat.S_IFMT(before.st_mode), "not a regular file")
-        raise CheckpointError(path, f"file type: {kind}, not a regular file")
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    file = os.fdopen(fd, "rb")
-    after = os.fstat(fd)
-    if not stat.S_ISREG(after.st_mode) or (after.st_dev, after.st_ino) != (
-        before.st_dev,
-        before.st_ino,
-    ):
-        file.close()
-        raise CheckpointError(path, "file type: replaced while being opened")
-    return file
 
 
 def _check_length(path: Path, length: int, available: int, max_payload: int | None) -> None:

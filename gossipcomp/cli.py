@@ -76,6 +76,9 @@ from gossipcomp.transport.throttled import MAX_MBIT, LinkRates, RateChange
 
 DEFAULT_TOPOLOGY = "ring8"
 MAX_STARTUP_TIMEOUT = 86400.0  # seconds: waiting a day for neighbours is a typing mistake
+# bytes of the smallest round a link carries (an envelope of one rank-1 message of the digits
+# MLP is ~4 KB): a slower link cannot finish even that within the round's deadline
+MIN_ROUND_BYTES = 1024
 
 
 def resolve_topology(spec: str) -> Topology:
@@ -668,6 +671,14 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("reports", type=Path, nargs="+", metavar="REPORT.json")
     plot.add_argument("--out", type=Path, required=True, metavar="FILE.png", help="PNG to write")
     plot.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="name of a report's line, once per report in their order (default: from the run: "
+        "algorithm, compressor, topology, peer; what differs when two read the same)",
+    )
+    plot.add_argument(
         "--width", type=integer("width (pixels)", MIN_PIXELS, MAX_PIXELS), default=1200
     )
     plot.add_argument(
@@ -752,8 +763,7 @@ def _finish(report: Report, args: argparse.Namespace, console: Console) -> None:
         if not args.quiet:
             console.print(f"report written to {args.report}")
     if getattr(args, "plot", None) is not None:
-        label = f"{report.algorithm}, {report.local_steps} local step(s) a round"
-        plot_curves([curve_of(report, label)], args.plot)
+        plot_curves([curve_of(report)], args.plot)
         if not args.quiet:
             console.print(f"plot written to {args.plot}")
 
@@ -901,7 +911,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         if len(args.reports) > MAX_REPORTS:
             raise ValueError(f"{len(args.reports)} reports: expected at most {MAX_REPORTS}")
         _check_plot_path(args.out, "--out")
-        plot_reports(args.reports, args.out, args.width, args.height)
+        plot_reports(args.reports, args.out, args.width, args.height, args.label)
         console.print(f"plot written to {args.out}")
         return 0
     tls = _tls_files(args) if args.command == "peer" else None
@@ -1012,6 +1022,16 @@ def _link_rates(args: argparse.Namespace, topology: Topology) -> LinkRates | Non
             raise ValueError(
                 f"--link-change {change.a}-{change.b}: not an edge of {topology.name}; "
                 f"expected one of its {topology.graph.number_of_edges()} edges"
+            )
+    floor = MIN_ROUND_BYTES * 8 / 1e6 / args.round_timeout
+    rates = [("--link-rate", args.link_rate)]
+    rates += [(f"--link-change {c.a}-{c.b}", c.mbit) for c in args.link_change]
+    for flag, mbit in rates:
+        if mbit < floor:
+            raise ValueError(
+                f"{flag} {mbit:g} Mbit/s: below the floor of {floor:.3g} Mbit/s, at which a "
+                f"round of {MIN_ROUND_BYTES} bytes still crosses a link within --round-timeout "
+                f"{args.round_timeout:g} s; expected at least {floor:.3g} Mbit/s"
             )
     return LinkRates(args.link_rate, args.link_change)
 

@@ -131,13 +131,19 @@ class Report:
             f"min {self.honest_min_test_accuracy:.4f}"
         )
 
+    def _accuracy_caption(self) -> str:
+        """Mean and min over the peers; one peer's accuracy when the report holds one."""
+        if len(self.per_peer) == 1:
+            return f"peer {self.per_peer[0].rank} accuracy {self.final_test_accuracy:.4f}"
+        return f"mean accuracy {self.final_test_accuracy:.4f}, min {self.min_test_accuracy:.4f}"
+
     def summary_table(self) -> Table:
         table = Table(
             title=f"{self.algorithm} on {self.topology}, {self.rounds} local steps, "
             f"{self.gossip_rounds} gossip rounds ({self.mode})",
             caption=(
-                f"mean accuracy {self.final_test_accuracy:.4f}, min {self.min_test_accuracy:.4f}, "
-                f"average model {self.average_model_test_accuracy:.4f}, consensus distance "
+                f"{self._accuracy_caption()}, average model "
+                f"{self.average_model_test_accuracy:.4f}, consensus distance "
                 f"{self.consensus_distance:.3e}, {self.bytes_sent_total / 1e6:.2f} MB sent, "
                 f"{self.wall_seconds:.1f} s" + self._honest_caption()
             ),

@@ -1,19 +1,18 @@
-"""Reading files an operator points gossipcomp at (topologies, allowlists, private keys), refused
-before they are expanded.
+"""YAML files an operator points gossipcomp at (topologies, allowlists), refused before they
+are expanded.
 
-Such a file may come from anywhere, so reading one is bounded: only regular files (a FIFO or a
-device would block or stream forever), at most a given size, private keys readable by their
-owner only, and YAML without aliases or anchors (a 430-byte "billion laughs" expands to
-gigabytes), at most MAX_YAML_DEPTH deep and MAX_YAML_NODES nodes, mapping keys scalars and
-unique. Every error names the file, the problem and what was expected, and quotes at most a few
-dozen characters of the file. This module imports nothing else from gossipcomp but the quoting
-helper, so every layer may use it.
+The file itself is read by gossipcomp.files (regular files only, size checked first, UTF-8);
+here its YAML is parsed without aliases or anchors (a 430-byte "billion laughs" expands to
+gigabytes), at most MAX_YAML_DEPTH deep (checked by the composer below before it recurses into a
+node; libyaml's own limit of 1000 levels, which its look-ahead can reach first in a flow
+collection, gives a clean error too) and MAX_YAML_NODES nodes, mapping keys scalars and unique.
+Every error names the file, the problem and what was expected, and quotes at most a few dozen
+characters of the file.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 from typing import Any
 
 import yaml
@@ -22,12 +21,12 @@ from yaml.constructor import ConstructorError, SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode
 from yaml.resolver import Resolver
 
+from gossipcomp.files import read_text_file
 from gossipcomp.text import QUOTE_LIMIT, quoted
 
 MAX_YAML_BYTES = 16 * 2**20  # a topology or allowlist file; real ones are a few kB
 MAX_YAML_DEPTH = 32  # nesting levels; a topology needs 4
 MAX_YAML_NODES = 500_000  # ~0.5 KB of parser memory each: bounds memory to a few hundred MB
-MAX_KEY_BYTES = 64 * 2**10  # a PEM private key is a few hundred bytes
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
@@ -36,59 +35,6 @@ def _cut(text: str) -> str:
     """A message from the YAML library, which may quote the file, cut to a bounded length."""
     limit = 3 * QUOTE_LIMIT
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
-
-
-def read_regular_file(
-    path: str | os.PathLike[str], what: str, expected: str, max_bytes: int, private: bool = False
-) -> bytes:
-    """The bytes of `path`, refused unless it is a regular file of at most `max_bytes` (and,
-    with `private`, not accessible to group or others).
-
-    The file is opened without blocking and checked through its descriptor, so a FIFO is refused
-    rather than waited on, and a file swapped after a check is never read. Raises
-    FileNotFoundError or ValueError: "{what} {path}: {problem}; expected {expected}".
-    """
-    where = f"{what} {os.fspath(path)}"
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
-    try:
-        descriptor = os.open(path, flags)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{where}: no such file; expected {expected}") from None
-    except OSError as error:
-        raise ValueError(f"{where}: cannot open ({error.strerror}); expected {expected}") from None
-    try:
-        info = os.fstat(descriptor)
-        if not stat.S_ISREG(info.st_mode):
-            kind = _file_kind(info.st_mode)
-            raise ValueError(f"{where}: is a {kind}, not a regular file; expected {expected}")
-        mode = stat.S_IMODE(info.st_mode)
-        if private and mode & 0o077:
-            raise ValueError(
-                f"{where}: mode {mode:04o} lets group or others access this private key; "
-                f"expected a file only its owner can read: run `chmod 600 {os.fspath(path)}`"
-            )
-        if info.st_size > max_bytes:
-            raise ValueError(
-                f"{where}: {info.st_size} bytes, over the limit of {max_bytes}; expected {expected}"
-            )
-        with os.fdopen(os.dup(descriptor), "rb") as file:
-            data = file.read(info.st_size + 1)  # one byte more: did it grow since fstat?
-    finally:
-        os.close(descriptor)
-    if len(data) > info.st_size:
-        raise ValueError(f"{where}: grew while it was read; expected a file that stays put")
-    return data
-
-
-def _file_kind(mode: int) -> str:
-    kinds = {
-        stat.S_ISDIR: "directory",
-        stat.S_ISFIFO: "FIFO (named pipe)",
-        stat.S_ISCHR: "character device",
-        stat.S_ISBLK: "block device",
-        stat.S_ISSOCK: "socket",
-    }
-    return next((name for test, name in kinds.items() if test(mode)), "special file")
 
 
 class _Checks(Composer):
@@ -184,13 +130,8 @@ def parse_yaml(text: str, where: str, expected: str) -> Any:
 
 
 def load_yaml_file(path: str | os.PathLike[str], what: str, expected: str) -> Any:
-    """Read (see read_regular_file, at most MAX_YAML_BYTES) and parse (see parse_yaml) one YAML
-    file; FileNotFoundError or ValueError "{what} {path}: {problem}; expected {expected}"."""
-    data = read_regular_file(path, what, expected, MAX_YAML_BYTES)
-    where = f"{what} {os.fspath(path)}"
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        problem = f"not UTF-8 ({error.reason} at byte {error.start})"
-        raise ValueError(f"{where}: {problem}; expected a UTF-8 YAML file") from None
-    return parse_yaml(text, where, expected)
+    """Read (gossipcomp.files.read_text_file, at most MAX_YAML_BYTES) and parse (see
+    parse_yaml) one YAML file; FileNotFoundError or ValueError "{what} {path}: {problem};
+    expected {expected}"."""
+    text = read_text_file(path, what, expected, MAX_YAML_BYTES)
+    return parse_yaml(text, f"{what} {os.fspath(path)}", expected)

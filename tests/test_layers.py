@@ -16,6 +16,7 @@ LAYERS = {
     "text": 0,
     "arguments": 0,
     "proto": 0,
+    "files": 0,
     "yaml_files": 0,
     "compress": 1,
     "data": 1,

@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--eval-every",
         type=integer("eval every", 0, MAX_STEPS),
-        default=d.eval_every,
+        default=50,  # a history by default, for `gossipcomp plot` (like simulate)
         help="steps between accuracy checkpoints (0: only at the end)",
     )
     parser.add_argument(
@@ -178,6 +178,7 @@ def build_report(config: AllreduceConfig, results: Sequence[RankResult], wall: f
             round=points[0][0],
             mean_test_accuracy=statistics.fmean(p[1] for p in points),
             min_test_accuracy=min(p[1] for p in points),
+            max_test_accuracy=max(p[1] for p in points),
             bytes_sent_total=int(round(sum(p[2] for p in points))),
         )
         for points in zip(*(r.history for r in results), strict=True)

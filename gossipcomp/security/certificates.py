@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from gossipcomp.security.tls import TlsFiles
-from gossipcomp.yaml_files import MAX_KEY_BYTES, read_regular_file
+from gossipcomp.files import MAX_KEY_BYTES, read_regular_file
+from gossipcomp.security.tls import MAX_CERTIFICATE_BYTES, TlsFiles
 
 CA_CERT_NAME = "ca.pem"
 CA_KEY_NAME = "ca-key.pem"
@@ -189,12 +189,14 @@ def _load_ca(
     cert_path: Path, key_path: Path
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     for path, what in ((cert_path, "CA certificate"), (key_path, "CA key")):
-        if not path.is_file():
+        if not path.exists():  # anything else there is refused by the reader, named
             raise FileNotFoundError(
                 f"{what} {path}: no such file (expected a CA made by `gossipcomp keys new --ca`)"
             )
+    expected = "a PEM certificate"
+    pem = read_regular_file(cert_path, "CA certificate", expected, MAX_CERTIFICATE_BYTES)
     try:
-        certificate = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        certificate = x509.load_pem_x509_certificate(pem)
     except ValueError as error:
         raise ValueError(
             f"CA certificate {cert_path}: expected a PEM certificate ({error})"

@@ -21,8 +21,9 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from gossipcomp.files import MAX_KEY_BYTES, read_regular_file
 from gossipcomp.text import quoted
-from gossipcomp.yaml_files import MAX_KEY_BYTES, load_yaml_file, read_regular_file
+from gossipcomp.yaml_files import load_yaml_file
 
 PUBLIC_KEY_PREFIX = "ed25519:"
 KEY_ID_BYTES = 8
