@@ -350,6 +350,20 @@ class LinkMonitor:
             self._adopt(neighbour, answer.resume_round, their_round)
             return True
 
+    def would_park(self, sender: int, sender_round: int, proposed: int, round: int) -> bool:
+        """Whether answering this handshake would take down an edge that is up at this end
+        (its last exchange succeeded). A running peer does not follow such a claim: one packet
+        (a forged Hello) could otherwise park a working edge for hundreds of rounds and move
+        this peer's round. A neighbour that really lost the edge stops exchanging on it, so
+        this end's next exchange fails, the edge goes down here, and the neighbour's next
+        handshake is answered: the claim is confirmed on the edge's own connection. (One that
+        says it is alone, restarted, is answered at once with the least margin: it follows this
+        peer, so its word moves nothing here.)"""
+        with self._lock:
+            link = self._links[sender]
+            in_step = proposed == 0 and sender_round == round
+            return link.state is LinkState.UP and not in_step
+
     def answer_hello(
         self, sender: int, sender_round: int, proposed: int, sender_alone: bool, round: int
     ) -> HelloAnswer:

@@ -34,7 +34,7 @@ from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.security import PeerKeys, throwaway_certificates
 from gossipcomp.simulation import run_simulation
 from gossipcomp.topology import Topology, load_topology, topology_from_dict
-from gossipcomp.transport.base import MAX_WIRE_ROUND, Envelope, Identity
+from gossipcomp.transport.base import MAX_WIRE_ROUND, Envelope, Identity, PeerUnreachableError
 from gossipcomp.transport.codec import encode_raw
 from gossipcomp.transport.grpc_transport import SERVICE_NAME, GrpcOptions, GrpcTransport
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
@@ -145,7 +145,10 @@ def test_a_neighbour_claiming_round_a_million_cannot_throw_a_peer_ahead(how):
         running = _Running(peers, rounds=200)
         while peers[1].round < 40:
             time.sleep(0.005)
-        liar.connect({1: peers[1].address}, timeout=5, round=1_000_000)
+        # refused while peer 1's edge to peer 0 exchanges (issue 23, finding 7); believed only
+        # up to where peer 0 can be if the liar's retries land while it is down
+        with contextlib.suppress(PeerUnreachableError):
+            liar.connect({1: peers[1].address}, timeout=5, round=1_000_000)
         after = [p.round for p in peers]
         running.join(60)
         # believed only up to where peer 0 could be: their last common round plus the margin,
@@ -187,7 +190,7 @@ def test_a_forged_far_resume_proposal_parks_an_edge_for_a_bounded_number_of_roun
             request_serializer=pb.HelloRequest.SerializeToString,
             response_deserializer=pb.HelloReply.FromString,
         )(hello, timeout=5)
-        assert reply.resume_round <= reply.round + MAX_RESUME_MARGIN
+        assert reply.resume_round <= reply.round + RESUME_MARGIN  # the least margin (finding 7)
         running.join(60)
         rounds = 100 + 2 * MAX_RESUME_MARGIN + 200
         came_back = _run_until_all_up(peers, rounds=rounds, pause=0.0005, seconds=60)

@@ -1,0 +1,105 @@
+"""One forged Hello costs an edge a few rounds, not hundreds (issue 23, finding 7).
+
+Observed: three plaintext peers, one Hello claiming to be neighbour 0 at round 1,000,000 sent
+once to peer 1: edge 0-1 carried about a third of its share for the rest of a 3000-round run
+(peer 1 jumped ahead, every edge of it went down, and the catch-up rippled round the ring).
+Now a running peer does not follow a claim on an edge whose exchanges succeed: a neighbour that
+really lost the edge stops exchanging on it, so the edge's own connection confirms the claim. A
+claim to be alone (a restarted peer, which follows this one) is answered at once with the least
+margin. Real gRPC peers on loopback; the test counts the rounds each end has the edge parked.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from conftest import run_in_threads
+from torch import nn
+
+from gossipcomp.gossip import DPSGD
+from gossipcomp.links import RESUME_MARGIN, Backoff, LinkState
+from gossipcomp.models import model_signature
+from gossipcomp.peer import Peer
+from gossipcomp.proto.v1 import gossip_pb2 as pb
+from gossipcomp.topology import topology_from_dict
+from gossipcomp.transport.grpc_transport import SERVICE_NAME
+
+ROUNDS = 300
+FORGED_AT = 40
+
+
+def _model(rank: int) -> nn.Module:
+    torch.manual_seed(10 + rank)
+    return nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize(("alone", "most_parked"), [(False, 0), (True, 3 * RESUME_MARGIN)])
+def test_one_forged_hello_parks_the_edge_for_a_few_rounds_at_most(alone, most_parked):
+    topology = topology_from_dict({"name": "ring3", "kind": "ring", "n": 3})
+    peers = [
+        Peer.over_grpc(
+            _model(r),
+            topology,
+            r,
+            DPSGD(consensus_step=1.0),
+            bind="127.0.0.1:0",
+            round_timeout=2.0,
+            backoff=Backoff(first=0.25, longest=4.0),
+        )
+        for r in range(3)
+    ]
+    addresses = {p.rank: p.address for p in peers}
+    run_in_threads([lambda p=p: p.start(10, addresses) for p in peers])
+    parked = [0, 0]  # rounds peer 0 (edge to 1) and peer 1 (edge to 0) had the edge not up
+    errors: list[BaseException] = []
+
+    def run(peer: Peer) -> None:
+        try:
+            while peer.round < ROUNDS:
+                time.sleep(0.002)
+                peer.gossip()
+                if peer.rank < 2 and peer.links.state(1 - peer.rank) is not LinkState.UP:
+                    parked[peer.rank] += 1
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(p,), daemon=True) for p in peers]
+    stranger = grpc.insecure_channel(peers[1].address)
+    try:
+        for t in threads:
+            t.start()
+        while peers[1].round < FORGED_AT:
+            time.sleep(0.002)
+        hello = pb.HelloRequest(
+            protocol_version=1,
+            sender=0,
+            topology_hash=topology.hash,
+            model_signature=model_signature(_model(0)),
+            round=1_000_000,
+            alone=alone,
+        )
+        call = stranger.unary_unary(
+            f"/{SERVICE_NAME}/Hello",
+            request_serializer=pb.HelloRequest.SerializeToString,
+            response_deserializer=pb.HelloReply.FromString,
+        )
+        if alone:  # answered with the least margin; the claimed round is not followed
+            reply = call(hello, timeout=5)
+            assert reply.resume_round <= reply.round + RESUME_MARGIN
+        else:
+            with pytest.raises(grpc.RpcError) as refused:
+                call(hello, timeout=5)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert [p.round for p in peers] == [ROUNDS] * 3  # nobody was thrown ahead
+        assert max(parked) <= most_parked, parked
+    finally:
+        stranger.close()
+        for p in peers:
+            p.close()
