@@ -233,6 +233,8 @@ class Peer:
         self._specs = specs  # per phase, under the schedule with no groups (epoch 0)
         for phase, spec in specs.items():
             transport.expect(phase, spec)
+        # start() done: a handshake may no longer take down an edge whose exchanges succeed
+        self._started = False
         self._ready = threading.Event()
         if ready:
             self._ready.set()
@@ -259,6 +261,13 @@ class Peer:
             raise PeerNotReady(
                 f"peer {self.rank} has schedules up to epoch {newest}, not yet epoch {epoch}"
             )
+        if self._started and self.links.would_park(sender, their_round, proposed, self.round):
+            if not alone:  # its round would be followed: wait for the edge itself to fail
+                raise PeerNotReady(
+                    f"peer {self.rank}: its edge to peer {sender} is up and exchanging; a "
+                    "rejoin is agreed once an exchange on it fails"
+                )
+            proposed = 0  # alone (restarted): not followed, and parked for the least margin
         answer = self.links.answer_hello(sender, their_round, proposed, alone, self.round)
         return dataclasses.replace(answer, schedule_epoch=newest)
 
@@ -517,6 +526,7 @@ class Peer:
                 self.links.resume(j, answer, self.round, alone=restored)
         self._catch_up()  # at once: the neighbours reach the resume round within a few rounds
         self._last_mark = time.perf_counter()
+        self._started = True
 
     def _check_gossiped_finite(self) -> None:
         """Refuse to start with a gossiped tensor holding NaN/Inf, naming it and the remedy."""
