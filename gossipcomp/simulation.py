@@ -296,7 +296,7 @@ class _Setup:
                     ready=self.checkpoints is None,
                     gossip_buffers=self.config.gossip_buffers,
                     link_rates=self.link_rates,
-                    max_failed_rounds=self.config.max_failed_rounds,
+                    max_failed_rounds=_failed_rounds_bound(self.config, rank),
                 )
             )
             if self.peer_levels is not None:
@@ -323,6 +323,12 @@ class _Setup:
             _trainer(peer, data, self.config, self.checkpoints, clients[i] if clients else None)
             for i, peer in enumerate(peers)
         ]
+
+
+def _failed_rounds_bound(config: TrainConfig, rank: int) -> int:
+    """How many rounds in a row `rank` may hear no neighbour before it stops: a Byzantine
+    rank never stops, as its honest neighbours cutting it off is the defence at work."""
+    return 0 if rank in config.byzantine else config.max_failed_rounds
 
 
 def _blocks(n: int, workers: int) -> list[range]:
@@ -561,7 +567,7 @@ def run_peer(
         round_timeout=config.round_timeout,
         ready=checkpoints is None,
         gossip_buffers=config.gossip_buffers,
-        max_failed_rounds=config.max_failed_rounds,
+        max_failed_rounds=_failed_rounds_bound(config, rank),
     ) as peer:
         if peer_levels is not None:
             peer.adapt_levels(peer_levels.round_budget)

@@ -218,6 +218,7 @@ def _lonely_peer(pace: RoundPace | None = None) -> tuple[Peer, InMemoryHub]:
         round_timeout=0.001,
         backoff=Backoff(first=3600.0, longest=3600.0),  # no probes: only the test's handshakes
         pace=pace,
+        max_failed_rounds=0,  # alone on purpose: it must not stop
     )
     return peer, hub
 

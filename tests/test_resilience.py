@@ -59,6 +59,7 @@ def _network(
                 transport,
                 round_timeout=round_timeout,
                 backoff=FAST_BACKOFF,
+                max_failed_rounds=0,  # peers cut off on purpose must not stop
             )
         )
     for p, state in zip(peers, states or [None] * len(peers), strict=True):
