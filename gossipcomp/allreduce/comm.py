@@ -39,6 +39,10 @@ class Traffic:
         return Traffic(self.payload_bytes, self.link_bytes, self.collectives)
 
 
+class CommunicatorFailed(RuntimeError):
+    """Work not run because an earlier collective of the same communicator failed."""
+
+
 def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -56,11 +60,27 @@ class Communicator:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.traffic = Traffic()
+        self._failure: str | None = None  # the first failed collective's error (submit)
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "gossipcomp-comm")
 
     def submit(self, work: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """Run `work` on the communication thread after everything submitted before it."""
-        return self._worker.submit(work)
+        """Run `work` on the communication thread after everything submitted before it.
+
+        Once a collective has failed (a RuntimeError: a timeout, a closed connection) the ranks
+        are out of step for good: work queued after it fails at once with `CommunicatorFailed`
+        instead of waiting out a timeout of its own, so a rank whose peer hangs exits promptly.
+        """
+        return self._worker.submit(self._run, work)
+
+    def _run(self, work: Callable[[], T]) -> T:
+        if self._failure is not None:
+            raise CommunicatorFailed(f"not sent: an earlier collective failed ({self._failure})")
+        try:
+            return work()
+        except RuntimeError as error:
+            text = str(error).strip().splitlines()
+            self._failure = (text[0] if text else type(error).__name__)[:200]
+            raise
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; returns it."""

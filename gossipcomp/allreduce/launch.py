@@ -9,7 +9,8 @@ by whoever launched the ranks (torchrun's agent says so with TORCHELASTIC_USE_AG
 `spawn(fn, nproc, ...)` runs fn(session, *args) in `nproc` fresh processes on this machine (the
 launching process hosts the store, so a dead rank cannot take it down) and returns each rank's
 result; a rank that fails or runs past the deadline ends all of them with `LaunchError`, whose
-message has every rank's error.
+message has every rank's error. The launcher reads the ranks' heartbeats too: a rank that stops
+(SIGSTOP, a hang) is ended and named, so a job never waits for it until the deadline (`_Watch`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossipcomp.allreduce.liveness import Liveness, RankFailure
+from gossipcomp.allreduce.liveness import Heartbeats, Liveness, RankFailure
 
 HOSTED_ENV = "GOSSIPCOMP_STORE_HOSTED"
 AGENT_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 LOCALHOST = "127.0.0.1"
+POLL_S = 0.2  # how often the launcher looks at its ranks
+GRACE_S = 5.0  # beyond twice the timeout, for the ranks left when one has failed
+EXIT_S = 2.0  # for the ranks to exit by themselves once every rank's outcome is known
 
 
 class LaunchError(RuntimeError):
@@ -110,12 +114,26 @@ def init_from_env(timeout_s: float = 60.0, backend: str | None = None) -> Sessio
         local = int(os.environ.get("LOCAL_RANK", rank))
         device = torch.device("cuda", local % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world, timeout=timeout
-    )
+    # beating before the process group forms: a rank that stops while the others wait for it
+    # there is named like one that stops later
     liveness_store = dist.TCPStore(address, port, world, is_master=False, timeout=timeout)
-    liveness = Liveness(liveness_store, rank, world, timeout_s).start()
-    return Session(rank, world, backend, device, liveness)
+    session = Session(
+        rank, world, backend, device, Liveness(liveness_store, rank, world, timeout_s)
+    )
+    session.liveness.start()
+    try:
+        with session.guard():
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore("pg", store),
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+            )
+    except BaseException:
+        session.close()
+        raise
+    return session
 
 
 def _child(
@@ -156,6 +174,47 @@ def _child(
             session.liveness.stop()
 
 
+class _Watch:
+    """The launcher's view of its ranks' heartbeats: which running ranks to end, and why.
+
+    A rank that has beaten and then falls silent is ended once another rank has failed (those
+    fail within about the timeout when a rank stops, every collective being bounded) and its
+    silence passed half the timeout, as the ranks themselves judge; with no failure, after
+    twice the timeout. Once a rank has failed, every rank still running after twice the timeout
+    (and a margin) is ended too: nothing keeps the launcher waiting for a job that failed.
+    """
+
+    def __init__(self, heartbeats: Heartbeats, processes: list[Any], timeout_s: float) -> None:
+        self.heartbeats, self.processes, self.timeout_s = heartbeats, processes, timeout_s
+        self.failed: tuple[int, float] | None = None  # first failed rank and when it was seen
+
+    def to_end(self, outcomes: dict[int, tuple[bool, Any]]) -> dict[int, str]:
+        """Running ranks to end now, with the reason for each."""
+        self.heartbeats.poll()
+        now = time.monotonic()
+        if self.failed is None:
+            failures = [rank for rank, (ok, _) in sorted(outcomes.items()) if not ok]
+            if failures:
+                self.failed = (failures[0], now)
+        silent_after = self.timeout_s / 2 if self.failed else 2 * self.timeout_s
+        ending = {}
+        for rank, process in enumerate(self.processes):
+            if rank in outcomes:
+                continue
+            silent = self.heartbeats.silent_for(rank)
+            if self.heartbeats.started(rank) and silent > silent_after:
+                ending[rank] = (
+                    f"no heartbeat for {silent:.1f} s (stopped or hung; pid {process.pid}): "
+                    "ended by the launcher"
+                )
+            elif self.failed and now - self.failed[1] > 2 * self.timeout_s + GRACE_S:
+                ending[rank] = (
+                    f"still running {now - self.failed[1]:.1f} s after rank {self.failed[0]} "
+                    f"failed (pid {process.pid}): ended by the launcher"
+                )
+        return ending
+
+
 def spawn(
     fn: Callable[..., Any],
     nproc: int,
@@ -193,12 +252,13 @@ def spawn(
     ]
     for process in processes:
         process.start()
+    watch = _Watch(Heartbeats(store, range(nproc)), processes, timeout_s)
     outcomes: dict[int, tuple[bool, Any]] = {}
     end = time.monotonic() + deadline_s
     try:
         while len(outcomes) < nproc:
             try:
-                rank, ok, value = results.get(timeout=0.2)
+                rank, ok, value = results.get(timeout=POLL_S)
                 value = pickle.loads(value) if ok else value
                 outcomes[rank] = (ok, value)
                 continue
@@ -209,12 +269,16 @@ def spawn(
                     time.sleep(0.2)  # a result put just before exiting may still be in flight
                     if rank not in outcomes and results.empty():
                         outcomes[rank] = (False, f"exited with status {process.exitcode}")
+            for rank, reason in watch.to_end(outcomes).items():
+                processes[rank].kill()  # SIGKILL: a stopped process ignores anything milder
+                outcomes[rank] = (False, reason)
             if time.monotonic() > end:
                 for rank in range(nproc):
                     outcomes.setdefault(rank, (False, f"still running after {deadline_s:g} s"))
     finally:
+        leave = time.monotonic() + EXIT_S  # for all of them together, not each
         for process in processes:
-            process.join(timeout=2.0)
+            process.join(timeout=max(0.0, leave - time.monotonic()))
             if process.is_alive():
                 process.kill()
                 process.join()

@@ -1,23 +1,34 @@
-"""Naming the rank that died: heartbeats through the rendezvous store.
+"""Naming the rank that died or hangs: heartbeats through the rendezvous store.
 
 When a rank dies, gloo reports a closed connection (or, for a rank that hangs, a timeout) without
 saying which rank is gone, and NCCL waits minutes by default. Every rank therefore writes a
-counter to the store every `timeout / 10` seconds from a background thread and watches the
-others' counters. A collective that fails is explained by `Liveness.explain`: it waits (at most
-half the timeout) until some rank's counter has not moved for half the timeout and returns a
-`RankFailure` naming it. The store must outlive the ranks: `gossipcomp allreduce` hosts it in
-the launching process, torchrun in its agent.
+counter (with its process id and host) to the store every `timeout / 10` seconds from a
+background thread and watches the others' counters. A rank that is killed or stopped (SIGSTOP, a
+debugger, a swapped-out machine) stops beating alike. A collective that fails is explained by
+`Liveness.explain`: it waits (at most half the timeout) until some rank's counter has not moved
+for half the timeout and returns a `RankFailure` naming it. `Heartbeats` reads the counters on
+its own: the launcher of local processes uses it to end a rank that stopped beating (launch.py).
+The store must outlive the ranks: `gossipcomp allreduce` hosts it in the launching process,
+torchrun in its agent.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import string
 import threading
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 PREFIX = "gossipcomp/heartbeat/"
 MIN_INTERVAL_S = 0.05
+MAX_BEAT_CHARS = 200  # a heartbeat value longer than this is cut before it is parsed
+MAX_HOST_CHARS = 64
+_HOST_CHARS = frozenset(string.ascii_letters + string.digits + ".-_")
 
 
 class RankFailure(RuntimeError):
@@ -26,6 +37,62 @@ class RankFailure(RuntimeError):
     def __init__(self, message: str, ranks: tuple[int, ...]) -> None:
         super().__init__(message)
         self.ranks = ranks
+
+
+@dataclass
+class _Seen:
+    value: str  # the last heartbeat read ("" before the first)
+    since: float  # monotonic time it was first read (or the watch started)
+
+
+class Heartbeats:
+    """The heartbeat counters of `ranks` in `store`, and since when each has not moved.
+
+    `poll()` reads them (from one thread); the other methods may be called from any thread.
+    """
+
+    def __init__(self, store: dist.Store, ranks: Iterable[int]) -> None:
+        self.store = store
+        now = time.monotonic()
+        self._seen = {rank: _Seen("", now) for rank in ranks}
+        self._lock = threading.Lock()
+
+    def poll(self) -> None:
+        """Read every watched rank's counter once."""
+        now = time.monotonic()
+        for rank in list(self._seen):
+            key = f"{PREFIX}{rank}"
+            if not self.store.check([key]):
+                continue
+            value = self.store.get(key)[:MAX_BEAT_CHARS].decode(errors="replace")
+            with self._lock:
+                if value != self._seen[rank].value:
+                    self._seen[rank] = _Seen(value, now)
+
+    def silent_for(self, rank: int) -> float:
+        """Seconds since `rank`'s counter last moved (or since the watch began, if never seen)."""
+        with self._lock:
+            return time.monotonic() - self._seen[rank].since
+
+    def started(self, rank: int) -> bool:
+        """Whether `rank` has beaten at least once."""
+        with self._lock:
+            return self._seen[rank].value != ""
+
+    def silent(self, after_s: float) -> tuple[int, ...]:
+        """Ranks whose counter has not moved for more than `after_s` seconds."""
+        return tuple(r for r in sorted(self._seen) if self.silent_for(r) > after_s)
+
+    def where(self, rank: int) -> str:
+        """ "pid P on HOST" from `rank`'s last heartbeat, or "" when it has none readable."""
+        with self._lock:
+            fields = self._seen[rank].value.split()
+        if len(fields) != 3 or not fields[1].isdigit():
+            return ""
+        host = fields[2][:MAX_HOST_CHARS]
+        if not set(host) <= _HOST_CHARS:
+            return f"pid {int(fields[1])}"
+        return f"pid {int(fields[1])} on {host}"
 
 
 class Liveness:
@@ -38,9 +105,9 @@ class Liveness:
         self.timeout_s = timeout_s
         self.interval_s = max(MIN_INTERVAL_S, timeout_s / 10)
         self.stale_after_s = timeout_s / 2
-        now = time.monotonic()
-        self._seen: dict[int, tuple[str, float]] = {r: ("", now) for r in range(world) if r != rank}
-        self._lock = threading.Lock()
+        self.others = Heartbeats(store, (r for r in range(world) if r != rank))
+        host = "".join(c for c in socket.gethostname() if c in _HOST_CHARS)[:MAX_HOST_CHARS]
+        self._identity = f"{os.getpid()} {host or 'unknown'}"
         self._stop = threading.Event()
         self._store_error: str | None = None
         self._count = 0
@@ -58,13 +125,7 @@ class Liveness:
 
     def stale_ranks(self) -> tuple[int, ...]:
         """Ranks whose heartbeat has not moved for more than half the timeout."""
-        now = time.monotonic()
-        with self._lock:
-            return tuple(
-                r
-                for r, (_, since) in sorted(self._seen.items())
-                if now - since > self.stale_after_s
-            )
+        return self.others.silent(self.stale_after_s)
 
     def explain(self, error: BaseException) -> RankFailure | None:
         """The failure naming the stopped ranks, waiting up to half the timeout for their
@@ -79,15 +140,19 @@ class Liveness:
             if self._store_error is None:
                 return None
             return RankFailure(
-                f"rank {self.rank}: a collective failed ({_first_line(error)}) and the "
+                f"rank {self.rank}: a collective failed ({first_line(error)}) and the "
                 f"rendezvous store is unreachable ({self._store_error}): its host stopped",
                 (),
             )
         names = ", ".join(str(r) for r in stale)
         which = "rank" if len(stale) == 1 else "ranks"
+        where = "; ".join(
+            f"rank {r}: {self.others.where(r)}" for r in stale if self.others.where(r)
+        )
         return RankFailure(
-            f"{which} {names} stopped (no heartbeat for more than {self.stale_after_s:.1f} s); "
-            f"rank {self.rank} gave up on the collective: {_first_line(error)}",
+            f"{which} {names} stopped (no heartbeat for more than {self.stale_after_s:.1f} s: "
+            f"dead or hung{'; ' + where if where else ''}); rank {self.rank} gave up on the "
+            f"collective: {first_line(error)}",
             stale,
         )
 
@@ -96,24 +161,17 @@ class Liveness:
             try:
                 self._beat()
             except Exception as error:  # the store is gone: say so when asked
-                self._store_error = _first_line(error)
+                self._store_error = first_line(error)
                 return
 
     def _beat(self) -> None:
         self._count += 1
-        self.store.set(f"{PREFIX}{self.rank}", str(self._count))
-        now = time.monotonic()
-        for rank in list(self._seen):
-            key = f"{PREFIX}{rank}"
-            if not self.store.check([key]):
-                continue
-            value = self.store.get(key).decode()
-            with self._lock:
-                if value != self._seen[rank][0]:
-                    self._seen[rank] = (value, now)
+        self.store.set(f"{PREFIX}{self.rank}", f"{self._count} {self._identity}")
+        self.others.poll()
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message, at most 200 characters."""
     text = str(error).strip().splitlines()
     line = text[0] if text else type(error).__name__
     return line[:200]

@@ -1,0 +1,132 @@
+"""A hung rank (SIGSTOP) no longer hangs the job (issue 23, finding 5): the other ranks' next
+collective ends within the timeout, they fail naming the stopped rank, and the launcher ends the
+stopped process and returns, instead of waiting for it until its deadline (24 h for the command).
+
+Real gloo processes. `torch._dynamo` is imported here so that every spawned rank loads what DDP
+loads lazily (seconds on a busy machine) before the process group forms, not between two ranks'
+first collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch._dynamo  # noqa: F401  (see the module docstring)
+
+from gossipcomp.allreduce import LaunchError, Session, spawn
+from gossipcomp.allreduce.train import AllreduceConfig, train_rank
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 6.0
+VICTIM = 2
+STOP_AFTER_S = 2.0  # into training (the job has formed: heartbeats and collectives run)
+SLACK_S = 6.0  # the step under way, naming the rank, two busy cores
+
+
+def _stopping_worker(session: Session, config: AllreduceConfig, folder: Path) -> None:
+    if session.rank == VICTIM:
+
+        def stop() -> None:
+            (folder / "stopped").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        threading.Timer(STOP_AFTER_S, stop).start()
+    try:
+        train_rank(session, config)
+    except BaseException:
+        (folder / f"failed{session.rank}").write_text(repr(time.time()))
+        raise
+
+
+@pytest.mark.parametrize("sync", ["ddp-hook", "merged"])
+def test_a_stopped_rank_is_named_by_every_other_rank_and_ended_by_the_launcher(
+    tmp_path: Path, sync: str
+) -> None:
+    config = AllreduceConfig(sync=sync, steps=1_000_000, timeout_s=TIMEOUT_S, planner="threshold")
+    with pytest.raises(LaunchError) as failure:
+        spawn(_stopping_worker, 3, (config, tmp_path), timeout_s=TIMEOUT_S, deadline_s=600)
+    returned = time.time()
+    message = str(failure.value)
+    for survivor in (0, 1):
+        assert f"rank {survivor}: RankFailure: rank {VICTIM} stopped" in message, message
+    ended = re.search(
+        rf"rank {VICTIM}: no heartbeat for [0-9.]+ s \(stopped or hung; pid \d+\)", message
+    )
+    assert ended, message
+    stopped = float((tmp_path / "stopped").read_text())
+    for survivor in (0, 1):
+        failed = float((tmp_path / f"failed{survivor}").read_text())
+        assert failed - stopped < TIMEOUT_S + SLACK_S, (survivor, failed - stopped)
+    assert returned - stopped < TIMEOUT_S + 2 * SLACK_S  # not the 600 s deadline
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == pid and b"spawn_main" in command:  # a rank, not the resource tracker
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_gossipcomp_allreduce_exits_naming_a_stopped_rank(tmp_path: Path) -> None:
+    """The command as the issue ran it: --nproc 3, one rank stopped from outside."""
+    command = [sys.executable, "-m", "gossipcomp.allreduce", "--nproc", "3", "--sync", "merged"]
+    command += ["--planner", "threshold", "--steps", "1000000", "--timeout", str(TIMEOUT_S)]
+    launcher = subprocess.Popen(
+        [*command, "--quiet"],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        ranks: list[int] = []
+        while time.monotonic() < deadline:
+            ranks = _children(launcher.pid)
+            # imports and start-up take about 4 s of CPU: stop a rank that is training
+            if len(ranks) == 3 and min(_cpu_seconds(p) for p in ranks) > 6.0:
+                break
+            assert launcher.poll() is None, launcher.communicate()
+            time.sleep(0.2)
+        victim = ranks[-1]
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = launcher.communicate(timeout=120)
+        took = time.monotonic() - stopped
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 1, stderr
+    ended = re.search(
+        rf"rank (\d): no heartbeat for [0-9.]+ s \(stopped or hung; pid {victim}\)", stderr
+    )
+    assert ended, stderr
+    named = ended.group(1)
+    for survivor in sorted({"0", "1", "2"} - {named}):
+        assert f"rank {survivor}: RankFailure: rank {named} stopped" in stderr, stderr
+    assert took < 5 * TIMEOUT_S, took  # the collective's timeout, then exits (busy cores)
