@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -1056,7 +1057,7 @@ def _link_rates(args: argparse.Namespace, topology: Topology) -> LinkRates | Non
 
 
 def _serve_coordinator(args: argparse.Namespace, console: Console) -> int:
-    """Serve until interrupted (status 130) or terminated."""
+    """Serve until interrupted (Ctrl-C: status 130) or terminated (SIGTERM: status 0)."""
     tls = _tls_files(args)
     if tls is None and not args.insecure and not is_loopback(args.address):
         raise ValueError(
@@ -1069,11 +1070,23 @@ def _serve_coordinator(args: argparse.Namespace, console: Console) -> int:
         f"coordinator for {topology.name} ({topology.n} peers) at {server.address}, "
         f"planner {args.planner}; peers join with --coordinator {server.address}"
     )
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         server.wait()
+    except _Terminated:
+        console.print("coordinator: terminated (SIGTERM); stopped serving")
     finally:
+        signal.signal(signal.SIGTERM, previous)
         server.stop()
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM (`kill PID`) reached a serving coordinator: a requested stop, status 0."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 def _rank_from_env() -> int:
