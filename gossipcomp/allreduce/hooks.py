@@ -10,6 +10,14 @@ payload of exactly `wire_bytes` bytes (compress.device, so it stays on the accel
   fixed-size payloads (no size exchange): every rank decodes all of them and averages.
 Error feedback (on by default): memory <- input - what this rank's payload decodes to.
 
+Momentum before compression (`momentum=beta`, default 0): the hook keeps this rank's velocity
+u <- beta u + g per parameter and compresses u (plus the error memory) instead of g, so the
+averaged output is the momentum step itself: build the optimizer WITHOUT momentum then. This is
+where sign methods need it (Signum; EF-SGD with momentum, Karimireddy et al. 2019; DGC's
+momentum correction): the optimizer's momentum applied to an error-fed sign output replays the
+delayed memory ten times over at beta 0.9 and diverges (digits, 2 ranks, lr 0.1: 0.25 accuracy,
+0.96 with the momentum in the hook; docs/benchmarks.md).
+
 `register(ddp, "powersgd:rank=R")` installs PowerSGD (Vogels et al. 2019): per bucket, matrices
 M (a parameter viewed as [shape[0], -1], worth compressing when (n + m) r * 2 < n m, as torch's
 min_compression_rate 2) are approximated by P Q^T: P = M Q summed over ranks, orthonormalised
@@ -18,8 +26,9 @@ averaged whole, in the same all-reduce as the Ps (two collectives a bucket; torc
 three, the whole tensors on their own). Q starts from a random draw shared through the seed, then (warm start)
 continues from the previous step. Error feedback: memory <- input - the averaged approximation.
 
-State is keyed by parameter names (memory.py), so it survives DDP's bucket rebuild after the
-first iteration and goes into checkpoints (`state_dict` / `load_state_dict`). All collectives
+State (error memories, velocities, PowerSGD's Qs) is keyed by parameter names (memory.py),
+so it survives DDP's bucket rebuild after the first iteration and goes into checkpoints
+(`state_dict` / `load_state_dict`) that apply to whatever buckets the restoring DDP makes. All collectives
 run on one communication thread in the order DDP calls the hook (bucket order, the same on every
 rank), never chained from future callbacks: any number of buckets is safe.
 `half_wrapper(hook)` makes any hook receive a float16 (or bfloat16) bucket, as torch's
@@ -27,7 +36,7 @@ fp16_compress_wrapper does; PowerSGD then sends P and Q in that type.
 """
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +54,7 @@ from gossipcomp.compress.device import decode, encode, summable_dtype, summable_
 POWERSGD = "powersgd"
 MIN_COMPRESSION_RATE = 2.0  # torch's default: compress a matrix only if it shrinks 2x or more
 ORTHOGONALIZATION_EPS = 1e-8
+SIGN_CODECS = frozenset({"sign", "onebit"})  # take the momentum before compression
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -74,6 +84,12 @@ class HookState:
     seed: int = 0
     round: int = 0  # iterations completed (the last bucket of each ends one)
     memory: ParameterMemory = field(default_factory=ParameterMemory)
+    momentum: float = 0.0  # velocity kept before compression (module docstring); 0: none
+    velocity: ParameterMemory = field(default_factory=ParameterMemory)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.momentum, float | int) and 0.0 <= self.momentum < 1.0):
+            raise ValueError(f"hook momentum: expected a number in [0, 1), got {self.momentum!r}")
 
     def bucket(self, bucket: dist.GradBucket) -> _Bucket:
         parameters = bucket.parameters()
@@ -93,14 +109,35 @@ class HookState:
     def submit(self, work: Callable[[], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
         return torch_future(self.communicator.submit(work))
 
+    def accumulate(self, x: torch.Tensor, names: Names, numels: Sequence[int]) -> None:
+        """With momentum: velocity <- momentum * velocity + x, then x <- velocity (in place)."""
+        if self.momentum:
+            velocity = self.velocity.flat(names, numels, x.device)
+            velocity.mul_(self.momentum).add_(x)
+            x.copy_(velocity)
+
     def base_state_dict(self) -> dict[str, Any]:
-        return {"round": self.round, "memory": self.memory.state_dict()}
+        return {
+            "round": self.round,
+            "memory": self.memory.state_dict(),
+            "velocity": self.velocity.state_dict(),
+        }
 
     def load_base_state_dict(self, state: dict[str, Any]) -> None:
         round_ = state["round"]
         if not isinstance(round_, int) or round_ < 0:
             raise ValueError(f"hook state round: expected an integer >= 0, got {round_!r}")
+        velocity = state.get("velocity", {})
+        if not isinstance(velocity, Mapping):
+            raise ValueError("hook state velocity: expected a mapping of parameter names")
+        if round_ > 0 and bool(velocity) != bool(self.momentum):
+            saved, now = ("with", "without") if velocity else ("without", "with")
+            raise ValueError(
+                f"hook state: saved {saved} a momentum velocity, this hook runs {now} one "
+                f"(momentum {self.momentum}); give register() the momentum it was saved with"
+            )
         self.memory.load_state_dict(state["memory"])
+        self.velocity.load_state_dict(velocity)
         self.round = round_
 
 
@@ -130,6 +167,7 @@ class CompressedState(HookState):
         """The mean over ranks of the flat float32 `x` (this rank's gradients of `names`, which
         may be overwritten) through compressed payloads, with error feedback."""
         comm, compressor = self.communicator, self.compressor
+        self.accumulate(x, names, numels)
         memory = None
         if self.error_feedback:
             memory = self.memory.flat(names, numels, x.device)
@@ -196,6 +234,7 @@ class PowerSGDState(HookState):
     def sync(self, bucket: _Bucket) -> torch.Tensor:
         comm, dtype = self.communicator, bucket.buffer.dtype
         x = bucket.buffer.to(torch.float32, copy=True)
+        self.accumulate(x, bucket.names, bucket.numels)
         memory = None
         if self.error_feedback:
             memory = self.memory.flat(bucket.names, bucket.numels, x.device)
@@ -315,9 +354,11 @@ def make_state(
     communicator: Communicator,
     seed: int = 0,
     error_feedback: bool = True,
+    momentum: float = 0.0,
 ) -> tuple[HookState, Hook]:
     """A hook and its state from a spec: "powersgd:rank=R[,warm_start=false]" or any
-    compressor spec (an "ef+" prefix is the same as error_feedback=True)."""
+    compressor spec (an "ef+" prefix is the same as error_feedback=True); `momentum` is kept
+    before compression (module docstring)."""
     name, values = parse_hook_spec(spec)
     if name == POWERSGD:
         known = {"rank", "warm_start"}
@@ -339,6 +380,7 @@ def make_state(
             order,
             communicator,
             seed,
+            momentum=momentum,
             rank=rank,
             error_feedback=error_feedback,
             warm_start=warm == "true",
@@ -354,10 +396,19 @@ def make_state(
         order,
         communicator,
         seed,
+        momentum=momentum,
         compressor=compressor,
         error_feedback=error_feedback and not exact,
     )
     return state, compressed_hook  # type: ignore[return-value]
+
+
+def takes_momentum(spec: str) -> bool:
+    """Whether the hook of `spec` needs the optimizer's momentum kept before compression
+    (`register(..., momentum=beta)` with an optimizer without momentum): the sign codecs,
+    whose error-fed output the optimizer's momentum makes diverge (module docstring)."""
+    name, _ = parse_hook_spec(spec)
+    return name.removeprefix("ef+") in SIGN_CODECS
 
 
 def register(
@@ -368,16 +419,19 @@ def register(
     error_feedback: bool = True,
     half: torch.dtype | None = None,
     communicator: Communicator | None = None,
+    momentum: float = 0.0,
 ) -> HookState:
     """Install the hook of `spec` (see make_state) on `ddp`, once; returns its state.
 
-    `half` (torch.float16 or torch.bfloat16) wraps it in `half_wrapper`.
+    `half` (torch.float16 or torch.bfloat16) wraps it in `half_wrapper`. `momentum`: the hook
+    keeps the velocity before compressing (module docstring); the optimizer must then have
+    none. Sign codecs need it (`takes_momentum`): with the optimizer's momentum they diverge.
     """
     named = list(ddp.module.named_parameters())
     names = {id(p): name for name, p in named}
     order = {name: index for index, (name, _) in enumerate(named)}
     comm = communicator or Communicator(ddp.process_group)
-    state, hook = make_state(spec, names, order, comm, seed, error_feedback)
+    state, hook = make_state(spec, names, order, comm, seed, error_feedback, momentum)
     check_ddp_hook(comm, ddp, state, hook, half)  # every rank the same (agreement.py)
     ddp.register_comm_hook(state, half_wrapper(hook, half) if half is not None else hook)
     return state

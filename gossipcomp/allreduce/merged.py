@@ -63,6 +63,7 @@ class MergedSync:
         *,
         seed: int = 0,
         error_feedback: bool = True,
+        momentum: float = 0.0,
     ) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         check_cover(groups, [n for n, _ in named])
@@ -73,7 +74,9 @@ class MergedSync:
             _Group(i, [by_name[n] for n in g.names], g.names) for i, g in enumerate(groups)
         ]
         self._states: dict[str, CompressedState] = {}
-        self._state_of = [self._state(g.compressor, seed, error_feedback) for g in groups]
+        self._state_of = [
+            self._state(g.compressor, seed, error_feedback, momentum) for g in groups
+        ]
         self._group_of = {id(p): group for group in self._groups for p in group.params}
         self._queue = list(reversed(self._groups))  # backward completes the last group first
         self._next = 0
@@ -83,7 +86,9 @@ class MergedSync:
         check_model_sync(communicator, "MergedSync", model, plan=self.groups, states=self._state_of)
         self._handles = [p.register_post_accumulate_grad_hook(self._ready) for _, p in named]
 
-    def _state(self, spec: str, seed: int, error_feedback: bool) -> CompressedState:
+    def _state(
+        self, spec: str, seed: int, error_feedback: bool, momentum: float
+    ) -> CompressedState:
         state = self._states.get(spec)
         if state is None:
             compressor = parse_spec(spec)
@@ -95,6 +100,7 @@ class MergedSync:
                 self.order,
                 self.communicator,
                 seed,
+                momentum=momentum,
                 compressor=compressor,
                 error_feedback=error_feedback and compressor.name != "identity",
             )
@@ -145,17 +151,26 @@ class MergedSync:
             self.round += 1
 
     def state_dict(self) -> dict[str, object]:
-        """Error memories by parameter name (per compressor spec) and the round."""
+        """Error memories and velocities by parameter name (per compressor spec), the round."""
         return {
             "round": self.round,
             "memory": {spec: s.memory.state_dict() for spec, s in self._states.items()},
+            "velocity": {spec: s.velocity.state_dict() for spec, s in self._states.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
-        memories = state["memory"]
-        assert isinstance(memories, Mapping)
-        for spec, memory in memories.items():
-            self._states[spec].memory.load_state_dict(memory)
+        for key in ("memory", "velocity"):
+            saved = state.get(key, {})
+            if not isinstance(saved, Mapping):
+                raise ValueError(f"merged sync {key}: expected a mapping of compressor specs")
+            unknown = sorted(str(spec)[:60] for spec in saved if spec not in self._states)
+            if unknown:
+                raise ValueError(
+                    f"merged sync {key}: specs {unknown[:3]} are not in this plan "
+                    f"({sorted(self._states)})"
+                )
+            for spec, values in saved.items():
+                getattr(self._states[spec], key).load_state_dict(values)
         round_ = state["round"]
         if not isinstance(round_, int) or round_ < 0:
             raise ValueError(f"merged sync round: expected an integer >= 0, got {round_!r}")
