@@ -28,11 +28,19 @@ phase (Accordion: a layer's gradient norm changed by half or more between window
 schedule/critical.py) go one level above the controller's choice while the phase lasts. At most about three schedules then wait at a peer (MAX_STAGED is 4).
 
 No state survives a restart: membership comes back with the next reports, and epochs continue
-above the highest epoch any peer reports holding, so they only ever increase.
+above the highest epoch the peers report holding, so they only ever increase.
 
 Every report is hostile until checked: sizes and counts are bounded before anything is kept,
-numbers are range-checked, the sender must be a peer of the topology with the same protocol,
-topology and model as the first peer heard, and errors quote what they echo shortened.
+numbers are range-checked (a round or epoch that would overflow what the coordinator publishes
+is refused at the door), the sender must be a peer of the topology with the same protocol and
+topology. Nothing one report says decides for the others (transport/claims.py):
+- the model (signature and tensor list) is the one a majority of the topology's peers report;
+  until a majority agrees nothing is planned, and a report of another model is refused;
+- a claimed round is believed up to what time allows since that peer's last report, and the
+  round schedules are counted from is the one two peers agree on;
+- a claimed epoch is believed up to MAX_STAGED above the one two peers agree on.
+Errors quote what they echo shortened. The server is built the one way every gossipcomp server is
+(transport/serving.py): idle calls hold no thread and are cut at deadlines.
 """
 
 from __future__ import annotations
@@ -40,15 +48,14 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections import Counter
 from collections.abc import Sequence
-from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
 from gossipcomp.compress import parse_spec
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
-from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
 from gossipcomp.schedule import (
     CompressorCost,
     CostModel,
@@ -71,6 +78,7 @@ from gossipcomp.schedule.schedule import (
     MAX_BUDGET_S,
     MAX_EPOCH,
     MAX_ROUND,
+    MAX_STAGED,
     LinkLevel,
     Schedule,
     ScheduleRefused,
@@ -79,16 +87,36 @@ from gossipcomp.security.tls import TlsFiles, server_credentials
 from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
 from gossipcomp.transport.base import PROTOCOL_VERSION
+from gossipcomp.transport.claims import RoundClaims, agreed_round, quorum_of
+from gossipcomp.transport.serving import (
+    AsyncServer,
+    BlockingWork,
+    CallerSlots,
+    Method,
+    ServingLimits,
+    bounded_handler,
+)
 
 log = logging.getLogger(__name__)
 
-MAX_TENSORS = 1 << 16  # parameters of one model in a report
+MAX_TENSORS = 1 << 14  # parameters of one model in a report: far above any model's count
 MAX_NAME_CHARS = 1000  # characters of one parameter name
+MAX_NAMES_CHARS = 1 << 20  # characters of all parameter names of one report
+MAX_SIGNATURE_CHARS = 128  # a model signature (models.model_signature: 64 hex digits)
 MAX_SAMPLES_PER_LINK = 64  # transfers of one link in one report
 MAX_SECONDS = 86_400.0  # a measured time beyond a day is a lie or a bug
 MAX_REPORT_BYTES = 16 << 20  # a serialised report (the tensor list dominates)
 MAX_LEVELS = 64  # levels of one ladder in a report
 MAX_MARGIN = 10_000  # rounds ahead a schedule may be published at most
+# a reported round or epoch leaves room for what the coordinator publishes above it
+MAX_REPORTED_ROUND = MAX_ROUND - 4 * MAX_MARGIN
+MAX_REPORTED_EPOCH = MAX_EPOCH - (1 << 20)
+# time allowed to a peer's rounds between its reports: the fastest round peers assume before
+# measuring one (links.py); a claim beyond it is cut
+FASTEST_ROUND_S = 0.005
+REPORT_HEADER_TIMEOUT = 5.0  # seconds from a report call's headers to its message
+REPORT_CALL_TIMEOUT = 10.0  # seconds one report call may take in all
+REPORTS_IN_FLIGHT = 2  # per claimed sender on one connection
 ADAPTIVE_PLANNER = "adaptive"  # the planner label of schedules that change link levels
 SERVICE_NAME = "gossipcomp.v1.Coordinator"
 
@@ -163,6 +191,17 @@ def _level_costs(request: cpb.PeerReport) -> LevelCosts | None:
         raise ReportRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
 
 
+def _differs(request: cpb.PeerReport, model: tuple[str, tuple[TensorInfo, ...]]) -> str:
+    """Why a report's model is not the majority's `model` (signature, tensors)."""
+    signature, _ = model
+    if request.model_signature != signature:
+        return (
+            f"model_signature: {quoted(request.model_signature)} is not the model a majority "
+            f"of the peers report ({signature})"
+        )
+    return "tensors: not the parameters a majority of the peers report with this model_signature"
+
+
 def _number(field: str, value: float, high: float = MAX_SECONDS) -> float:
     if not (math.isfinite(value) and 0.0 <= value <= high):
         raise ReportRefused(
@@ -216,9 +255,14 @@ class Coordinator:
         self.replan_every = replan_every
         self.margin = 3 * report_every + 2
         self._members: dict[int, MemberReport] = {}
-        self._model_signature: str | None = None
-        self._highest_epoch = 0
-        self._lead = 0  # the furthest round any peer reported
+        # each rank's latest word on the model (signature, tensors): a majority decides
+        self._models: dict[int, tuple[str, tuple[TensorInfo, ...]]] = {}
+        self._highest_epoch = 0  # the newest epoch published, or believed held by peers
+        self._lead = 0  # the round two peers agree they reached (claims.agreed_round)
+        self._rounds = RoundClaims(
+            FASTEST_ROUND_S, margin=4 * report_every, quorum=lambda _: quorum_of(topology.n)
+        )
+        self._republished_at: int | None = None  # lead round of the last republication
         self._planned_at: int | None = None  # lead round of this coordinator's last plan
         self._adapted_at: int | None = None  # lead round of the last choice of levels
         self._rate: RateController | None = None  # made when the first ladder is known
@@ -243,17 +287,22 @@ class Coordinator:
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"sender: peer {request.sender} is not in the topology (0 to {self.topology.n - 1})",
             )
-        with self._lock:
-            known = self._model_signature
-        if known is not None and request.model_signature != known:
+        if not 0 < len(request.model_signature) <= MAX_SIGNATURE_CHARS:
             raise ReportRefused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"model_signature: {quoted(request.model_signature)} differs from the other peers'",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"model_signature {quoted(request.model_signature)}: expected 1 to "
+                f"{MAX_SIGNATURE_CHARS} characters",
             )
         if len(request.tensors) > MAX_TENSORS:
             raise ReportRefused(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"tensors: {len(request.tensors)}, at most {MAX_TENSORS}",
+            )
+        names_chars = sum(len(tensor.name) for tensor in request.tensors)
+        if names_chars > MAX_NAMES_CHARS:
+            raise ReportRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"tensors: names of {names_chars} characters in all, at most {MAX_NAMES_CHARS}",
             )
         tensors = []
         for tensor in request.tensors:
@@ -318,8 +367,8 @@ class Coordinator:
                 ) from None
         return MemberReport(
             rank=request.sender,
-            round=_integer("round", request.round, MAX_ROUND),
-            epoch=_integer("schedule_epoch", request.schedule_epoch, MAX_EPOCH),
+            round=_integer("round", request.round, MAX_REPORTED_ROUND),
+            epoch=_integer("schedule_epoch", request.schedule_epoch, MAX_REPORTED_EPOCH),
             compute_seconds=_number("compute_seconds", request.compute_seconds),
             compressor=compressor,
             compression=CompressorCost(
@@ -334,14 +383,31 @@ class Coordinator:
         )
 
     def receive(self, request: cpb.PeerReport) -> Schedule | None:
-        """Take a peer's report; the newest schedule when the peer does not hold it yet."""
+        """Take a peer's report; the newest schedule when the peer does not hold it yet.
+
+        The report's word on the model counts toward the majority first; a report of another
+        model than the majority's is then refused (FAILED_PRECONDITION). Its round and epoch
+        are kept as far as they are believed (module docstring)."""
         report = self.check(request)
         with self._lock:
-            if self._model_signature is None:
-                self._model_signature = request.model_signature
+            self._models[report.rank] = (request.model_signature, report.tensors)
+            model = self._agreed_model()
+            if model is not None and self._models[report.rank] != model:
+                self._members.pop(report.rank, None)
+                raise ReportRefused(grpc.StatusCode.FAILED_PRECONDITION, _differs(request, model))
+            believed = self._rounds.believe(report.rank, report.round)
+            if believed.cut:
+                log.warning(
+                    "coordinator: peer %d claims round %d; believed up to round %d",
+                    report.rank,
+                    report.round,
+                    believed.round,
+                )
+            report = replace(report, round=believed.round)
             self._members[report.rank] = report
-            self._highest_epoch = max(self._highest_epoch, report.epoch)
-            self._lead = max(self._lead, report.round)
+            self._highest_epoch = max(self._highest_epoch, self._believed_epoch())
+            lead = self._rounds.agreed()
+            self._lead = self._lead if lead is None else lead
             self._republish_if_missed(report)
             self._maybe_plan()
             self._maybe_adapt()
@@ -350,15 +416,43 @@ class Coordinator:
             return newest
         return None
 
+    def _agreed_model(self) -> tuple[str, tuple[TensorInfo, ...]] | None:
+        """The model (signature, tensors) a majority of the topology's peers report; None
+        while no majority agrees."""
+        if not self._models:
+            return None
+        model, votes = Counter(self._models.values()).most_common(1)[0]
+        return model if votes > self.topology.n // 2 else None
+
+    def _model_members(self) -> list[MemberReport]:
+        """The members that report the majority's model."""
+        model = self._agreed_model()
+        if model is None:
+            return []
+        return [m for rank, m in self._members.items() if self._models.get(rank) == model]
+
+    def _believed_epoch(self) -> int:
+        """The highest epoch the members hold, believed up to MAX_STAGED above the one two of
+        them agree on (one report cannot move epochs to the end of their range)."""
+        epochs = [m.epoch for m in self._members.values()]
+        agreed = agreed_round(epochs, quorum_of(self.topology.n)) or 0
+        return min(max(epochs, default=0), agreed + MAX_STAGED)
+
     def _republish_if_missed(self, report: MemberReport) -> None:
         """A peer past the newest schedule's effective round without holding it missed it
         (its rounds outran the reports' round trips): it refused it, so the schedule comes
-        again as a new epoch, further ahead: the margin doubles (up to MAX_MARGIN)."""
+        again as a new epoch, further ahead: the margin doubles (up to MAX_MARGIN). At most
+        once per `report_every` rounds of the agreed round."""
         newest = self.published[-1] if self.published else None
         if newest is None or report.epoch >= newest.epoch:
             return
         if report.round < newest.effective_round:
             return
+        if self._republished_at is not None and (
+            0 <= self._lead - self._republished_at < self.report_every
+        ):
+            return
+        self._republished_at = self._lead
         self.margin = min(2 * self.margin, MAX_MARGIN)
         log.warning(
             "coordinator: peer %d at round %d missed schedule epoch %d (from round %d); "
@@ -389,7 +483,9 @@ class Coordinator:
         newest = self.published[-1] if self.published else None
         epoch = max(self._highest_epoch, newest.epoch if newest else 0) + 1
         effective = self._lead + self.margin
-        if newest is not None:
+        if newest is not None and newest.effective_round < self._lead + MAX_MARGIN:
+            # after the newest one, unless that one is further than any margin (published
+            # from rounds no longer believed): a newer epoch supersedes it at the peers
             effective = max(effective, newest.effective_round + 1)
         schedule = Schedule(epoch, effective, groups, planner, links, budget_s)
         self.published.append(schedule)
@@ -404,10 +500,11 @@ class Coordinator:
         return schedule
 
     def _maybe_plan(self) -> None:
-        """Plan when every peer has reported: first once, then every replan_every rounds."""
-        if len(self._members) < self.topology.n:
+        """Plan when every peer has reported the majority's model: first once, then every
+        replan_every rounds (and when the agreed round went back)."""
+        if len(self._model_members()) < self.topology.n:
             return
-        if self._planned_at is not None and self._lead - self._planned_at < self.replan_every:
+        if self._planned_at is not None and 0 <= self._lead - self._planned_at < self.replan_every:
             return
         self._planned_at = self._lead
         groups = self._plan()
@@ -419,9 +516,11 @@ class Coordinator:
     def _maybe_adapt(self) -> None:
         """Choose every link's level when every peer has reported and, after the first time,
         the furthest round has moved 2 x report_every rounds on; publish when one changes."""
-        if not self.adaptive or len(self._members) < self.topology.n:
+        if not self.adaptive or len(self._model_members()) < self.topology.n:
             return
-        if self._adapted_at is not None and self._lead - self._adapted_at < 2 * self.report_every:
+        if self._adapted_at is not None and (
+            0 <= self._lead - self._adapted_at < 2 * self.report_every
+        ):
             return
         if self._adapted_at is None and min(m.round for m in self._members.values()) < (
             FIRST_DECISION_ROUND
@@ -459,7 +558,7 @@ class Coordinator:
     def _plan(self) -> tuple[TensorGroup, ...]:
         """The planner's groups under the cost model the reports give (none for algorithms
         that send no compressed groups)."""
-        members = list(self._members.values())
+        members = self._model_members()
         compressor = members[0].compressor
         if not compressor or any(m.compressor != compressor for m in members):
             return ()
@@ -481,51 +580,83 @@ class Coordinator:
         return tuple(make_planner(self.planner).plan(members[0].tensors, costs, compressor))
 
 
-class _Service(cpb_grpc.CoordinatorServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
-        self._coordinator = coordinator
+class _Service:
+    """The Report RPC on the server's event loop: at most REPORTS_IN_FLIGHT calls per claimed
+    sender on one connection; the checking and planning run on a few threads of their own."""
 
-    def Report(self, request: cpb.PeerReport, context: grpc.ServicerContext) -> cpb.ReportReply:
-        try:
-            schedule = self._coordinator.receive(request)
-        except ReportRefused as refused:
-            context.abort(refused.code, str(refused))
-        except ScheduleRefused as error:  # a plan that cannot be a schedule: a bug, say so
-            context.abort(grpc.StatusCode.INTERNAL, str(error))
+    def __init__(self, coordinator: Coordinator, work: BlockingWork) -> None:
+        self._coordinator = coordinator
+        self._work = work
+        self._slots = CallerSlots(REPORTS_IN_FLIGHT, "reports")
+
+    async def Report(
+        self, request: cpb.PeerReport, context: grpc.aio.ServicerContext
+    ) -> cpb.ReportReply:
+        async with self._slots.hold((request.sender, context.peer()), context):
+            try:
+                schedule = await self._work.run(lambda: self._coordinator.receive(request))
+            except ReportRefused as refused:
+                await context.abort(refused.code, str(refused))
+            except ScheduleRefused as error:  # a plan that cannot be a schedule: a bug, say so
+                await context.abort(grpc.StatusCode.INTERNAL, str(error))
         if schedule is None:
             return cpb.ReportReply()
         return cpb.ReportReply(has_schedule=True, schedule=schedule_to_proto(schedule))
 
 
-class CoordinatorServer:
-    """The coordinator served over gRPC at `address` (mutual TLS with `tls`)."""
+REPORT_LIMITS = ServingLimits(
+    max_message_bytes=MAX_REPORT_BYTES,
+    max_streams_per_connection=16,
+    header_timeout=REPORT_HEADER_TIMEOUT,
+    call_timeout=REPORT_CALL_TIMEOUT,
+    max_calls_per_caller=REPORTS_IN_FLIGHT,
+)
 
-    def __init__(self, coordinator: Coordinator, address: str, tls: TlsFiles | None = None) -> None:
+
+class CoordinatorServer:
+    """The coordinator served over gRPC at `address` (mutual TLS with `tls`), built the one way
+    every gossipcomp server is (transport/serving.py)."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        address: str,
+        tls: TlsFiles | None = None,
+        limits: ServingLimits = REPORT_LIMITS,
+    ) -> None:
         self.coordinator = coordinator
-        options = [
-            ("grpc.max_receive_message_length", MAX_REPORT_BYTES),
-            ("grpc.max_send_message_length", MAX_REPORT_BYTES),
-        ]
-        # unary calls of small messages: few threads, and callers beyond the limit are
-        # refused (RESOURCE_EXHAUSTED) instead of queued
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="coordinator"),
-            options=options,
-            maximum_concurrent_rpcs=64,
+        self._work = BlockingWork(2, "coordinator")
+        service = _Service(coordinator, self._work)
+        handler = bounded_handler(
+            SERVICE_NAME,
+            [
+                Method(
+                    "Report",
+                    service.Report,
+                    cpb.ReportReply.SerializeToString,
+                    cpb.PeerReport.FromString,
+                )
+            ],
+            limits,
         )
-        cpb_grpc.add_CoordinatorServicer_to_server(_Service(coordinator), self._server)
-        if tls is None:
-            port = self._server.add_insecure_port(address)
-        else:
-            port = self._server.add_secure_port(address, server_credentials(tls))
-        if port == 0:
-            raise OSError(f"coordinator: cannot listen on {quoted(address)}")
-        host = address.rsplit(":", 1)[0]
-        self.address = f"{host}:{port}"
-        self._server.start()
+        credentials = server_credentials(tls) if tls is not None else None
+        try:
+            self._server = AsyncServer(
+                "coordinator",
+                address,
+                [handler],
+                limits,
+                credentials,
+                health_services=("", SERVICE_NAME),
+            )
+        except BaseException:
+            self._work.close()
+            raise
+        self.address = self._server.address
 
     def stop(self, grace: float = 0.0) -> None:
-        self._server.stop(grace).wait()
+        self._server.stop(grace)
+        self._work.close()
 
     def wait(self) -> None:
-        self._server.wait_for_termination()
+        self._server.wait()

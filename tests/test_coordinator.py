@@ -180,10 +180,12 @@ def test_hostile_reports_are_refused_naming_the_field_and_change_nothing(fields,
         server.stop()
 
 
-def test_a_report_from_another_model_is_refused_once_the_model_is_known():
+def test_a_report_from_another_model_is_refused_once_a_majority_knows_the_model():
     coordinator = Coordinator(RING4)
-    coordinator.receive(_report())
-    with pytest.raises(ValueError, match="model_signature"):
+    coordinator.receive(_report(sender=2, model_signature="another"))  # one word decides nothing
+    for sender in (0, 1, 3):
+        coordinator.receive(_report(sender=sender))
+    with pytest.raises(ValueError, match="model_signature: 'another' is not the model"):
         coordinator.receive(_report(sender=2, model_signature="another"))
 
 
