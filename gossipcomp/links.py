@@ -68,6 +68,9 @@ class _Link:
     backoff: float = 0.0
     margin: int = RESUME_MARGIN  # rounds ahead this end proposes to resume
     their_round: int | None = None  # the other end's round at agreement, if it is to be followed
+    # resume round offered to a restarted neighbour while the edge still exchanged here: taken
+    # up if an exchange on it fails before then, dropped once one succeeds at or after it
+    offered: int | None = None
     probe: Future[HelloAnswer] | None = None
     in_step_round: int = 0  # the last round both ends completed together ...
     in_step_at: float = 0.0  # ... and when (monotonic seconds)
@@ -200,6 +203,8 @@ class LinkMonitor:
             for j in neighbours:
                 link = self._links[j]
                 link.in_step_round, link.in_step_at = round, now
+                if link.offered is not None and round >= link.offered:
+                    link.offered = None  # exchanged past it: the claim was not the neighbour's
 
     def restored(self, round: int, age: float) -> None:
         """This peer was restored from a checkpoint of `round` written `age` seconds ago: that
@@ -282,8 +287,22 @@ class LinkMonitor:
         later (the first probe after `backoff.first` seconds; each unanswered one doubles the
         wait). An edge a handshake put back meanwhile keeps its agreed resume round."""
         with self._lock:
-            if self._links[neighbour].state is LinkState.UP:
-                self._down(neighbour, round, reason)
+            link = self._links[neighbour]
+            if link.state is LinkState.UP:
+                offered, link.offered = link.offered, None
+                if offered is not None and offered > round:  # it did restart: resume as offered
+                    log.warning(
+                        "peer %d: neighbour %d lost at round %d (%s); resumes at round %d as "
+                        "offered",
+                        self.rank,
+                        neighbour,
+                        round,
+                        reason,
+                        offered,
+                    )
+                    self._adopt(neighbour, offered, None)
+                else:
+                    self._down(neighbour, round, reason)
 
     def resume_failed(self, neighbour: int, resume_round: int, reason: str) -> None:
         """The resume exchange at `resume_round` failed: down again, unless a handshake agreed
@@ -356,13 +375,25 @@ class LinkMonitor:
         (a forged Hello) could otherwise park a working edge for hundreds of rounds and move
         this peer's round. A neighbour that really lost the edge stops exchanging on it, so
         this end's next exchange fails, the edge goes down here, and the neighbour's next
-        handshake is answered: the claim is confirmed on the edge's own connection. (One that
-        says it is alone, restarted, is answered at once with the least margin: it follows this
-        peer, so its word moves nothing here.)"""
+        handshake is answered: the claim is confirmed on the edge's own connection (one that
+        says it is alone, restarted, is answered at once: `offer_resume`)."""
         with self._lock:
             link = self._links[sender]
             in_step = proposed == 0 and sender_round == round
             return link.state is LinkState.UP and not in_step
+
+    def offer_resume(self, sender: int, round: int) -> HelloAnswer:
+        """Answer a neighbour that says it is alone (restarted) on an edge that still exchanges
+        here, without taking the edge down: it is offered round + RESUME_MARGIN, which this end
+        takes up only if an exchange on the edge fails before then (the neighbour really
+        restarted, so it no longer exchanges at this peer's rounds). While exchanges succeed the
+        offer is dropped: a forged claim costs nothing."""
+        with self._lock:
+            link = self._links[sender]
+            link.offered = round + RESUME_MARGIN
+            self._on_resume(sender, link.offered)
+            anchored = self._anchored()
+        return HelloAnswer(round, round + RESUME_MARGIN, alone=not anchored)
 
     def answer_hello(
         self, sender: int, sender_round: int, proposed: int, sender_alone: bool, round: int
@@ -379,6 +410,7 @@ class LinkMonitor:
             link = self._links[sender]
             if proposed == 0 and sender_round == round and link.state is LinkState.UP:
                 return HelloAnswer(round, 0)
+            link.offered = None
             sender_round, proposed_margin = self._believed(
                 link, sender_round, proposed, sender_alone
             )

@@ -5,8 +5,10 @@ once to peer 1: edge 0-1 carried about a third of its share for the rest of a 30
 (peer 1 jumped ahead, every edge of it went down, and the catch-up rippled round the ring).
 Now a running peer does not follow a claim on an edge whose exchanges succeed: a neighbour that
 really lost the edge stops exchanging on it, so the edge's own connection confirms the claim. A
-claim to be alone (a restarted peer, which follows this one) is answered at once with the least
-margin. Real gRPC peers on loopback; the test counts the rounds each end has the edge parked.
+claim to be alone (a restarted peer, which follows this one) is offered the least margin at once,
+which this peer takes up only if an exchange on the edge then fails. Real gRPC peers
+on loopback; the test counts the rounds each end has the edge parked (before: 26-39 and every
+edge of the ring down in turn; now 0).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ def _model(rank: int) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 3))
 
 
-@pytest.mark.parametrize(("alone", "most_parked"), [(False, 0), (True, 3 * RESUME_MARGIN)])
-def test_one_forged_hello_parks_the_edge_for_a_few_rounds_at_most(alone, most_parked):
+@pytest.mark.parametrize("alone", [False, True])
+def test_one_forged_hello_parks_the_edge_for_a_few_rounds_at_most(alone):
     topology = topology_from_dict({"name": "ring3", "kind": "ring", "n": 3})
     peers = [
         Peer.over_grpc(
@@ -87,9 +89,9 @@ def test_one_forged_hello_parks_the_edge_for_a_few_rounds_at_most(alone, most_pa
             request_serializer=pb.HelloRequest.SerializeToString,
             response_deserializer=pb.HelloReply.FromString,
         )
-        if alone:  # answered with the least margin; the claimed round is not followed
+        if alone:  # offered the least margin, taken up only if the edge then fails
             reply = call(hello, timeout=5)
-            assert reply.resume_round <= reply.round + RESUME_MARGIN
+            assert reply.resume_round == reply.round + RESUME_MARGIN
         else:
             with pytest.raises(grpc.RpcError) as refused:
                 call(hello, timeout=5)
@@ -98,7 +100,8 @@ def test_one_forged_hello_parks_the_edge_for_a_few_rounds_at_most(alone, most_pa
             t.join(120)
         assert not errors, errors
         assert [p.round for p in peers] == [ROUNDS] * 3  # nobody was thrown ahead
-        assert max(parked) <= most_parked, parked
+        assert max(parked) <= 2, parked  # a few at most (0 in every run so far)
+        assert all(p.stats.failed_exchanges == {} for p in peers)
     finally:
         stranger.close()
         for p in peers:
