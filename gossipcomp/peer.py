@@ -267,13 +267,6 @@ class Peer:
                     f"peer {self.rank}: its edge to peer {sender} is up and exchanging; a "
                     "rejoin is agreed once an exchange on it fails"
                 )
-            proposed = 0  # alone (restarted): not followed, and parked for the least margin
-        if self._started and self.links.would_park(sender, their_round, proposed, self.round):
-            if not alone:  # its round would be followed: wait for the edge itself to fail
-                raise PeerNotReady(
-                    f"peer {self.rank}: its edge to peer {sender} is up and exchanging; a "
-                    "rejoin is agreed once an exchange on it fails"
-                )
             answer = self.links.offer_resume(sender, self.round)  # taken up if it fails
             return dataclasses.replace(answer, schedule_epoch=newest)
         answer = self.links.answer_hello(sender, their_round, proposed, alone, self.round)
