@@ -45,8 +45,13 @@ class CoordinatorServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Report(self, request, context):
-        """Refused with INVALID_ARGUMENT (a field out of range, naming it), PERMISSION_DENIED (a sender
-        not in the topology) or FAILED_PRECONDITION (another protocol, topology or model).
+        """Refused with INVALID_ARGUMENT (a field out of range, naming it; a round or epoch that would
+        leave no room for what the coordinator publishes), PERMISSION_DENIED (a sender not in the
+        topology), FAILED_PRECONDITION (another protocol or topology, or another model than the one
+        a majority of the peers report), RESOURCE_EXHAUSTED (too many reports in flight from one
+        sender on one connection) or DEADLINE_EXCEEDED (the request not sent within 5 s of the
+        call's headers, or the call not done within 10 s). A report's round and epoch are believed
+        only as far as time and the agreement of two peers allow (gossipcomp/transport/claims.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
