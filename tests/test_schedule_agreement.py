@@ -18,7 +18,7 @@ from conftest import run_in_threads
 from torch import nn
 
 from gossipcomp.compress import parse_spec
-from gossipcomp.coordinator import Coordinator, CoordinatorServer
+from gossipcomp.coordinator import Coordinator, CoordinatorServer, schedule_to_proto
 from gossipcomp.coordinator_client import CoordinatorClient
 from gossipcomp.gossip import Choco
 from gossipcomp.links import Backoff, LinkState
@@ -33,6 +33,10 @@ from gossipcomp.schedule.schedule import (
     ScheduleRefused,
 )
 from gossipcomp.topology import build_topology
+from gossipcomp.transport.base import Identity
+from gossipcomp.transport.grpc_transport import GrpcTransport
+from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
+from gossipcomp.transport.throttled import LinkRates, ThrottledTransport
 
 RING4 = build_topology("ring", n=4)
 FAST_BACKOFF = Backoff(first=0.02, longest=0.1)
@@ -257,3 +261,23 @@ def test_a_neighbours_schedule_is_checked_like_a_coordinators():
     finally:
         for peer in peers:
             peer.close()
+
+
+def test_schedules_are_fetched_through_throttled_links_too():
+    """Shaped links (ThrottledTransport) pass a neighbour's schedules on to its gRPC transport;
+    over an in-memory one the fetch fails (the peer logs it) instead of raising."""
+    rates = LinkRates(100.0)
+    a = ThrottledTransport(GrpcTransport(Identity(0, "t", "m"), [1]), rates)
+    b = ThrottledTransport(GrpcTransport(Identity(1, "t", "m"), [0]), rates)
+    held = [schedule_to_proto(Schedule(3, 40))]
+    try:
+        b.set_schedule_source(lambda sender, epoch: held if sender == 0 and epoch == 0 else [])
+        a.connect({1: b.address}, timeout=10)
+        assert list(a.fetch_schedules(1).result(timeout=10)) == held
+        memory = ThrottledTransport(
+            InMemoryTransport(Identity(0, "t", "m"), [1], InMemoryHub()), rates
+        )
+        assert memory.fetch_schedules(1).exception(timeout=1) is not None
+    finally:
+        a.close()
+        b.close()

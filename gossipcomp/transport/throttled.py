@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.text import quoted
 from gossipcomp.transport.base import (
     ExchangeResult,
@@ -28,6 +29,7 @@ from gossipcomp.transport.base import (
     PayloadSpec,
     Transport,
 )
+from gossipcomp.transport.schedules import ScheduleSource, SharesSchedules
 
 MAX_MBIT = 1e6  # a terabit link: beyond, the throttle is pointless
 MAX_CHANGES = 1024
@@ -175,6 +177,18 @@ class ThrottledTransport:
 
     def probe(self, neighbour: int, round: int, proposed: int, alone: bool) -> Future[HelloAnswer]:
         return self._inner.probe(neighbour, round, proposed, alone)
+
+    def set_schedule_source(self, source: ScheduleSource) -> None:
+        """Neighbours' schedules (transport/schedules.py) pass unthrottled, like handshakes."""
+        if isinstance(self._inner, SharesSchedules):
+            self._inner.set_schedule_source(source)
+
+    def fetch_schedules(self, neighbour: int) -> Future[list[cpb.Schedule]]:
+        if isinstance(self._inner, SharesSchedules):
+            return self._inner.fetch_schedules(neighbour)
+        unanswered: Future[list[cpb.Schedule]] = Future()  # the peer logs it and trains on
+        unanswered.set_exception(RuntimeError("the inner transport shares no schedules"))
+        return unanswered
 
     def close(self) -> None:
         self._inner.close()
