@@ -74,9 +74,7 @@ class MergedSync:
             _Group(i, [by_name[n] for n in g.names], g.names) for i, g in enumerate(groups)
         ]
         self._states: dict[str, CompressedState] = {}
-        self._state_of = [
-            self._state(g.compressor, seed, error_feedback, momentum) for g in groups
-        ]
+        self._state_of = [self._state(g.compressor, seed, error_feedback, momentum) for g in groups]
         self._group_of = {id(p): group for group in self._groups for p in group.params}
         self._queue = list(reversed(self._groups))  # backward completes the last group first
         self._next = 0

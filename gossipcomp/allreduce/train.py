@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gossipcomp.allreduce import reference
 from gossipcomp.allreduce.agreement import check_same_setup
 from gossipcomp.allreduce.comm import Communicator, Traffic
-from gossipcomp.allreduce.hooks import register
+from gossipcomp.allreduce.hooks import register, takes_momentum
 from gossipcomp.allreduce.launch import Session
 from gossipcomp.allreduce.marsit import MarsitSync
 from gossipcomp.allreduce.merged import MergedSync, plan_groups, ready_times, threshold_groups
@@ -114,6 +114,13 @@ def _data(
     return stream, split.x_test, split.y_test
 
 
+def sync_takes_momentum(config: AllreduceConfig) -> bool:
+    """Whether `config`'s synchroniser keeps the momentum itself (Marsit, the sign codecs)."""
+    if config.sync == "marsit":
+        return True
+    return config.sync in ("ddp-hook", "merged") and takes_momentum(config.compressor)
+
+
 def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     """Train on this rank (module docstring); every rank of the job calls it."""
     rank, world = session.rank, session.world
@@ -121,7 +128,9 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     model = MODELS[config.model](config.seed).to(device)
     stream, x_test, y_test = _data(config, rank, world)
     x_test, y_test = x_test.to(device), y_test.to(device)
-    optimizer = make_optimizer(model, config.lr, config.momentum)
+    # sign methods keep the momentum before compressing (hooks.py, marsit.py): not the optimizer
+    in_sync = config.momentum if sync_takes_momentum(config) else 0.0
+    optimizer = make_optimizer(model, config.lr, config.momentum - in_sync)
     comm = Communicator()
     check_same_setup(comm, "gossipcomp allreduce", {"config": asdict(config)})
     forward: nn.Module = model
@@ -147,13 +156,14 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
                 seed=config.seed,
                 error_feedback=config.error_feedback,
                 communicator=comm,
+                momentum=in_sync,
             )
     elif config.sync == "merged":
         merged = _merged(model, config, comm, stream)
         groups = len(merged.groups)
         after_backward, waited = merged.synchronize, lambda: merged.wait_seconds
     elif config.sync == "marsit":
-        marsit = MarsitSync(model, comm, config.seed)
+        marsit = MarsitSync(model, comm, config.seed, momentum=in_sync)
         after_backward, waited = marsit.synchronize, lambda: marsit.wait_seconds
     else:
         ssd = SSDSGD(model, optimizer, comm, config.ssd_k, config.ssd_warmup)
@@ -239,4 +249,11 @@ def _merged(
     else:
         groups = plan_groups(config.planner, tensors, config.compressor, comm, compute_s, device)
     comm.traffic = Traffic()  # the link measurements are not training traffic
-    return MergedSync(model, groups, comm, seed=config.seed, error_feedback=config.error_feedback)
+    return MergedSync(
+        model,
+        groups,
+        comm,
+        seed=config.seed,
+        error_feedback=config.error_feedback,
+        momentum=config.momentum if sync_takes_momentum(config) else 0.0,
+    )
