@@ -214,7 +214,8 @@ def tell_apart(curves: Sequence[Curve], paths: Sequence[str]) -> list[Curve]:
                 if len(set(ends)) == len(ends):
                     break
             for i, end in zip(group, ends, strict=True):
-                named[i] = replace(named[i], label=f"{_short(named[i].label, 40)} [{end[-40:]}]")
+                label_and_path = f"{_short(named[i].label, 48)} [{end[-40:]}]"
+                named[i] = replace(named[i], label=label_and_path)
     return named
 
 
