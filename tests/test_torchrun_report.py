@@ -72,3 +72,20 @@ def test_per_rank_or_single_rank_reports_are_accepted(
 def test_the_refusal_in_process_names_the_flag_and_the_path() -> None:
     with pytest.raises(ValueError, match=r"--report 'r\.json': the 3 peers"):
         _filled(["--report", "r.json"], 0, "3")
+
+
+def test_allreduce_refuses_rank_in_its_one_report(tmp_path: Path) -> None:
+    """All-reduce writes one report of every rank from rank 0 (nothing to overwrite); a {rank}
+    copied from the peer command would name a file literally 'r{rank}.json'."""
+    out = tmp_path / "r{rank}.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "gossipcomp.allreduce", "--nproc", "2", "--report", str(out)],
+        cwd=ROOT,
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "writes one report holding every rank" in done.stderr
+    assert "expected a path without {rank}" in done.stderr
+    assert not out.exists()

@@ -5,7 +5,9 @@
 rendezvous store). Without --nproc it is one rank of a job started by torchrun (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT; NCCL when CUDA is available) and rank 0 writes the report.
 Exit status: 0 done; 2 the command cannot run as given (one line on stderr); 1 training failed
-(a rank died: the message names it).
+(a rank died or stopped responding: the message names it, within about the --timeout).
+The report holds every rank: only rank 0 writes it, so under torchrun ranks never overwrite one
+another's, and `{rank}` in --report (the `peer` command's per-rank file) is refused.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from gossipcomp.allreduce.liveness import RankFailure
 from gossipcomp.allreduce.train import MODELS, SYNCS, AllreduceConfig, RankResult, train_rank
 from gossipcomp.arguments import integer, number
 from gossipcomp.report import HistoryPoint, PeerReport, Report
+from gossipcomp.text import quoted
 
 MAX_NPROC = 64
 MAX_STEPS = 1_000_000
@@ -232,6 +235,11 @@ def run(args: argparse.Namespace) -> int:
         check_config(config)
         if args.report is not None and args.report.is_dir():
             raise ValueError(f"--report {args.report}: is a directory; expected a file path")
+        if args.report is not None and "{rank}" in str(args.report):
+            raise ValueError(
+                f"--report {quoted(str(args.report))}: all-reduce writes one report holding "
+                "every rank (rank 0 writes it); expected a path without {rank}"
+            )
     except ValueError as error:
         _error(prog, error)
         return 2

@@ -111,6 +111,7 @@ class Liveness:
         self._stop = threading.Event()
         self._store_error: str | None = None
         self._count = 0
+        self._started_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="gossipcomp-liveness", daemon=True)
 
     def start(self) -> Liveness:
@@ -144,15 +145,25 @@ class Liveness:
                 f"rendezvous store is unreachable ({self._store_error}): its host stopped",
                 (),
             )
-        names = ", ".join(str(r) for r in stale)
-        which = "rank" if len(stale) == 1 else "ranks"
-        where = "; ".join(
-            f"rank {r}: {self.others.where(r)}" for r in stale if self.others.where(r)
-        )
+        stopped = [r for r in stale if self.others.started(r)]
+        absent = [r for r in stale if not self.others.started(r)]
+        said = []
+        if stopped:
+            where = "; ".join(
+                f"rank {r}: {self.others.where(r)}" for r in stopped if self.others.where(r)
+            )
+            said.append(
+                f"{_ranks(stopped)} stopped (no heartbeat for more than "
+                f"{self.stale_after_s:.1f} s: dead or hung{'; ' + where if where else ''})"
+            )
+        if absent:  # still starting (a slow import) or stopped before its first beat
+            since = time.monotonic() - self._started_at
+            said.append(
+                f"{_ranks(absent)} never beat in the {since:.1f} s since rank "
+                f"{self.rank} started (not started, or stopped while starting)"
+            )
         return RankFailure(
-            f"{which} {names} stopped (no heartbeat for more than {self.stale_after_s:.1f} s: "
-            f"dead or hung{'; ' + where if where else ''}); rank {self.rank} gave up on the "
-            f"collective: {first_line(error)}",
+            f"{'; '.join(said)}; rank {self.rank} gave up on the collective: {first_line(error)}",
             stale,
         )
 
@@ -168,6 +179,10 @@ class Liveness:
         self._count += 1
         self.store.set(f"{PREFIX}{self.rank}", f"{self._count} {self._identity}")
         self.others.poll()
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def first_line(error: BaseException) -> str:
