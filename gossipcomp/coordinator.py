@@ -606,7 +606,7 @@ class _Service:
 
 REPORT_LIMITS = ServingLimits(
     max_message_bytes=MAX_REPORT_BYTES,
-    max_streams_per_connection=16,
+    max_streams_per_connection=64,  # in-process peers may share one connection
     header_timeout=REPORT_HEADER_TIMEOUT,
     call_timeout=REPORT_CALL_TIMEOUT,
     max_calls_per_caller=REPORTS_IN_FLIGHT,

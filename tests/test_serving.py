@@ -18,6 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
+from gossipcomp.transport.base import Identity
+from gossipcomp.transport.grpc_transport import SERVICE_NAME, GrpcOptions, GrpcTransport
 from gossipcomp.transport.serving import (
     AsyncServer,
     CallerSlots,
@@ -26,7 +28,7 @@ from gossipcomp.transport.serving import (
     bounded_handler,
 )
 
-SERVICE = "test.Echo"
+SERVICE = "test.Echo"  # a service of the test's own
 
 
 def _idle(stop: threading.Event) -> Iterator[bytes]:
@@ -147,3 +149,20 @@ def test_one_caller_has_a_bounded_number_of_calls_in_flight():
 def test_limits_that_would_not_bound_anything_are_refused(field, value):
     with pytest.raises(ValueError, match=f"ServingLimits.{field}"):
         ServingLimits(**{field: value})
+
+
+def test_the_peers_server_is_built_this_way_too():
+    """The peer's transport serves through transport/serving.py: a Hello that sends its headers
+    and never its request is cut at the header deadline (first_chunk_timeout), where its old
+    server waited for as long as the connection lived."""
+    options = GrpcOptions(first_chunk_timeout=0.5, stream_timeout=2.0)
+    stop = threading.Event()
+    with GrpcTransport(Identity(0, "t", "m"), [1], options=options) as transport:
+        with grpc.insecure_channel(transport.address) as channel:
+            hello = channel.stream_unary(f"/{SERVICE_NAME}/Hello").future(_idle(stop), timeout=30)
+            try:
+                error = hello.exception(10)
+            finally:
+                stop.set()
+            assert error is not None and error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "not received within 0.5 s" in error.details()
