@@ -305,8 +305,13 @@ class Peer:
             for message in fetched.result():
                 try:
                     self.adopt(schedule_from_proto(message))
-                except ScheduleRefused as refused:
-                    log.error("peer %d: refused neighbour %d's schedule: %s", self.rank, j, refused)
+                except ValueError as refused:  # ScheduleRefused, or a malformed group
+                    log.error(
+                        "peer %d: refused neighbour %d's schedule: %s",
+                        self.rank,
+                        j,
+                        quoted(str(refused), 300),
+                    )
         if not isinstance(self.transport, SharesSchedules):
             return
         for j in sorted(asked):

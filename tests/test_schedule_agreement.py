@@ -12,6 +12,8 @@ agrees again within a bounded number of rounds. Real gRPC peers and a real coord
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import run_in_threads
@@ -23,6 +25,7 @@ from gossipcomp.coordinator_client import CoordinatorClient
 from gossipcomp.gossip import Choco
 from gossipcomp.links import Backoff, LinkState
 from gossipcomp.peer import Peer
+from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.schedule import (
     EPOCH_ALLOWANCE,
@@ -258,6 +261,19 @@ def test_a_neighbours_schedule_is_checked_like_a_coordinators():
             peers[1].adopt(bad)
         assert peers[1].schedules.newest.epoch == 0
         assert not peers[1].adopt(Schedule(0, 0))  # an epoch it has: nothing to do
+        hostile = [  # what a lying neighbour's server answers: an empty group, then 9 schedules
+            cpb.Schedule(
+                epoch=1, effective_round=50, planner="x", groups=[cpb.ScheduleGroup(compressor="s")]
+            ),
+            *(cpb.Schedule(epoch=e, effective_round=60, planner="x") for e in range(2, 10)),
+        ]
+        peers[0].transport.set_schedule_source(lambda sender, epoch: hostile)
+        peers[1]._want_schedules(0)
+        peers[1]._fetch_schedules()  # asks
+        time.sleep(1.0)
+        peers[1]._fetch_schedules()  # takes the answer: the malformed one is refused, logged
+        # at most 8 came (epoch 9 was cut); each superseded the one before at the same round
+        assert [s.epoch for s in peers[1].schedules.staged] == [8]
     finally:
         for peer in peers:
             peer.close()
