@@ -122,11 +122,17 @@ def test_gossipcomp_allreduce_exits_naming_a_stopped_rank(tmp_path: Path) -> Non
             launcher.kill()
             launcher.wait()
     assert launcher.returncode == 1, stderr
-    ended = re.search(
-        rf"rank (\d): no heartbeat for [0-9.]+ s \(stopped or hung; pid {victim}\)", stderr
-    )
+    # stopped while training (the usual case) or, on a busy machine, while starting
+    launcher_says = r"rank (\d): (?:no heartbeat for [0-9.]+ s \(stopped or hung|never beat "
+    launcher_says += rf"\(not started, or stopped while starting); pid {victim}\): ended"
+    ended = re.search(launcher_says, stderr)
     assert ended, stderr
     named = ended.group(1)
     for survivor in sorted({"0", "1", "2"} - {named}):
-        assert f"rank {survivor}: RankFailure: rank {named} stopped" in stderr, stderr
-    assert took < 5 * TIMEOUT_S, took  # the collective's timeout, then exits (busy cores)
+        said = re.search(
+            rf"rank {survivor}: RankFailure: rank {named} (stopped|never beat)", stderr
+        )
+        assert said, stderr
+    # the collective's timeout, naming, then three torch processes exit: 28-32 s seen with a
+    # load average of 20-45 on 2 cores; a hang is unbounded (215 s and counting in the issue)
+    assert took < 10 * TIMEOUT_S, took

@@ -180,8 +180,9 @@ class _Watch:
     A rank that has beaten and then falls silent is ended once another rank has failed (those
     fail within about the timeout when a rank stops, every collective being bounded) and its
     silence passed half the timeout, as the ranks themselves judge; with no failure, after
-    twice the timeout. Once a rank has failed, every rank still running after twice the timeout
-    (and a margin) is ended too: nothing keeps the launcher waiting for a job that failed.
+    twice the timeout. Once a rank has failed, a rank that never beat is ended at once, and
+    every rank still running after twice the timeout (and a margin) too: nothing keeps the
+    launcher waiting for a job that failed.
     """
 
     def __init__(self, heartbeats: Heartbeats, processes: list[Any], timeout_s: float) -> None:
@@ -201,11 +202,17 @@ class _Watch:
         for rank, process in enumerate(self.processes):
             if rank in outcomes:
                 continue
+            started = self.heartbeats.started(rank)
             silent = self.heartbeats.silent_for(rank)
-            if self.heartbeats.started(rank) and silent > silent_after:
+            if started and silent > silent_after:
                 ending[rank] = (
                     f"no heartbeat for {silent:.1f} s (stopped or hung; pid {process.pid}): "
                     "ended by the launcher"
+                )
+            elif self.failed and not started:
+                ending[rank] = (
+                    f"never beat (not started, or stopped while starting; pid {process.pid}): "
+                    f"ended by the launcher after rank {self.failed[0]} failed"
                 )
             elif self.failed and now - self.failed[1] > 2 * self.timeout_s + GRACE_S:
                 ending[rank] = (
