@@ -37,7 +37,8 @@ topology. Nothing one report says decides for the others (transport/claims.py):
 - the model (signature and tensor list) is the one a majority of the topology's peers report;
   until a majority agrees nothing is planned, and a report of another model is refused;
 - a claimed round is believed up to what time allows since that peer's last report, and the
-  round schedules are counted from is the one two peers agree on;
+  round schedules are counted from is the furthest believed, at most `margin` past the round
+  two peers agree on;
 - a claimed epoch is believed up to MAX_STAGED above the one two peers agree on.
 Errors quote what they echo shortened. The server is built the one way every gossipcomp server is
 (transport/serving.py): idle calls hold no thread and are cut at deadlines.
@@ -258,7 +259,8 @@ class Coordinator:
         # each rank's latest word on the model (signature, tensors): a majority decides
         self._models: dict[int, tuple[str, tuple[TensorInfo, ...]]] = {}
         self._highest_epoch = 0  # the newest epoch published, or believed held by peers
-        self._lead = 0  # the round two peers agree they reached (claims.agreed_round)
+        # the furthest round believed, at most `margin` past the round two peers agree on
+        self._lead = 0
         self._rounds = RoundClaims(
             FASTEST_ROUND_S, margin=4 * report_every, quorum=lambda _: quorum_of(topology.n)
         )
@@ -406,8 +408,10 @@ class Coordinator:
             report = replace(report, round=believed.round)
             self._members[report.rank] = report
             self._highest_epoch = max(self._highest_epoch, self._believed_epoch())
-            lead = self._rounds.agreed()
-            self._lead = self._lead if lead is None else lead
+            agreed = self._rounds.agreed()
+            if agreed is not None:  # the furthest round, at most a margin past two peers' word
+                furthest = max(m.round for m in self._members.values())
+                self._lead = min(furthest, agreed + self.margin)
             self._republish_if_missed(report)
             self._maybe_plan()
             self._maybe_adapt()
