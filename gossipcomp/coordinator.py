@@ -67,6 +67,7 @@ from gossipcomp.schedule import (
 )
 from gossipcomp.schedule.costs import check_sample
 from gossipcomp.schedule.groups import TensorGroup
+from gossipcomp.schedule.messages import schedule_to_proto
 from gossipcomp.schedule.rate import (
     FIRST_DECISION_ROUND,
     MAX_LEVEL,
@@ -146,27 +147,6 @@ class MemberReport:
     sends: dict[int, tuple[tuple[int, float], ...]]
     levels: LevelCosts | None  # the algorithm's ladder, None without per-link levels
     critical: bool = False  # in a critical learning phase (schedule/critical.py)
-
-
-def schedule_to_proto(schedule: Schedule) -> cpb.Schedule:
-    return cpb.Schedule(
-        epoch=schedule.epoch,
-        effective_round=schedule.effective_round,
-        planner=schedule.planner,
-        groups=[cpb.ScheduleGroup(names=g.names, compressor=g.compressor) for g in schedule.groups],
-        links=[cpb.LinkLevel(low=x.low, high=x.high, level=x.level) for x in schedule.links],
-        budget_s=schedule.budget_s,
-    )
-
-
-def schedule_from_proto(message: cpb.Schedule) -> Schedule:
-    """A received schedule; ScheduleRefused naming the field when out of range (the peer
-    checks it against its model and topology when staging it)."""
-    groups = tuple(TensorGroup(tuple(g.names), g.compressor) for g in message.groups)
-    links = tuple(LinkLevel(x.low, x.high, x.level) for x in message.links)
-    return Schedule(
-        message.epoch, message.effective_round, groups, message.planner, links, message.budget_s
-    )
 
 
 def _level_costs(request: cpb.PeerReport) -> LevelCosts | None:

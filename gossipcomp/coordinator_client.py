@@ -14,13 +14,13 @@ import logging
 import grpc
 import torch
 
-from gossipcomp.coordinator import schedule_from_proto
 from gossipcomp.gossip.base import LinkLeveled, PeerLeveled
 from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
 from gossipcomp.schedule import CompressorCost, measure_compressor
 from gossipcomp.schedule.critical import CriticalPhase
+from gossipcomp.schedule.messages import schedule_from_proto
 from gossipcomp.schedule.schedule import ScheduleRefused
 from gossipcomp.security.tls import TlsFiles, channel_credentials
 from gossipcomp.transport.base import PROTOCOL_VERSION

@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from gossipcomp.coordinator import schedule_from_proto, schedule_to_proto
 from gossipcomp.gossip.base import (
     RESUME_PHASE,
     GossipAlgorithm,
@@ -53,6 +52,7 @@ from gossipcomp.peer_levels import CompressionLevels, LevelBook
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.announce import EdgeLevels
 from gossipcomp.schedule.costs import TransferLog
+from gossipcomp.schedule.messages import schedule_from_proto, schedule_to_proto
 from gossipcomp.schedule.own_levels import SenderLevels
 from gossipcomp.schedule.schedule import Schedule, ScheduleBook, ScheduleRefused
 from gossipcomp.text import quoted

@@ -96,3 +96,11 @@ def test_the_graph_layer_loads_no_grpc_and_no_terminal_library():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_peer_loads_no_coordinator_service():
+    """The schedule messages peers pass each other live below both (schedule/messages.py), so
+    importing a peer does not load the coordinator's service."""
+    code = "import sys, gossipcomp.peer\nprint('gossipcomp.coordinator' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

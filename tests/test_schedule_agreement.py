@@ -20,13 +20,14 @@ from conftest import run_in_threads
 from torch import nn
 
 from gossipcomp.compress import parse_spec
-from gossipcomp.coordinator import Coordinator, CoordinatorServer, schedule_to_proto
+from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.coordinator_client import CoordinatorClient
 from gossipcomp.gossip import Choco
 from gossipcomp.links import Backoff, LinkState
 from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.groups import TensorGroup
+from gossipcomp.schedule.messages import schedule_to_proto
 from gossipcomp.schedule.schedule import (
     EPOCH_ALLOWANCE,
     MAX_STAGED,
