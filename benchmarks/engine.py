@@ -11,6 +11,12 @@ only at the end), two runs of the same training, side by side in one invocation:
   time and the wall time is the work itself (local step, mixing, encoding, the inbox's checks
   and mailbox) done serially, plus the thread switches at each wait for a neighbour.
 
+One process against worker processes, as ratios from the same invocation: each size's
+one-process cost per peer-round (simulate seconds per round / peers), its growth from the
+smallest size to the largest (`per_peer_round_growth`: flat would be 1.0), and one process
+against --workers N on the same ring (`one_process_vs_workers`). `report_round_s` is what
+`gossipcomp simulate --quiet` reports (the report's wall seconds / rounds, start-up included).
+
 Per round is measured between the moment every peer has finished round --warmup and the moment
 every peer has finished round --rounds - 1 (startup, handshakes and the final evaluation left
 out). efficiency = back-to-back seconds / (simulate seconds x usable cores): 1.0 would be
@@ -86,14 +92,15 @@ class RoundClock:
 
 def simulate_round(
     config: TrainConfig, topology: Topology, warmup: int, workers: int = 1
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """simulate's wall and process CPU seconds per round (with worker processes, the CPU
-    seconds are this process's alone: the workers' are not seen)."""
+    seconds are this process's alone: the workers' are not seen), and the report's wall
+    seconds per round (start-up and the final evaluation included)."""
     clock = RoundClock(topology.n, warmup, config.rounds - 1)
-    run_simulation(
+    report = run_simulation(
         config, topology, progress=clock.on_round, startup_timeout=300.0, workers=workers
     )
-    return clock.per_round()
+    return (*clock.per_round(), report.wall_seconds / config.rounds)
 
 
 def in_memory_trainers(topology: Topology, config: TrainConfig) -> list[PeerTrainer]:
@@ -146,7 +153,7 @@ def back_to_back_round(config: TrainConfig, topology: Topology, warmup: int) -> 
     return clock.per_round()
 
 
-RUN_FIELDS = ("simulate", "simulate_cpu", "back_to_back", "back_to_back_cpu")
+RUN_FIELDS = ("simulate", "simulate_cpu", "report", "back_to_back", "back_to_back_cpu")
 
 
 def measure(
@@ -167,7 +174,7 @@ def measure(
         )
         if workers > 1:
             spread.append(simulate_round(config, topology, warmup, workers)[0])
-    simulate_s, simulate_cpu_s, serial_s, serial_cpu_s = (
+    simulate_s, simulate_cpu_s, report_s, serial_s, serial_cpu_s = (
         statistics.median(t) for t in zip(*runs, strict=True)
     )
     with_workers = (
@@ -175,6 +182,7 @@ def measure(
             "workers": workers,
             "simulate_workers_round_s": statistics.median(spread),
             "efficiency_workers": serial_cpu_s / (statistics.median(spread) * cores),
+            "one_process_vs_workers": simulate_s / statistics.median(spread),
         }
         if spread
         else {}
@@ -184,6 +192,8 @@ def measure(
         "peers": peers,
         "simulate_round_s": simulate_s,
         "simulate_cpu_round_s": simulate_cpu_s,
+        "simulate_per_peer_ms": 1e3 * simulate_s / peers,
+        "report_round_s": report_s,
         "back_to_back_round_s": serial_s,
         "back_to_back_cpu_round_s": serial_cpu_s,
         "back_to_back_per_peer_ms": 1e3 * serial_cpu_s / peers,
@@ -195,12 +205,21 @@ def measure(
     }
 
 
+def per_peer_round_growth(rows: Sequence[dict]) -> float:
+    """One process's cost per peer-round at the largest size over the smallest (rows in the
+    order measured, any order of sizes)."""
+    by_size = sorted(rows, key=lambda row: row["peers"])
+    return by_size[-1]["simulate_per_peer_ms"] / by_size[0]["simulate_per_peer_ms"]
+
+
 def table(rows: Sequence[dict], cores: int) -> Table:
     t = Table(title=f"ring, PowerGossip rank 1: seconds per round ({cores} usable cores)")
     columns: dict[str, Callable[[dict], str]] = {
         "peers": lambda r: str(r["peers"]),
         "simulate ms": lambda r: f"{1e3 * r['simulate_round_s']:.1f}",
         "simulate CPU ms": lambda r: f"{1e3 * r['simulate_cpu_round_s']:.1f}",
+        "per peer-round ms": lambda r: f"{r['simulate_per_peer_ms']:.2f}",
+        "report ms": lambda r: f"{1e3 * r['report_round_s']:.1f}",
         "back to back CPU ms": lambda r: f"{1e3 * r['back_to_back_cpu_round_s']:.1f}",
         "(wall ms)": lambda r: f"{1e3 * r['back_to_back_round_s']:.1f}",
         "per peer ms": lambda r: f"{r['back_to_back_per_peer_ms']:.2f}",
@@ -210,6 +229,9 @@ def table(rows: Sequence[dict], cores: int) -> Table:
         ),
         "efficiency (workers)": lambda r: (
             f"{r['efficiency_workers']:.3f}" if "workers" in r else "-"
+        ),
+        "one process / workers": lambda r: (
+            f"{r['one_process_vs_workers']:.2f}" if "workers" in r else "-"
         ),
         "work fraction": lambda r: f"{r['work_fraction']:.2f}",
         "core use": lambda r: f"{r['core_use']:.2f}",
@@ -267,6 +289,12 @@ def main() -> None:
             highlight=False,
         )
     console.print(table(rows, cores))
+    growth = per_peer_round_growth(rows)
+    console.print(
+        f"one process, cost per peer-round at {rows[-1]['peers']} peers over {rows[0]['peers']}: "
+        f"{growth:.2f}",
+        highlight=False,
+    )
     if args.json:
         report = {
             "command": shlex.join(["python", "benchmarks/engine.py", *sys.argv[1:]]),
@@ -283,6 +311,11 @@ def main() -> None:
             "efficiency_workers": {
                 str(row["peers"]): row["efficiency_workers"] for row in rows if "workers" in row
             },
+            "per_peer_round_growth": growth,
+            "one_process_vs_workers": {
+                str(row["peers"]): row["one_process_vs_workers"] for row in rows if "workers" in row
+            },
+            "load_average_1min": os.getloadavg()[0],
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

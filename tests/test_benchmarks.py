@@ -200,9 +200,16 @@ def test_engine_benchmark_sets_simulate_against_the_work_done_back_to_back(
         assert row["efficiency"] == pytest.approx(row["work_fraction"] * row["core_use"])
         runs = row["runs_s"]
         assert len(runs) == 2  # medians of two are their means
-        for field in ("simulate", "simulate_cpu", "back_to_back", "back_to_back_cpu"):
+        for field in ("simulate", "simulate_cpu", "report", "back_to_back", "back_to_back_cpu"):
             mean = (runs[0][field] + runs[1][field]) / 2
             assert row[f"{field}_round_s"] == pytest.approx(mean)
+        assert row["report_round_s"] > 0
+        assert row["simulate_per_peer_ms"] == pytest.approx(
+            1e3 * row["simulate_round_s"] / row["peers"]
+        )
+        assert row["one_process_vs_workers"] == pytest.approx(
+            row["simulate_round_s"] / row["simulate_workers_round_s"]
+        )
         assert row["work_fraction"] == pytest.approx(
             row["back_to_back_cpu_round_s"] / row["simulate_cpu_round_s"]
         )
@@ -213,3 +220,10 @@ def test_engine_benchmark_sets_simulate_against_the_work_done_back_to_back(
             1e3 * row["back_to_back_cpu_round_s"] / row["peers"]
         )
     assert report["efficiency"] == {str(r["peers"]): r["efficiency"] for r in report["sizes"]}
+    small, large = report["sizes"]
+    assert report["per_peer_round_growth"] == pytest.approx(
+        large["simulate_per_peer_ms"] / small["simulate_per_peer_ms"]
+    )
+    assert report["one_process_vs_workers"] == {
+        str(r["peers"]): r["one_process_vs_workers"] for r in report["sizes"]
+    }

@@ -22,8 +22,8 @@ import time
 from collections import Counter
 from collections.abc import (
     AsyncIterator,
-    Callable,
     Collection,
+    Coroutine,
     Iterable,
     Iterator,
     Mapping,
@@ -33,7 +33,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import gossip_pb2 as pb
@@ -66,8 +65,19 @@ from gossipcomp.transport.base import (
 from gossipcomp.transport.buffers import BufferPool
 from gossipcomp.transport.inbox import Inbox
 from gossipcomp.transport.mailbox import Mailbox
-from gossipcomp.transport.schedules import MAX_SHARED_SCHEDULES, ScheduleSource
-from gossipcomp.transport.serving import AsyncServer, Method, ServingLimits, bounded_handler
+from gossipcomp.transport.schedules import (
+    MAX_SHARED_SCHEDULES,
+    SCHEDULE_CALLS_PER_CALLER,
+    ScheduleSource,
+)
+from gossipcomp.transport.serving import (
+    PROCESS_LOOP,
+    AsyncServer,
+    CallerSlots,
+    Method,
+    ServingLimits,
+    bounded_handler,
+)
 from gossipcomp.transport.wire import (
     DEFAULT_CHUNK_BYTES,
     ContentCheck,
@@ -184,7 +194,9 @@ class _GossipService:
         self._in_flight: dict[tuple[int, str], int] = {}
         self._buffers = BufferPool(options.receive_pool_bytes)
         self.on_hello: HelloHandler = no_rejoin
-        self.on_schedules: ScheduleSource = lambda sender, epoch: ()  # none until a peer says
+        self.on_schedules: ScheduleSource = lambda sender, epoch: b""  # none until a peer says
+        # Schedules answers in flight per caller (claimed sender on one connection)
+        self._schedule_calls = CallerSlots(SCHEDULE_CALLS_PER_CALLER, "Schedules calls")
 
     async def _refuse(self, context: grpc.aio.ServicerContext, refused: EnvelopeRejected) -> None:
         code, details = refused.code.value, str(refused)
@@ -194,13 +206,9 @@ class _GossipService:
                 code = "FAILED_PRECONDITION"
         await context.abort(_STATUS[code], details)
 
-    async def Hello(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.HelloReply:
-        try:
-            request = pb.HelloRequest.FromString(raw)
-        except DecodeError:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "request: expected a HelloRequest message"
-            )
+    async def Hello(
+        self, request: pb.HelloRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HelloReply:
         try:
             answer = self._answer_hello(request)
         except EnvelopeRejected as refused:
@@ -221,21 +229,19 @@ class _GossipService:
             self._auth.prove_reply(reply, request)
         return reply
 
-    async def Schedules(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ScheduleList:
+    async def Schedules(
+        self, request: pb.HelloRequest, context: grpc.aio.ServicerContext
+    ) -> bytes:
         """The schedules this peer holds past the asking neighbour's epoch: a handshake's
-        checks, then the peer's own list (changes nothing here)."""
-        try:
-            request = pb.HelloRequest.FromString(raw)
-        except DecodeError:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "request: expected a HelloRequest message"
-            )
+        checks, then the peer's own serialised list (built when its schedules change, never
+        per request; changes nothing here). One caller has at most SCHEDULE_CALLS_PER_CALLER
+        answers in flight."""
         try:
             self._check_hello(request)
         except EnvelopeRejected as refused:
             await self._refuse(context, refused)
-        held = list(self.on_schedules(request.sender, request.schedule_epoch))
-        return pb.ScheduleList(schedules=held[:MAX_SHARED_SCHEDULES])
+        async with self._schedule_calls.hold((request.sender, context.peer()), context):
+            return self.on_schedules(request.sender, request.schedule_epoch)
 
     def _answer_hello(self, request: pb.HelloRequest) -> HelloAnswer:
         """Check a handshake and answer it; raises EnvelopeRejected naming the field."""
@@ -386,28 +392,38 @@ class _GossipService:
         return self._inbox.check_header(header)
 
 
-def _time_delivery(
-    delivered: dict[int, float], neighbour: int, start: float
-) -> Callable[[Any], None]:
-    """A push's done-callback noting when `neighbour` had this peer's envelope."""
+class _Pushes:
+    """One exchange's pushes, run together on the loop: each one's outcome (bytes sent, or
+    the error), when each was delivered, and the mailbox told at once of a refused push."""
 
-    def note(push: Any) -> None:
-        delivered[neighbour] = time.monotonic() - start
+    def __init__(self, mailbox: Mailbox, round: int, phase: str, start: float) -> None:
+        self._mailbox, self._round, self._phase, self._start = mailbox, round, phase, start
+        self.outcomes: dict[int, int | BaseException] = {}
+        self.delivered: dict[int, float] = {}  # neighbour -> seconds until it acknowledged
 
-    return note
+    async def run(self, pushes: Mapping[int, Coroutine[Any, Any, int]]) -> None:
+        await asyncio.gather(*(self._one(j, push) for j, push in pushes.items()))
+
+    async def _one(self, neighbour: int, push: Coroutine[Any, Any, int]) -> None:
+        try:
+            self.outcomes[neighbour] = await push
+            self.delivered[neighbour] = time.monotonic() - self._start
+        except asyncio.CancelledError:
+            self._mailbox.abandon(self._round, self._phase, neighbour)
+            raise
+        except Exception as error:  # the exchange reports it (or raises what is not gRPC's)
+            self.outcomes[neighbour] = error
+            self._mailbox.abandon(self._round, self._phase, neighbour)
 
 
-def _abandon_on_failure(
-    mailbox: Mailbox, round: int, phase: str, neighbour: int
-) -> Callable[[futures.Future[int] | grpc.Future], None]:
-    """A push callback: when the neighbour refused our envelope (or could not be reached), it
-    has moved on or gone, so the round stops waiting for its envelope."""
+async def _unary(method: grpc.aio.UnaryUnaryMultiCallable, request: Any, timeout: float) -> Any:
+    """One unary call made on the loop (a grpc.aio call belongs to the loop it starts on)."""
+    return await method(request, timeout=timeout)
 
-    def callback(push: futures.Future[int] | grpc.Future) -> None:
-        if push.cancelled() or push.exception() is not None:
-            mailbox.abandon(round, phase, neighbour)
 
-    return callback
+async def _close_channels(channels: Collection[grpc.aio.Channel]) -> None:
+    for channel in channels:
+        await channel.close()
 
 
 def _signed_header(
@@ -421,14 +437,24 @@ def _signed_header(
 
 def _handlers(service: _GossipService, limits: ServingLimits) -> grpc.GenericRpcHandler:
     """The Gossip service with Push reading serialised chunks (parsed in wire.py, not by gRPC);
-    Hello is parsed in its handler, so a malformed one is INVALID_ARGUMENT, not UNKNOWN."""
+    a malformed HelloRequest is INVALID_ARGUMENT (serving.py parses it), not UNKNOWN."""
     return bounded_handler(
         SERVICE_NAME,
         (
-            Method("Hello", service.Hello, pb.HelloReply.SerializeToString),
+            Method(
+                "Hello",
+                service.Hello,
+                pb.HelloReply.SerializeToString,
+                request=pb.HelloRequest.FromString,
+            ),
             Method("Push", service.Push, pb.PushReply.SerializeToString, streaming_request=True),
             Method("PushOne", service.PushOne, pb.PushReply.SerializeToString),
-            Method("Schedules", service.Schedules, pb.ScheduleList.SerializeToString),
+            Method(
+                "Schedules",
+                service.Schedules,
+                bytes,  # served already serialised (ScheduleSource)
+                request=pb.HelloRequest.FromString,
+            ),
         ),
         limits,
     )
@@ -494,13 +520,13 @@ class GrpcTransport:
             health_services=("", SERVICE_NAME),
         )
         self.address = self._server.address
-        self._pool = futures.ThreadPoolExecutor(
-            max_workers=max(2, len(self._neighbours)), thread_name_prefix=f"gossip-push-{self.rank}"
-        )
-        self._channels: dict[int, grpc.Channel] = {}
+        # the client side runs on the same process-wide loop as the server: a push is a
+        # coroutine there, not a thread (docs/benchmarks.md, "Engine, one process")
+        self._loop = PROCESS_LOOP.lease()
+        self._channels: dict[int, grpc.aio.Channel] = {}
         self._stubs: dict[int, pb_grpc.GossipStub] = {}
-        self._pushers: dict[int, grpc.StreamUnaryMultiCallable] = {}
-        self._push_ones: dict[int, grpc.UnaryUnaryMultiCallable] = {}
+        self._pushers: dict[int, grpc.aio.StreamUnaryMultiCallable] = {}
+        self._push_ones: dict[int, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._notices: dict[int, LevelNotice] = {}  # neighbour -> what its envelopes carry
         self._closed = False
 
@@ -553,26 +579,18 @@ class GrpcTransport:
         if neighbour not in self._stubs:
             raise RuntimeError(f"peer {self.rank}: schedules asked before connect()")
         request = self._hello_request(neighbour, 0, 0, False)
-        call = self._stubs[neighbour].Schedules.future(
-            request, timeout=self._options.hello_timeout
-        )
-        fetched: futures.Future[list[cpb.Schedule]] = futures.Future()
+        stub, timeout = self._stubs[neighbour], self._options.hello_timeout
 
-        def done(finished: grpc.Future) -> None:
-            try:
-                held = list(finished.result().schedules)
-                if len(held) > MAX_SHARED_SCHEDULES:
-                    raise EnvelopeRejected(
-                        RejectCode.INVALID_ARGUMENT,
-                        f"schedules from peer {neighbour}: {len(held)}, at most "
-                        f"{MAX_SHARED_SCHEDULES}",
-                    )
-                fetched.set_result(held)
-            except BaseException as error:  # refused, unanswered, too many: nothing fetched
-                fetched.set_exception(error)
+        async def fetch() -> list[cpb.Schedule]:
+            held = list((await stub.Schedules(request, timeout=timeout)).schedules)
+            if len(held) > MAX_SHARED_SCHEDULES:
+                raise EnvelopeRejected(
+                    RejectCode.INVALID_ARGUMENT,
+                    f"schedules from peer {neighbour}: {len(held)}, at most {MAX_SHARED_SCHEDULES}",
+                )
+            return held
 
-        call.add_done_callback(done)
-        return fetched
+        return self._loop.submit(fetch())  # refused, unanswered, too many: the future fails
 
     def connect(
         self,
@@ -595,17 +613,7 @@ class GrpcTransport:
         missing = [j for j in self._neighbours if j not in addresses]
         if missing:
             raise ValueError(f"peer {self.rank}: no address for neighbours {missing}")
-        for j in self._neighbours:
-            if j not in self._channels:
-                channel = self._channel(addresses[j])
-                self._channels[j] = channel
-                self._stubs[j] = pb_grpc.GossipStub(channel)
-                self._pushers[j] = channel.stream_unary(  # chunks arrive serialised already
-                    f"/{SERVICE_NAME}/Push", response_deserializer=pb.PushReply.FromString
-                )
-                self._push_ones[j] = channel.unary_unary(
-                    f"/{SERVICE_NAME}/PushOne", response_deserializer=pb.PushReply.FromString
-                )
+        self._loop.run(self._open_channels(addresses))
         self._inbox.mailbox.open_round(round)
         proposals = proposals or {}
         answers: dict[int, HelloAnswer] = {}
@@ -618,7 +626,7 @@ class GrpcTransport:
                 attempt = min(self._options.hello_timeout, max(0.05, deadline - time.monotonic()))
                 try:
                     request = self._hello_request(j, round, proposals.get(j, 0), alone)
-                    reply = self._stubs[j].Hello(request, timeout=attempt)
+                    reply = self._loop.run(_unary(self._stubs[j].Hello, request, attempt))
                     answers[j] = self._answer(j, request, reply)
                     pending.discard(j)
                 except EnvelopeRejected as refused:
@@ -652,11 +660,27 @@ class GrpcTransport:
             backoff = min(backoff * 2, 1.0)
         return answers
 
-    def _channel(self, address: str) -> grpc.Channel:
+    async def _open_channels(self, addresses: Mapping[int, str]) -> None:
+        """A channel per neighbour not yet connected, made on the loop (grpc.aio channels
+        belong to the loop they are made on)."""
+        for j in self._neighbours:
+            if j in self._channels:
+                continue
+            channel = self._channel(addresses[j])
+            self._channels[j] = channel
+            self._stubs[j] = pb_grpc.GossipStub(channel)
+            self._pushers[j] = channel.stream_unary(  # chunks arrive serialised already
+                f"/{SERVICE_NAME}/Push", response_deserializer=pb.PushReply.FromString
+            )
+            self._push_ones[j] = channel.unary_unary(
+                f"/{SERVICE_NAME}/PushOne", response_deserializer=pb.PushReply.FromString
+            )
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
         options = self._options.channel_options()
         if self._channel_credentials is None:
-            return grpc.insecure_channel(address, options=options)
-        return grpc.secure_channel(address, self._channel_credentials, options=options)
+            return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.secure_channel(address, self._channel_credentials, options=options)
 
     def _hello_request(
         self, neighbour: int, round: int, proposed: int, alone: bool
@@ -698,30 +722,29 @@ class GrpcTransport:
         if neighbour not in self._stubs:
             raise RuntimeError(f"peer {self.rank}: probe before connect()")
         request = self._hello_request(neighbour, round, proposed, alone)
-        call = self._stubs[neighbour].Hello.future(request, timeout=self._options.hello_timeout)
-        answer: futures.Future[HelloAnswer] = futures.Future()
+        stub, timeout = self._stubs[neighbour], self._options.hello_timeout
 
-        def done(finished: grpc.Future) -> None:
-            try:
-                answer.set_result(self._answer(neighbour, request, finished.result()))
-            except BaseException as error:  # refused, unanswered, cancelled: the probe failed
-                answer.set_exception(error)
+        async def ask() -> HelloAnswer:
+            return self._answer(neighbour, request, await stub.Hello(request, timeout=timeout))
 
-        call.add_done_callback(done)
-        return answer
+        return self._loop.submit(ask())  # refused, unanswered, cancelled: the future fails
 
     def send(self, neighbour: int, envelope: Envelope, deadline: float) -> int:
         """Stream one envelope to a neighbour before `deadline` (time.monotonic); return its bytes.
 
         Raises grpc.RpcError with the receiver's status when it refuses the envelope.
         """
+        chunks = self._lazy_chunks(neighbour, envelope)
+        return self._loop.run(self._stream(neighbour, chunks, deadline))
+
+    def _lazy_chunks(self, neighbour: int, envelope: Envelope) -> Iterator[bytes]:
+        """The envelope's chunks for `neighbour`, each built as gRPC asks for it."""
         header = None
         if self._auth is not None:
             header = _signed_header(self._auth, envelope, neighbour, content_sha256(envelope))
-        chunks = envelope_chunks(envelope, self._options.chunk_bytes, header)
-        return self._send_chunks(neighbour, chunks, deadline)
+        return envelope_chunks(envelope, self._options.chunk_bytes, header)
 
-    def _send_chunks(self, neighbour: int, chunks: Iterable[bytes], deadline: float) -> int:
+    async def _stream(self, neighbour: int, chunks: Iterable[bytes], deadline: float) -> int:
         sent = 0
 
         def counted() -> Iterator[bytes]:
@@ -731,8 +754,13 @@ class GrpcTransport:
                 yield chunk
 
         timeout = max(0.001, deadline - time.monotonic())
-        self._pushers[neighbour](counted(), timeout=timeout)
+        await self._pushers[neighbour](counted(), timeout=timeout)
         return sent
+
+    async def _push_one(self, neighbour: int, chunk: bytes, deadline: float) -> int:
+        timeout = max(0.001, deadline - time.monotonic())
+        await self._push_ones[neighbour](chunk, timeout=timeout)
+        return len(chunk)
 
     def exchange(
         self,
@@ -753,15 +781,13 @@ class GrpcTransport:
         # (`send`): building all 64 MiB first cost as much as sending them.
         receivers = Counter(id(payload) for payload in outgoing.values())
         chunked: dict[int, tuple[Envelope, list[bytes], bytes]] = {}
-        pushes: dict[int, futures.Future[int] | grpc.Future] = {}
+        pushes: dict[int, Coroutine[Any, Any, int]] = {}
         sizes: dict[int, int] = {}
-        mailbox = self._inbox.mailbox
         for j, payload in outgoing.items():
             notice = self._notices.get(j)
             if receivers[id(payload)] == 1 and _data_bytes(payload) > self._options.chunk_bytes:
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch, notice=notice)
-                pushes[j] = self._pool.submit(self.send, j, envelope, deadline)
-                pushes[j].add_done_callback(_abandon_on_failure(mailbox, round, phase, j))
+                pushes[j] = self._stream(j, self._lazy_chunks(j, envelope), deadline)
                 continue
             if id(payload) not in chunked:
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch)
@@ -777,31 +803,33 @@ class GrpcTransport:
             elif notice is not None:
                 chunks = [with_header(chunks[0], header_of(envelope)), *chunks[1:]]
             sizes[j] = sum(len(c) for c in chunks)
-            if len(chunks) == 1:  # one unary call, issued asynchronously: no thread per push
-                remaining = max(0.001, deadline - time.monotonic())
-                pushes[j] = self._push_ones[j].future(chunks[0], timeout=remaining)
+            if len(chunks) == 1:  # one unary call
+                pushes[j] = self._push_one(j, chunks[0], deadline)
             else:
-                pushes[j] = self._pool.submit(self._send_chunks, j, chunks, deadline)
-            # a refused push means the neighbour has moved on or gone: stop waiting for it
-            pushes[j].add_done_callback(_abandon_on_failure(mailbox, round, phase, j))
-        delivered: dict[int, float] = {}
-        for j, push in pushes.items():
-            push.add_done_callback(_time_delivery(delivered, j, start))
+                pushes[j] = self._stream(j, chunks, deadline)
+        # every push of the exchange goes to the loop at once (one wake-up, not one per push);
+        # a refused push means the neighbour has moved on or gone: stop waiting for it
+        pushed = _Pushes(self._inbox.mailbox, round, phase, start)
+        batch = self._loop.submit(pushed.run(pushes))
         arrived, mismatched = self._inbox.collect(
             round, phase, outgoing.keys(), deadline, schedule_epoch
         )
+        try:
+            batch.result(timeout=max(0.0, deadline - time.monotonic()))
+        except futures.TimeoutError:
+            batch.cancel()
         result = ExchangeResult()
-        for j, push in pushes.items():
-            try:
-                sent = push.result(timeout=max(0.0, deadline - time.monotonic()))
-                result.bytes_sent[j] = sizes[j] if j in sizes else sent
-                if j in delivered:
-                    result.send_seconds[j] = delivered[j]
-            except grpc.RpcError as error:
-                result.failed[j] = f"push failed: {error.code().name}: {error.details()}"
-            except (futures.TimeoutError, grpc.FutureTimeoutError):
-                push.cancel()
+        for j in pushes:
+            outcome = pushed.outcomes.get(j)
+            if outcome is None:
                 result.failed[j] = f"push not finished within {timeout:g} s"
+            elif isinstance(outcome, grpc.RpcError):
+                result.failed[j] = f"push failed: {outcome.code().name}: {outcome.details()}"
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                result.bytes_sent[j] = sizes.get(j, outcome)
+                result.send_seconds[j] = pushed.delivered[j]
         for j in outgoing:
             if j in result.failed:
                 continue
@@ -822,9 +850,10 @@ class GrpcTransport:
             return
         self._closed = True
         self._server.stop(grace=0.5)
-        for channel in self._channels.values():
-            channel.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            self._loop.run(_close_channels(list(self._channels.values())))
+        finally:
+            self._loop.close()
 
     def __enter__(self) -> GrpcTransport:
         return self

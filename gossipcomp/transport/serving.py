@@ -23,6 +23,7 @@ served with the completion deadline only when `bound_streams` is set.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hashable, Sequence
 from concurrent import futures
@@ -224,9 +225,17 @@ class ServerLoop:
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
+    def submit(self, coroutine: Coroutine[Any, Any, _T]) -> futures.Future[_T]:
+        """Schedule `coroutine` on the loop; its result comes in the returned future."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
     def run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
-        """Run `coroutine` on the loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        """Run `coroutine` on the loop and wait for its result (never from the loop's own
+        thread: that would wait forever, so it raises RuntimeError instead)."""
+        if threading.current_thread() is self._thread:
+            coroutine.close()
+            raise RuntimeError("ServerLoop.run called from its own loop: it would never return")
+        return self.submit(coroutine).result()
 
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -234,8 +243,72 @@ class ServerLoop:
         self._loop.close()
 
 
+class SharedLoop:
+    """The one event loop thread that serves every gRPC server and client channel of this
+    process, handed out as leases (`lease`); the thread starts with the first lease and stops
+    when the last one is closed.
+
+    Why one: grpc.aio hands every completion from its poller thread to the event loop that
+    owns the call. With a loop thread per peer, each envelope woke its receiver's loop alone,
+    and a process running 32 peers had a hundred threads handing one interpreter lock around
+    (docs/benchmarks.md, "Engine, one process"). One loop takes a batch of completions per
+    wake-up, for every peer. Nothing on it may block: handlers and client calls are
+    coroutines, and blocking work goes to `BlockingWork`.
+    """
+
+    def __init__(self, name: str = "gossipcomp-grpc-loop") -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._loop: ServerLoop | None = None
+        self._leases = 0
+        self._pid = os.getpid()
+
+    def lease(self) -> LoopLease:
+        """A lease on the loop (started if none is running); close it when done."""
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's thread is not here
+                self._loop, self._leases, self._pid = None, 0, os.getpid()
+            if self._loop is None:
+                self._loop = ServerLoop(self._name)
+            self._leases += 1
+            return LoopLease(self, self._loop)
+
+    def _release(self) -> None:
+        with self._lock:
+            self._leases -= 1
+            if self._leases or self._loop is None:
+                return
+            loop, self._loop = self._loop, None
+        loop.close()
+
+
+class LoopLease:
+    """One user's hold on the `SharedLoop`: run coroutines on it; `close` once, when done."""
+
+    def __init__(self, shared: SharedLoop, loop: ServerLoop) -> None:
+        self._shared: SharedLoop | None = shared
+        self._loop = loop
+
+    def submit(self, coroutine: Coroutine[Any, Any, _T]) -> futures.Future[_T]:
+        """Schedule `coroutine` on the loop; its result comes in the returned future."""
+        return self._loop.submit(coroutine)
+
+    def run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        """Run `coroutine` on the loop and wait for its result."""
+        return self._loop.run(coroutine)
+
+    def close(self) -> None:
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            shared._release()
+
+
+PROCESS_LOOP = SharedLoop()  # every server and transport of this process runs on this loop
+
+
 class AsyncServer:
-    """A started grpc.aio server with the health service, on a `ServerLoop` of its own.
+    """A started grpc.aio server with the health service, on a lease of `shared` (the
+    process's one loop unless told otherwise).
 
     `handlers` come from `bounded_handler`; `health_services` are reported SERVING once the
     server listens. Raises OSError when `bind` cannot be listened on, naming `who`.
@@ -249,9 +322,10 @@ class AsyncServer:
         limits: ServingLimits,
         credentials: grpc.ServerCredentials | None = None,
         health_services: Sequence[str] = ("",),
+        shared: SharedLoop = PROCESS_LOOP,
     ) -> None:
         self.limits = limits
-        self._loop = ServerLoop(f"{who}-server")
+        self._loop = shared.lease()
         self._stopped = False
         try:
             port = self._loop.run(self._start(bind, handlers, credentials, tuple(health_services)))
