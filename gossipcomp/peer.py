@@ -109,8 +109,8 @@ class PeerStats:
 
 
 class GossipStalled(RuntimeError):
-    """A peer heard none of its neighbours for `max_failed_rounds` rounds in a row: it has been
-    training alone, which is not what a gossip run was asked to do."""
+    """A peer's exchanges failed with every neighbour in `max_failed_rounds` rounds in a row:
+    it has been training alone, which is not what a gossip run was asked to do."""
 
 
 class Peer:
@@ -152,9 +152,10 @@ class Peer:
         at the handshake), and checked unchanged every round (ValueError if training changed
         one); False gossips them every round like the statistics. `local_steps`:
         `after_local_step()` gossips after every `local_steps` of them (local SGD: 1/local_steps
-        of the bytes). `max_failed_rounds`: after that many rounds in a row in which no
-        neighbour was heard, `gossip()` raises GossipStalled (0: never); a warning comes after
-        FAILED_ROUNDS_WARNING of them. Losing some neighbours is not a failed round."""
+        of the bytes). `max_failed_rounds`: after that many rounds in a row whose exchanges
+        failed with every neighbour, `gossip()` raises GossipStalled (0: never); a warning
+        comes after FAILED_ROUNDS_WARNING of them. Losing some neighbours is not a failed round,
+        nor is a round with every edge down, waiting for probes or resume rounds."""
         if not 0 <= rank < topology.n:
             raise ValueError(
                 f"rank {rank} out of range for topology {topology.name} (n={topology.n})"
@@ -194,7 +195,8 @@ class Peer:
                 f"{quoted(max_failed_rounds)}"
             )
         self.max_failed_rounds = max_failed_rounds
-        self.failed_rounds = 0  # rounds in a row in which no neighbour was heard
+        self.failed_rounds = 0  # rounds that tried an exchange since one last heard a neighbour
+        self._first_failed_round = 0  # the first of them
         self._failure_reasons: dict[int, str] = {}  # neighbour -> why its last exchange failed
         self._weights = topology.neighbor_weights(rank)
         self._links = LinkStats()
@@ -593,7 +595,6 @@ class Peer:
         """Say so when a round reached no neighbour at all (the peer trains alone), and when
         neighbours are back. `failed`: neighbours whose exchange failed this round."""
         alone = not set(hood.weights) - failed
-        self._count_failed_round(alone and bool(self._weights))
         if alone and not self.alone:
             lost = sorted(set(self._weights) - (set(hood.weights) - failed))
             log.warning(
@@ -606,19 +607,28 @@ class Peer:
             log.warning("peer %d: neighbours reachable again in round %d", self.rank, self.round)
         self.alone = alone
 
-    def _count_failed_round(self, failed: bool) -> None:
-        """Count rounds in a row in which no neighbour was heard (`_stop_if_stalled` ends the
-        run after `max_failed_rounds`), with a warning after FAILED_ROUNDS_WARNING of them."""
-        if not failed:
+    def _count_failed_round(self, heard: bool, tried: bool) -> None:
+        """Count the failed rounds since a neighbour was last heard: rounds that tried an
+        exchange (gossip or resume) and heard no one. A round with every edge down or waiting
+        for its agreed resume round tries none: the links are recovering (a partition, a
+        neighbour restarting, probes under way), which is not counted, nor does it clear the
+        count. `_stop_if_stalled` ends the run after `max_failed_rounds`; a warning comes after
+        FAILED_ROUNDS_WARNING."""
+        if heard:
             self.failed_rounds = 0
             return
+        if not (tried and self._weights):
+            return
         self.failed_rounds += 1
+        if self.failed_rounds == 1:
+            self._first_failed_round = self.round
         if self.failed_rounds == FAILED_ROUNDS_WARNING:
             log.warning(
-                "peer %d: no exchange with any neighbour succeeded for %d rounds in a row (to "
-                "round %d), so it trains alone; %s; %s",
+                "peer %d: its exchanges failed with every neighbour in %d rounds in a row (rounds "
+                "%d to %d, none heard in between), so it trains alone; %s; %s",
                 self.rank,
                 self.failed_rounds,
+                self._first_failed_round,
                 self.round,
                 self._failure_summary(),
                 f"it stops after {self.max_failed_rounds} (max_failed_rounds, "
@@ -628,12 +638,13 @@ class Peer:
             )
 
     def _stop_if_stalled(self) -> None:
-        """Raise GossipStalled once `max_failed_rounds` rounds in a row heard no neighbour."""
+        """Raise GossipStalled once `max_failed_rounds` failed rounds came in a row."""
         if self.max_failed_rounds and self.failed_rounds >= self.max_failed_rounds:
             raise GossipStalled(
-                f"peer {self.rank}: no exchange with any neighbour succeeded for "
-                f"{self.failed_rounds} rounds in a row (to round {self.round - 1}), so it was "
-                f"training alone; {self._failure_summary()}; stopped (max_failed_rounds "
+                f"peer {self.rank}: its exchanges failed with every neighbour in "
+                f"{self.failed_rounds} rounds in a row (rounds {self._first_failed_round} to "
+                f"{self.round - 1}, none heard in between), so it was training alone; "
+                f"{self._failure_summary()}; stopped (max_failed_rounds "
                 f"{self.max_failed_rounds}, --max-failed-rounds; 0: never stop)"
             )
 
@@ -663,13 +674,13 @@ class Peer:
             schedule_epoch=self.schedules.current.epoch,
         )
 
-    def _resume_edges(self) -> None:
+    def _resume_edges(self) -> bool:
         """Resynchronise the edges that resume this round (both ends agreed on it), so that the
         algorithm's per-edge state (public copies, references, power vectors) matches at both
-        ends before the edge carries gossip again."""
+        ends before the edge carries gossip again. Returns whether any edge tried."""
         due = self.links.resuming_at(self.round)
         if not due:
-            return
+            return False
         self._levels.before_resume(due, self.round)
         resumable = isinstance(self.algorithm, Resumable)
         payload = self.algorithm.resume_payload(self._params) if resumable else None
@@ -689,6 +700,7 @@ class Peer:
                 reason = result.failed.get(j) or unsynced.get(j, "no resume payload")
                 self.links.resume_failed(j, self.round, reason)
                 self._failure_reasons[j] = reason
+        return True
 
     def _exchange(self, phase: str, live: list[int], payload: Payload = ()) -> ExchangeResult:
         """One exchange of this round with the neighbours `live`, its time counted."""
@@ -728,7 +740,7 @@ class Peer:
         self._catch_up()
         self._switch_schedule()
         self._levels.switch_due(self.round)
-        self._resume_edges()
+        resumed = self._resume_edges()
         self._levels.decide(self.round, self._links.sends)
         hood = self._neighbourhood(self._links, self.links.live())
         before = [p.detach().clone() for _, p in self._params]
@@ -744,6 +756,7 @@ class Peer:
         self.links.in_step(heard, self.round)
         self._in_step_since = now if heard else None
         self._report_isolation(hood, set(hood.failed) | set(hood.weights).difference(heard))
+        self._count_failed_round(bool(heard), resumed or bool(hood.weights))
         self.round += 1
         self._comm_seconds += hood.comm_seconds
         self._last_mark = time.perf_counter()
