@@ -76,7 +76,7 @@ AVERAGE_PHASE = "average"
 MAX_GOSSIP_MOVE = 100.0  # a gossip round may move the model by this many times (||x|| + 1)
 MIN_ROUND_SECONDS = 1e-6  # a checkpointed pace below this would believe any claimed round
 MAX_ROUND_TIMEOUT = 86400.0  # seconds: a round deadline beyond a day is a typing mistake
-# consecutive rounds without hearing any neighbour before the peer stops (0: never)
+# rounds in a row whose exchanges failed with every neighbour before the peer stops (0: never)
 DEFAULT_MAX_FAILED_ROUNDS = 20
 FAILED_ROUNDS_WARNING = 3  # ... and before it warns that its exchanges keep failing
 log = logging.getLogger(__name__)
