@@ -52,7 +52,7 @@ from gossipcomp.peer_levels import CompressionLevels, LevelBook
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.announce import EdgeLevels
 from gossipcomp.schedule.costs import TransferLog
-from gossipcomp.schedule.messages import schedule_from_proto, schedule_to_proto
+from gossipcomp.schedule.messages import ScheduleReplies, schedule_from_proto
 from gossipcomp.schedule.own_levels import SenderLevels
 from gossipcomp.schedule.schedule import Schedule, ScheduleBook, ScheduleRefused
 from gossipcomp.text import quoted
@@ -69,7 +69,7 @@ from gossipcomp.transport.base import (
 )
 from gossipcomp.transport.codec import all_finite
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
-from gossipcomp.transport.schedules import SharesSchedules
+from gossipcomp.transport.schedules import MAX_SHARED_SCHEDULES, SharesSchedules
 from gossipcomp.transport.throttled import LinkRates, ThrottledTransport
 
 AVERAGE_PHASE = "average"
@@ -245,6 +245,8 @@ class Peer:
         self._schedule_lock = threading.Lock()
         self._wanted: set[int] = set()
         self._fetches: dict[int, Future[list[cpb.Schedule]]] = {}
+        self._replies = ScheduleReplies()  # what neighbours are sent, serialised once
+        self._replies.refresh(self._held_schedules())
         if isinstance(transport, SharesSchedules):
             transport.set_schedule_source(self._schedules_newer_than)
 
@@ -280,11 +282,13 @@ class Peer:
         with self._schedule_lock:
             self._wanted.add(neighbour)
 
-    def _schedules_newer_than(self, neighbour: int, epoch: int) -> list[cpb.Schedule]:
-        """What a neighbour that holds up to `epoch` is sent when it asks (server thread)."""
-        book = self.schedules
-        held = (book.current, *book.staged)
-        return [schedule_to_proto(s) for s in held if s.epoch > epoch]
+    def _schedules_newer_than(self, neighbour: int, epoch: int) -> bytes:
+        """What a neighbour that holds up to `epoch` is sent when it asks (server thread): the
+        serialised ScheduleList kept since the schedule book last changed."""
+        return self._replies.newer_than(epoch, MAX_SHARED_SCHEDULES)
+
+    def _held_schedules(self) -> tuple[Schedule, ...]:
+        return (self.schedules.current, *self.schedules.staged)
 
     def _fetch_schedules(self) -> None:
         """Stage what finished fetches brought (as `adopt` does), then ask the neighbours
@@ -330,6 +334,7 @@ class Peer:
         specs = self._schedule_specs(schedule)
         staged = self.schedules.stage(schedule, self.round, late=True)
         self._expect_epoch(staged.epoch, specs)
+        self._replies.refresh(self._held_schedules())
         self._levels.expect()
         log.warning(
             "peer %d: schedule epoch %d from a neighbour, in force from round %d",
@@ -366,6 +371,7 @@ class Peer:
         self.schedules.stage(schedule, self.round)
         self._expect_epoch(schedule.epoch, specs)
         self._levels.expect()  # waiting level notices hold under it too
+        self._replies.refresh(self._held_schedules())
 
     @property
     def _edge_levels(self) -> EdgeLevels | None:
@@ -420,6 +426,7 @@ class Peer:
             self.algorithm.regroup(self._params, schedule.groups or None)
         self._levels.switch_schedule(self.schedules.history[-2], schedule, self.round)
         self.transport.forget_epochs_before(previous)
+        self._replies.refresh(self._held_schedules())
         log.info(
             "peer %d: schedule epoch %d (%s, %d groups) in force from round %d",
             self.rank,
@@ -903,6 +910,7 @@ class Peer:
             self._expect_epoch(epoch, epoch_specs)
         self._levels.restore(levels, schedules.current)
         self.transport.forget_epochs_before(schedules.current.epoch)
+        self._replies.refresh(self._held_schedules())
         self.model.load_state_dict(saved)
         self.round = round
         self._links.bytes_sent = counters["bytes_sent"]

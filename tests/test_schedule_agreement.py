@@ -26,6 +26,7 @@ from gossipcomp.gossip import Choco
 from gossipcomp.links import Backoff, LinkState
 from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
+from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.messages import schedule_to_proto
 from gossipcomp.schedule.schedule import (
@@ -262,18 +263,23 @@ def test_a_neighbours_schedule_is_checked_like_a_coordinators():
             peers[1].adopt(bad)
         assert peers[1].schedules.newest.epoch == 0
         assert not peers[1].adopt(Schedule(0, 0))  # an epoch it has: nothing to do
-        hostile = [  # what a lying neighbour's server answers: an empty group, then 9 schedules
-            cpb.Schedule(
-                epoch=1, effective_round=50, planner="x", groups=[cpb.ScheduleGroup(compressor="s")]
-            ),
-            *(cpb.Schedule(epoch=e, effective_round=60, planner="x") for e in range(2, 10)),
-        ]
+        hostile = pb.ScheduleList(  # what a lying neighbour answers: an empty group, then 7
+            schedules=[
+                cpb.Schedule(
+                    epoch=1,
+                    effective_round=50,
+                    planner="x",
+                    groups=[cpb.ScheduleGroup(compressor="s")],
+                ),
+                *(cpb.Schedule(epoch=e, effective_round=60, planner="x") for e in range(2, 9)),
+            ]
+        ).SerializeToString()
         peers[0].transport.set_schedule_source(lambda sender, epoch: hostile)
         peers[1]._want_schedules(0)
         peers[1]._fetch_schedules()  # asks
         time.sleep(1.0)
         peers[1]._fetch_schedules()  # takes the answer: the malformed one is refused, logged
-        # at most 8 came (epoch 9 was cut); each superseded the one before at the same round
+        # each superseded the one before at the same round
         assert [s.epoch for s in peers[1].schedules.staged] == [8]
     finally:
         for peer in peers:
@@ -287,8 +293,9 @@ def test_schedules_are_fetched_through_throttled_links_too():
     a = ThrottledTransport(GrpcTransport(Identity(0, "t", "m"), [1]), rates)
     b = ThrottledTransport(GrpcTransport(Identity(1, "t", "m"), [0]), rates)
     held = [schedule_to_proto(Schedule(3, 40))]
+    served = pb.ScheduleList(schedules=held).SerializeToString()
     try:
-        b.set_schedule_source(lambda sender, epoch: held if sender == 0 and epoch == 0 else [])
+        b.set_schedule_source(lambda sender, epoch: served if sender == 0 and epoch == 0 else b"")
         a.connect({1: b.address}, timeout=10)
         assert list(a.fetch_schedules(1).result(timeout=10)) == held
         memory = ThrottledTransport(
