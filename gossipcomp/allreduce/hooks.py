@@ -407,7 +407,7 @@ def takes_momentum(spec: str) -> bool:
     """Whether the hook of `spec` needs the optimizer's momentum kept before compression
     (`register(..., momentum=beta)` with an optimizer without momentum): the sign codecs,
     whose error-fed output the optimizer's momentum makes diverge (module docstring)."""
-    name, _ = parse_hook_spec(spec)
+    name = spec.strip().partition(":")[0].strip()  # torch's "torch:fp16" included
     return name.removeprefix("ef+") in SIGN_CODECS
 
 
