@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 PREFIX = "gossipcomp/heartbeat/"
 MIN_INTERVAL_S = 0.05
-MAX_BEAT_CHARS = 200  # a heartbeat value longer than this is cut before it is parsed
+MAX_BEAT_CHARS = 200  # a heartbeat value longer than this is cut before it is decoded
+MAX_PID_DIGITS = 10  # a pid field longer than this is not a pid (Linux pids fit in 7)
 MAX_HOST_CHARS = 64
 _HOST_CHARS = frozenset(string.ascii_letters + string.digits + ".-_")
 
@@ -64,6 +65,9 @@ class Heartbeats:
             key = f"{PREFIX}{rank}"
             if not self.store.check([key]):
                 continue
+            # torch's Store has no partial read: the value arrives whole, bounded by the store's
+            # server (torch's libuv TCPStore refuses values over 8 MiB), and is cut here before
+            # it is decoded or kept
             value = self.store.get(key)[:MAX_BEAT_CHARS].decode(errors="replace")
             with self._lock:
                 if value != self._seen[rank].value:
@@ -87,12 +91,18 @@ class Heartbeats:
         """ "pid P on HOST" from `rank`'s last heartbeat, or "" when it has none readable."""
         with self._lock:
             fields = self._seen[rank].value.split()
-        if len(fields) != 3 or not fields[1].isdigit():
+        if len(fields) != 3 or not _is_pid(fields[1]):
             return ""
-        host = fields[2][:MAX_HOST_CHARS]
+        pid, host = int(fields[1]), fields[2][:MAX_HOST_CHARS]
         if not set(host) <= _HOST_CHARS:
-            return f"pid {int(fields[1])}"
-        return f"pid {int(fields[1])} on {host}"
+            return f"pid {pid}"
+        return f"pid {pid} on {host}"
+
+
+def _is_pid(text: str) -> bool:
+    """Whether `text` is a pid as a rank writes it: 1 to MAX_PID_DIGITS ASCII digits (str.isdigit
+    also accepts '²' and other digits that int() refuses)."""
+    return 0 < len(text) <= MAX_PID_DIGITS and all(c in string.digits for c in text)
 
 
 class Liveness:
