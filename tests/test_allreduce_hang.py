@@ -9,6 +9,7 @@ first collectives.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -28,7 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 6.0
 VICTIM = 2
 STOP_AFTER_S = 2.0  # into training (the job has formed: heartbeats and collectives run)
-SLACK_S = 6.0  # the step under way, naming the rank, two busy cores
+# The collective's timeout, naming the rank, then three torch processes exit: 28-32 s seen with a
+# load average of 20-45 on 2 cores. A hang is unbounded (215 s and counting in the issue), so ten
+# timeouts is still a real bound, and one bound serves every wall-clock check here.
+BOUND_S = 10 * TIMEOUT_S
+START_WAIT_S = 240.0  # three ranks importing torch on two busy cores
 
 
 def _stopping_worker(session: Session, config: AllreduceConfig, folder: Path) -> None:
@@ -64,8 +69,8 @@ def test_a_stopped_rank_is_named_by_every_other_rank_and_ended_by_the_launcher(
     stopped = float((tmp_path / "stopped").read_text())
     for survivor in (0, 1):
         failed = float((tmp_path / f"failed{survivor}").read_text())
-        assert failed - stopped < TIMEOUT_S + SLACK_S, (survivor, failed - stopped)
-    assert returned - stopped < TIMEOUT_S + 2 * SLACK_S  # not the 600 s deadline
+        assert failed - stopped < BOUND_S, (survivor, failed - stopped)
+    assert returned - stopped < BOUND_S, returned - stopped  # not the 600 s deadline
 
 
 def _children(pid: int) -> list[int]:
@@ -82,6 +87,14 @@ def _children(pid: int) -> list[int]:
         if parent == pid and b"spawn_main" in command:  # a rank, not the resource tracker
             found.append(int(entry.name))
     return sorted(found)
+
+
+def _end_group(launcher: subprocess.Popen[str]) -> None:
+    """SIGKILL the launcher's process group (its ranks, a stopped one included) and reap it, so
+    that a failing test leaves no process behind."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait()
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -101,9 +114,10 @@ def test_gossipcomp_allreduce_exits_naming_a_stopped_rank(tmp_path: Path) -> Non
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # its own process group: the finally below ends every rank
     )
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + START_WAIT_S
         ranks: list[int] = []
         while time.monotonic() < deadline:
             ranks = _children(launcher.pid)
@@ -112,15 +126,18 @@ def test_gossipcomp_allreduce_exits_naming_a_stopped_rank(tmp_path: Path) -> Non
                 break
             assert launcher.poll() is None, launcher.communicate()
             time.sleep(0.2)
+        else:
+            pytest.fail(
+                f"3 training ranks not seen within {START_WAIT_S:.0f} s "
+                f"(ranks seen: {ranks}; load average {os.getloadavg()})"
+            )
         victim = ranks[-1]
         os.kill(victim, signal.SIGSTOP)
         stopped = time.monotonic()
-        _, stderr = launcher.communicate(timeout=120)
+        _, stderr = launcher.communicate(timeout=2 * BOUND_S)
         took = time.monotonic() - stopped
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        _end_group(launcher)
     assert launcher.returncode == 1, stderr
     # stopped while training (the usual case) or, on a busy machine, while starting
     launcher_says = r"rank (\d): (?:no heartbeat for [0-9.]+ s \(stopped or hung|never beat "
@@ -133,6 +150,4 @@ def test_gossipcomp_allreduce_exits_naming_a_stopped_rank(tmp_path: Path) -> Non
             rf"rank {survivor}: RankFailure: rank {named} (stopped|never beat)", stderr
         )
         assert said, stderr
-    # the collective's timeout, naming, then three torch processes exit: 28-32 s seen with a
-    # load average of 20-45 on 2 cores; a hang is unbounded (215 s and counting in the issue)
-    assert took < 10 * TIMEOUT_S, took
+    assert took < BOUND_S, (took, os.getloadavg())
