@@ -18,6 +18,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import platform
 import socket
 import statistics
 import threading
@@ -33,6 +34,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from gossipcomp.transport.allocator import keep_heap_warm
 from gossipcomp.transport.base import Envelope, Identity, Payload
 from gossipcomp.transport.codec import encode_raw, tensor_spec
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
@@ -237,6 +239,20 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
     }
 
 
+def machine_settings() -> dict[str, object]:
+    """What differs between machines and moves the receiver's cost of fresh memory: the
+    kernel's transparent huge pages (a fresh 64 MiB buffer is zeroed as 2 MiB pages or
+    faulted as 4 KiB ones), the C library (transport/allocator.py sets glibc's thresholds
+    only), the cores gRPC's threads share."""
+    hugepages = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return {
+        "transparent_hugepage": hugepages.read_text().strip() if hugepages.exists() else None,
+        "libc": " ".join(platform.libc_ver()),
+        "heap_thresholds_set": keep_heap_warm(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write results here")
@@ -252,6 +268,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     result = run(args.mib, args.trials, chunk_sizes)
     result["load_average_1min"] = [load_before, os.getloadavg()[0]]  # others on the machine
+    result["machine"] = machine_settings()
     table = Table(title=f"{args.mib} MiB envelope, loopback, median of {args.trials}")
     for column in ("path", "median s", "GB/s", "x socket"):
         table.add_column(column, justify="right")

@@ -62,6 +62,9 @@ def test_transport_benchmark_times_a_real_exchange_against_a_socket(tmp_path: Pa
     assert report["grpc_vs_raw_grpc_ratio"] == pytest.approx(
         report["median_seconds"]["grpc_raw_ceiling"] / report["median_seconds"]["grpc_1024KiB"]
     )
+    machine = report["machine"]  # what moves the figure between machines, recorded with it
+    assert set(machine) == {"transparent_hugepage", "libc", "heap_thresholds_set", "cores"}
+    assert machine["cores"] == len(os.sched_getaffinity(0))
 
 
 def test_compressors_benchmark_times_every_spec_against_a_copy(tmp_path: Path) -> None:
