@@ -164,3 +164,32 @@ def test_a_flood_of_schedules_calls_leaves_honest_rounds_bounded():
         stop.set()
         for peer in peers:
             peer.close()
+
+
+def test_a_malformed_handshake_is_refused_by_the_shared_parser():
+    """Hello and Schedules take their HelloRequest parsed by serving.py (Method.request), as
+    every unary method does: bytes that are no HelloRequest are INVALID_ARGUMENT naming the
+    message expected, and the peer answers a good handshake afterwards."""
+    peers = _peers()
+    try:
+        with grpc.insecure_channel(peers[0].address) as channel:
+            for method in ("Hello", "Schedules"):
+                raw = channel.unary_unary(f"/gossipcomp.v1.Gossip/{method}")
+                try:
+                    raw(b"\xff\xff\xff", timeout=5)
+                except grpc.RpcError as error:
+                    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, method
+                    assert error.details() == "request: expected a HelloRequest message"
+                else:
+                    raise AssertionError(f"{method}: a malformed request was answered")
+            hello = channel.unary_unary(
+                "/gossipcomp.v1.Gossip/Hello",
+                pb.HelloRequest.SerializeToString,
+                pb.HelloReply.FromString,
+            )
+            request = _asking(peers[0], 1)
+            request.round = peers[0].round
+            assert hello(request, timeout=5).receiver == 0
+    finally:
+        for peer in peers:
+            peer.close()
