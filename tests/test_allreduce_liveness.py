@@ -18,6 +18,8 @@ from gossipcomp.allreduce.liveness import (
     Heartbeats,
     Liveness,
     RankFailure,
+    first_line,
+    name_ranks,
 )
 
 TIMEOUT_S = 0.6
@@ -67,3 +69,14 @@ def test_a_plain_heartbeat_names_its_pid_and_host(store: dist.TCPStore) -> None:
     store.set(f"{PREFIX}1", "4 4242 bad/host")
     watch.poll()
     assert watch.where(1) == "pid 4242"
+
+
+def test_ranks_are_named_one_way_by_every_error() -> None:
+    from gossipcomp.allreduce import agreement, comm
+
+    assert name_ranks([2]) == "rank 2"
+    assert name_ranks((0, 3)) == "ranks 0, 3"
+    # one helper each, shared: agreement's and comm's messages use liveness's
+    assert agreement.name_ranks is name_ranks
+    assert comm.first_line is first_line
+    assert not hasattr(agreement, "_ranks")

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gossipcomp.allreduce.comm import Communicator
+from gossipcomp.allreduce.liveness import name_ranks
 
 DIGEST_BYTES = 32
 HEADER_BYTES = DIGEST_BYTES + 8  # digest, then the description's length (little-endian)
@@ -187,8 +188,8 @@ def _compare(communicator: Communicator, entry: str, text: bytes) -> None:
     lengths = [int.from_bytes(h[DIGEST_BYTES:], "little") for h in headers]
     reference, differing = _majority(digests)
     described = "ranks disagree on the setup of " + entry + ": "
-    described += f"{_ranks(differing)} {'differs' if len(differing) == 1 else 'differ'} from "
-    described += f"{_ranks(reference)}"
+    described += f"{name_ranks(differing)} {'differs' if len(differing) == 1 else 'differ'} from "
+    described += f"{name_ranks(reference)}"
     longest = max(lengths)
     if longest > MAX_DESCRIPTION_BYTES:  # too long to gather; every rank knows the digests
         raise SetupMismatch(described + " (descriptions too long to compare in detail)", differing)
@@ -205,10 +206,6 @@ def _majority(digests: list[bytes]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         groups.setdefault(digest, []).append(rank)
     best = max(groups.values(), key=lambda ranks: (len(ranks), -ranks[0]))
     return tuple(best), tuple(r for r in range(len(digests)) if r not in best)
-
-
-def _ranks(ranks: tuple[int, ...]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def _decode(text: bytes) -> object:

@@ -24,6 +24,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from gossipcomp.allreduce.liveness import first_line
+
 T = TypeVar("T")
 
 
@@ -78,8 +80,7 @@ class Communicator:
         try:
             return work()
         except RuntimeError as error:
-            text = str(error).strip().splitlines()
-            self._failure = (text[0] if text else type(error).__name__)[:200]
+            self._failure = first_line(error)
             raise
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

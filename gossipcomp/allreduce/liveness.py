@@ -163,13 +163,13 @@ class Liveness:
                 f"rank {r}: {self.others.where(r)}" for r in stopped if self.others.where(r)
             )
             said.append(
-                f"{_ranks(stopped)} stopped (no heartbeat for more than "
+                f"{name_ranks(stopped)} stopped (no heartbeat for more than "
                 f"{self.stale_after_s:.1f} s: dead or hung{'; ' + where if where else ''})"
             )
         if absent:  # still starting (a slow import) or stopped before its first beat
             since = time.monotonic() - self._started_at
             said.append(
-                f"{_ranks(absent)} never beat in the {since:.1f} s since rank "
+                f"{name_ranks(absent)} never beat in the {since:.1f} s since rank "
                 f"{self.rank} started (not started, or stopped while starting)"
             )
         return RankFailure(
@@ -191,7 +191,9 @@ class Liveness:
         self.others.poll()
 
 
-def _ranks(ranks: list[int]) -> str:
+def name_ranks(ranks: Iterable[int]) -> str:
+    """ "rank 2" or "ranks 0, 3": how errors name ranks."""
+    ranks = list(ranks)
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
