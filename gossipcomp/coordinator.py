@@ -118,7 +118,9 @@ MAX_REPORTED_EPOCH = MAX_EPOCH - (1 << 20)
 FASTEST_ROUND_S = 0.005
 REPORT_HEADER_TIMEOUT = 5.0  # seconds from a report call's headers to its message
 REPORT_CALL_TIMEOUT = 10.0  # seconds one report call may take in all
-REPORTS_IN_FLIGHT = 2  # per claimed sender on one connection
+REPORTS_IN_FLIGHT = 2  # per sender of the topology on one connection (any other sender: per connection)
+# calls in flight on one connection: in-process peers share one connection to the coordinator
+REPORT_CALLS_PER_CONNECTION = 64
 ADAPTIVE_PLANNER = "adaptive"  # the planner label of schedules that change link levels
 SERVICE_NAME = "gossipcomp.v1.Coordinator"
 
@@ -593,7 +595,7 @@ REPORT_LIMITS = ServingLimits(
     max_streams_per_connection=64,  # in-process peers may share one connection
     header_timeout=REPORT_HEADER_TIMEOUT,
     call_timeout=REPORT_CALL_TIMEOUT,
-    max_calls_per_caller=REPORTS_IN_FLIGHT,
+    max_calls_per_caller=REPORT_CALLS_PER_CONNECTION,
 )
 
 

@@ -54,18 +54,48 @@ class _Echo:
             await asyncio.sleep(1.5)
         return request
 
+    async def wait(self, request: pb.PushReply, context: grpc.aio.ServicerContext) -> pb.PushReply:
+        await self.release.wait()
+        return request
 
-def _serve(limits: ServingLimits) -> AsyncServer:
+
+def _serve_echo(limits: ServingLimits) -> tuple[AsyncServer, _Echo]:
     echo = _Echo(CallerSlots(2, "echoes"))
     methods = [
         Method(name, behaviour, pb.PushReply.SerializeToString, pb.PushReply.FromString)
-        for name, behaviour in (("Echo", echo.echo), ("Slow", echo.slow), ("Held", echo.held))
+        for name, behaviour in (
+            ("Echo", echo.echo),
+            ("Slow", echo.slow),
+            ("Held", echo.held),
+            ("Wait", echo.wait),
+        )
     ]
-    return AsyncServer("test", "127.0.0.1:0", [bounded_handler(SERVICE, methods, limits)], limits)
+    handler = bounded_handler(SERVICE, methods, limits)
+    return AsyncServer("test", "127.0.0.1:0", [handler], limits), echo
+
+
+def _serve(limits: ServingLimits) -> AsyncServer:
+    return _serve_echo(limits)[0]
+
+
+def _release(server: AsyncServer, echo: _Echo) -> None:
+    async def release() -> None:
+        echo.release.set()
+
+    server.run(release())
+
+
+def _until_done(calls: list, count: int, within: float = 30.0) -> list:
+    """The calls done once `count` of them are (the others still in flight), or all done ones
+    when `within` seconds pass first."""
+    deadline = time.monotonic() + within
+    while sum(call.done() for call in calls) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [call for call in calls if call.done()]
 
 
 def test_headers_without_a_request_are_cut_and_hold_nothing_meanwhile():
-    limits = ServingLimits(header_timeout=1.0, call_timeout=5.0)
+    limits = ServingLimits(header_timeout=1.0, call_timeout=5.0, max_calls_per_caller=32)
     server = _serve(limits)
     stop = threading.Event()
     own = [("grpc.use_local_subchannel_pool", 1)]
@@ -139,6 +169,31 @@ def test_one_caller_has_a_bounded_number_of_calls_in_flight():
             assert "echoes: at most 2 in flight per caller" in refused[0].details()
             assert held(b"", timeout=10) == b""  # slots come back when calls end
     finally:
+        server.stop()
+
+
+def test_every_method_shares_one_bound_per_connection():
+    """`max_calls_per_caller` bounds one connection's calls in flight, every method together
+    (it was a field nothing read: a method without slots of its own had no per-caller bound),
+    and it takes nothing from another connection."""
+    server, echo = _serve_echo(ServingLimits(max_calls_per_caller=3))
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    mine, other = (grpc.insecure_channel(server.address, own) for _ in range(2))
+    try:
+        waiting = [mine.unary_unary(f"/{SERVICE}/Wait").future(b"", timeout=60) for _ in range(3)]
+        extra = mine.unary_unary(f"/{SERVICE}/Echo").future(b"", timeout=60)
+        done = _until_done([*waiting, extra], 1)
+        assert done == [extra]
+        refused = extra.exception()
+        assert refused is not None and refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"{SERVICE} calls: at most 3 in flight per caller" in refused.details()
+        assert other.unary_unary(f"/{SERVICE}/Echo")(b"", timeout=10) == b"\x08\x01"
+        _release(server, echo)
+        assert [call.exception(30) for call in waiting] == [None] * 3
+        assert mine.unary_unary(f"/{SERVICE}/Echo")(b"", timeout=10) == b"\x08\x01"
+    finally:
+        mine.close()
+        other.close()
         server.stop()
 
 

@@ -467,7 +467,8 @@ def _serving_limits(options: GrpcOptions) -> ServingLimits:
         max_streams_per_connection=options.max_streams_per_connection,
         header_timeout=options.first_chunk_timeout,
         call_timeout=options.stream_timeout,
-        max_calls_per_caller=options.max_streams_per_caller,
+        # every method together, per connection: in-process peers share one connection
+        max_calls_per_caller=options.max_streams_per_connection,
     )
 
 

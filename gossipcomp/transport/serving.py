@@ -11,9 +11,11 @@ Each method is wrapped by `bounded_handler`:
 - completion deadline: the whole call ends within `call_timeout` seconds, else DEADLINE_EXCEEDED;
 - a request that does not parse is INVALID_ARGUMENT naming the message expected, not INTERNAL;
 - per-caller limits: HTTP/2 lets one connection open at most `max_streams_per_connection`
-  streams, and `CallerSlots` bounds the calls in flight of one caller (a connection, or a
-  claimed identity on one connection), so strangers' calls never take the capacity of the
-  members' own connections.
+  streams, and every method of the service shares one `CallerSlots` of
+  `max_calls_per_caller` calls in flight per connection (`context.peer()`), counted from the
+  call's headers, so strangers' calls never take the capacity of the members' own connections.
+  A method may bound a checked identity on one connection further with a `CallerSlots` of its
+  own (the coordinator's reports, the peer's envelopes).
 
 A method whose request is a stream (the peer's Push) bounds its own reads (its first chunk and its
 whole envelope have deadlines of their own, so it reads chunks without a timer each): it is
@@ -46,7 +48,7 @@ class ServingLimits:
     max_streams_per_connection: int = 64  # HTTP/2 streams one connection may have open
     header_timeout: float = 10.0  # seconds from a call's headers to its (first) request message
     call_timeout: float = 30.0  # seconds a whole call may take
-    max_calls_per_caller: int = 8  # calls in flight of one caller (CallerSlots)
+    max_calls_per_caller: int = 8  # calls in flight of one connection, every method together
 
     def __post_init__(self) -> None:
         for name in ("header_timeout", "call_timeout"):
@@ -131,6 +133,7 @@ def bounded_handler(
     service: str, methods: Sequence[Method], limits: ServingLimits, bound_streams: bool = False
 ) -> grpc.GenericRpcHandler:
     """The generic handler of `service`, every method bounded as the module docstring says."""
+    slots = CallerSlots(limits.max_calls_per_caller, f"{service} calls")
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in methods:
         if method.streaming_request:
@@ -138,15 +141,26 @@ def bounded_handler(
             if bound_streams:
                 behavior = _with_call_deadline(behavior, limits)
             handlers[method.name] = grpc.stream_unary_rpc_method_handler(
-                behavior,
+                _per_connection(behavior, slots),
                 request_deserializer=method.request,
                 response_serializer=method.response,
             )
         else:
             handlers[method.name] = grpc.stream_unary_rpc_method_handler(
-                _unary_with_deadlines(method, limits), response_serializer=method.response
+                _per_connection(_unary_with_deadlines(method, limits), slots),
+                response_serializer=method.response,
             )
     return grpc.method_handlers_generic_handler(service, handlers)
+
+
+def _per_connection(behavior: Behavior, slots: CallerSlots) -> Behavior:
+    """`behavior` holding one of its connection's slots for the whole call."""
+
+    async def served(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with slots.hold(context.peer(), context):
+            return await behavior(requests, context)
+
+    return served
 
 
 def _unary_with_deadlines(method: Method, limits: ServingLimits) -> Behavior:
