@@ -567,8 +567,10 @@ class Coordinator:
 
 
 class _Service:
-    """The Report RPC on the server's event loop: at most REPORTS_IN_FLIGHT calls per claimed
-    sender on one connection; the checking and planning run on a few threads of their own."""
+    """The Report RPC on the server's event loop: at most REPORTS_IN_FLIGHT calls per sender on
+    one connection, the sender counted only once it is a peer of the topology (any other claim
+    shares the connection's own REPORTS_IN_FLIGHT), so rotating the claimed sender holds no more;
+    the checking and planning run on a few threads of their own."""
 
     def __init__(self, coordinator: Coordinator, work: BlockingWork) -> None:
         self._coordinator = coordinator
@@ -578,7 +580,10 @@ class _Service:
     async def Report(
         self, request: cpb.PeerReport, context: grpc.aio.ServicerContext
     ) -> cpb.ReportReply:
-        async with self._slots.hold((request.sender, context.peer()), context):
+        caller: tuple[int | None, str] = (None, context.peer())
+        if 0 <= request.sender < self._coordinator.topology.n:
+            caller = (request.sender, context.peer())
+        async with self._slots.hold(caller, context):
             try:
                 schedule = await self._work.run(lambda: self._coordinator.receive(request))
             except ReportRefused as refused:

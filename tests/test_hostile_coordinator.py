@@ -17,7 +17,12 @@ import pytest
 import torch
 from torch import nn
 
-from gossipcomp.coordinator import SERVICE_NAME, Coordinator, CoordinatorServer
+from gossipcomp.coordinator import (
+    REPORTS_IN_FLIGHT,
+    SERVICE_NAME,
+    Coordinator,
+    CoordinatorServer,
+)
 from gossipcomp.models import model_signature
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
@@ -103,6 +108,53 @@ def test_idle_streams_do_not_stall_the_coordinator():
             stop.set()
             for stranger in strangers:
                 stranger.close()
+
+
+def test_one_connection_rotating_senders_holds_no_more_reports():
+    """Review of issue 23. Observed: the report slots were keyed on the claimed sender before it
+    was checked, so one connection claiming a new sender per call held as many reports in
+    flight as it had streams. Now a sender counts only once it is a peer of the topology: any
+    other claim shares its connection's REPORTS_IN_FLIGHT. No report is handled until the
+    gate opens; the ones refused for want of a slot come back meanwhile."""
+    coordinator = Coordinator(RING4, planner="single", report_every=2)
+    gate = threading.Event()
+    receive = coordinator.receive
+
+    def gated(request: cpb.PeerReport):
+        gate.wait(60)
+        return receive(request)
+
+    coordinator.receive = gated  # type: ignore[method-assign]
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    with _served(coordinator) as (server, _):
+        with grpc.insecure_channel(server.address, own) as channel:
+            report = cpb_grpc.CoordinatorStub(channel).Report
+            bound = 4 * REPORTS_IN_FLIGHT + REPORTS_IN_FLIGHT
+            try:
+                members = [report.future(_report(s % 4, 10), timeout=60) for s in range(12)]
+                strangers = [report.future(_report(s, 10), timeout=60) for s in range(4, 20)]
+                calls = [*members, *strangers]
+                deadline = time.monotonic() + 30
+                while sum(c.done() for c in calls) < len(calls) - bound:
+                    assert time.monotonic() < deadline, (
+                        f"{len(calls) - sum(c.done() for c in calls)} reports in flight on one "
+                        f"connection, expected at most {bound}"
+                    )
+                    time.sleep(0.05)
+                refused = [c.exception() for c in calls if c.done()]
+                assert sum(c.done() for c in calls) == len(calls) - bound
+            finally:
+                gate.set()
+            assert {e and e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            assert "reports: at most 2 in flight per caller" in refused[0].details()
+            exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+            codes = [
+                [c.exception(30) and c.exception().code() for c in g] for g in (members, strangers)
+            ]
+            assert codes[0].count(exhausted) == len(members) - 4 * REPORTS_IN_FLIGHT
+            # the strangers' reports held are refused once checked, naming the sender
+            assert codes[1].count(exhausted) == len(strangers) - REPORTS_IN_FLIGHT
+            assert codes[1].count(grpc.StatusCode.PERMISSION_DENIED) == REPORTS_IN_FLIGHT
 
 
 def test_a_report_claiming_a_far_round_moves_no_schedule_far():
