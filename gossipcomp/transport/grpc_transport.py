@@ -191,7 +191,8 @@ class _GossipService:
         self._auth = authenticator
         self._options = options
         self._callers_verified = callers_verified
-        self._in_flight: dict[tuple[int, str], int] = {}
+        # envelopes in flight per caller (a sender whose header was checked, on one connection)
+        self._envelopes = CallerSlots(options.max_streams_per_caller, "envelopes")
         self._buffers = BufferPool(options.receive_pool_bytes)
         self.on_hello: HelloHandler = no_rejoin
         self.on_schedules: ScheduleSource = lambda sender, epoch: b""  # none until a peer says
@@ -312,24 +313,13 @@ class _GossipService:
             )
         except EnvelopeRejected as refused:
             await self._refuse(context, refused)
-        caller = (reader.sender, context.peer())
-        if self._in_flight.get(caller, 0) >= self._options.max_streams_per_caller:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"streams: at most {self._options.max_streams_per_caller} envelopes in flight "
-                "per caller",
-            )
-        self._in_flight[caller] = self._in_flight.get(caller, 0) + 1
-        try:
-            await self._read_rest(request_iterator, reader, context, deadline)
-            envelope, spec, wire_bytes = reader.finish()
-            self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
-        except EnvelopeRejected as refused:
-            await self._refuse(context, refused)
-        finally:
-            left = self._in_flight.pop(caller) - 1
-            if left:
-                self._in_flight[caller] = left
+        async with self._envelopes.hold((reader.sender, context.peer()), context):
+            try:
+                await self._read_rest(request_iterator, reader, context, deadline)
+                envelope, spec, wire_bytes = reader.finish()
+                self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
+            except EnvelopeRejected as refused:
+                await self._refuse(context, refused)
         return pb.PushReply(received_bytes=wire_bytes)
 
     async def _next_chunk(
