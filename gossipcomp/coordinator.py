@@ -89,7 +89,12 @@ from gossipcomp.security.tls import TlsFiles, server_credentials
 from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
 from gossipcomp.transport.base import PROTOCOL_VERSION
-from gossipcomp.transport.claims import RoundClaims, agreed_round, quorum_of
+from gossipcomp.transport.claims import (
+    DEFAULT_ROUND_SECONDS,
+    RoundClaims,
+    agreed_round,
+    quorum_of,
+)
 from gossipcomp.transport.serving import (
     AsyncServer,
     BlockingWork,
@@ -113,9 +118,6 @@ MAX_MARGIN = 10_000  # rounds ahead a schedule may be published at most
 # a reported round or epoch leaves room for what the coordinator publishes above it
 MAX_REPORTED_ROUND = MAX_ROUND - 4 * MAX_MARGIN
 MAX_REPORTED_EPOCH = MAX_EPOCH - (1 << 20)
-# time allowed to a peer's rounds between its reports: the fastest round peers assume before
-# measuring one (links.py); a claim beyond it is cut
-FASTEST_ROUND_S = 0.005
 REPORT_HEADER_TIMEOUT = 5.0  # seconds from a report call's headers to its message
 REPORT_CALL_TIMEOUT = 10.0  # seconds one report call may take in all
 REPORTS_IN_FLIGHT = 2  # per sender of the topology on one connection (any other sender: per connection)
@@ -244,7 +246,8 @@ class Coordinator:
         # the furthest round believed, at most `margin` past the round two peers agree on
         self._lead = 0
         self._rounds = RoundClaims(
-            FASTEST_ROUND_S, margin=4 * report_every, quorum=lambda _: quorum_of(topology.n)
+            # time allows a peer at most the fastest round peers assume before measuring one
+            DEFAULT_ROUND_SECONDS, margin=4 * report_every, quorum=lambda _: quorum_of(topology.n)
         )
         self._republished_at: int | None = None  # lead round of the last republication
         self._planned_at: int | None = None  # lead round of this coordinator's last plan
