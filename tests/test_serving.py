@@ -41,6 +41,7 @@ class _Echo:
     def __init__(self, slots: CallerSlots) -> None:
         self.slots = slots
         self.release = asyncio.Event()
+        self.waiting = 0  # Wait calls begun
 
     async def echo(self, request: pb.PushReply, context: grpc.aio.ServicerContext) -> pb.PushReply:
         return pb.PushReply(received_bytes=request.received_bytes + 1)
@@ -55,6 +56,7 @@ class _Echo:
         return request
 
     async def wait(self, request: pb.PushReply, context: grpc.aio.ServicerContext) -> pb.PushReply:
+        self.waiting += 1
         await self.release.wait()
         return request
 
@@ -181,6 +183,9 @@ def test_every_method_shares_one_bound_per_connection():
     mine, other = (grpc.insecure_channel(server.address, own) for _ in range(2))
     try:
         waiting = [mine.unary_unary(f"/{SERVICE}/Wait").future(b"", timeout=60) for _ in range(3)]
+        deadline = time.monotonic() + 30
+        while echo.waiting < 3 and time.monotonic() < deadline:  # all 3 in flight first
+            time.sleep(0.05)
         extra = mine.unary_unary(f"/{SERVICE}/Echo").future(b"", timeout=60)
         done = _until_done([*waiting, extra], 1)
         assert done == [extra]
