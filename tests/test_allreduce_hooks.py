@@ -171,6 +171,8 @@ def test_error_memory_survives_bucket_rebuild_and_checkpoint() -> None:
 # momentum 0.9 with error feedback, and qsgd:levels=16 on one 85k-element bucket diverges: its
 # variance bound there is 18x the input). Measured 2026-11-23: 0.88-0.89 for qsgd:levels=127,
 # terngrad, sign and onebit; the floors below leave about 3 points for other seeds and machines.
+# terngrad varies most: 0.825, 0.842, 0.878, 0.864 over seeds 0-3 (2026-11-25, the versions in
+# constraints.txt), so its floor sits under that spread.
 DENSE = {
     "identity": 0.85,
     "fp16": 0.85,
@@ -181,7 +183,7 @@ DENSE = {
 QUANTISED = {
     "dgc:ratio=0.01": 0.85,
     "qsgd:levels=127": 0.85,
-    "terngrad": 0.85,
+    "terngrad": 0.80,
     "sign": 0.85,
     "onebit": 0.85,
 }
