@@ -156,3 +156,21 @@ def test_a_hook_with_momentum_outputs_the_velocity_and_refuses_a_hook_without() 
             torch.testing.assert_close(output, velocity, rtol=1e-5, atol=1e-7)
         assert not torch.allclose(outputs[-1], means[-1])  # the velocity is not the gradient
         assert "momentum" in refusal and "saved with" in refusal
+
+
+@pytest.mark.parametrize("spec", ["sign", "ef+sign", "onebit"])
+def test_a_sign_hook_without_an_explicit_momentum_is_refused(tmp_path, spec: str) -> None:
+    """A sign hook left at a default momentum beside an optimizer with momentum diverges (0.16
+    accuracy, issue 22 finding 4) without a word: register() makes the user say which."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(_model())
+        with pytest.raises(ValueError, match="needs momentum= given") as refused:
+            register(ddp, spec)
+        assert spec in str(refused.value)
+        assert register(DistributedDataParallel(_model()), spec, momentum=0.0).momentum == 0.0
+        assert register(DistributedDataParallel(_model()), "fp16").momentum == 0.0  # others: 0
+    finally:
+        dist.destroy_process_group()

@@ -419,14 +419,25 @@ def register(
     error_feedback: bool = True,
     half: torch.dtype | None = None,
     communicator: Communicator | None = None,
-    momentum: float = 0.0,
+    momentum: float | None = None,
 ) -> HookState:
     """Install the hook of `spec` (see make_state) on `ddp`, once; returns its state.
 
     `half` (torch.float16 or torch.bfloat16) wraps it in `half_wrapper`. `momentum`: the hook
     keeps the velocity before compressing (module docstring); the optimizer must then have
-    none. Sign codecs need it (`takes_momentum`): with the optimizer's momentum they diverge.
+    none. Sign codecs need it (`takes_momentum`): with the optimizer's momentum they diverge,
+    so for them it must be given (0.0 for plain SGD), never left to a default; other codecs
+    default to 0.0.
     """
+    if momentum is None:
+        if takes_momentum(spec):
+            raise ValueError(
+                f"register(ddp, {spec[:64]!r}): a sign-based hook needs momentum= given: move "
+                "the optimizer's momentum into the hook (e.g. momentum=0.9 with "
+                "torch.optim.SGD(..., momentum=0)), or pass momentum=0.0 for plain SGD; the sign "
+                "of an update under the optimizer's momentum diverges"
+            )
+        momentum = 0.0
     named = list(ddp.module.named_parameters())
     names = {id(p): name for name, p in named}
     order = {name: index for index, (name, _) in enumerate(named)}
