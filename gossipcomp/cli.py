@@ -65,6 +65,7 @@ from gossipcomp.simulation import (
     MAX_WORKERS,
     CheckpointPolicy,
     PeerLevels,
+    WorkerFailed,
     run_peer,
     run_simulation,
     usable_cores,
@@ -899,7 +900,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, HandshakeError, PeerUnreachableError) as error:
         _error(prog, error)  # ValueError covers TopologyError and CheckpointError
         return 2
-    except (TrainingDiverged, TrainingAborted, GossipStalled) as error:
+    except (TrainingDiverged, TrainingAborted, GossipStalled, WorkerFailed) as error:
         _error(prog, error)
         return 1
     except KeyboardInterrupt:

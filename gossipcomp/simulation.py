@@ -235,6 +235,13 @@ def _check_one_level_source(coordinator: bool, peer_levels: PeerLevels | None) -
 
 
 MAX_WORKERS = 64
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process of `--workers` went silent, ended or answered out of turn: a machine too
+    busy to start it in time, or a crash in it; the run cannot go on with its peers."""
+
+
 WORKER_START_SECONDS = 120.0  # a worker process imports torch and builds its peers in this
 
 
@@ -396,7 +403,7 @@ def _receive(pipe: Connection, process: BaseProcess) -> tuple[Any, ...]:
         return pipe.recv()
     except EOFError:
         process.join(5)
-        raise RuntimeError(
+        raise WorkerFailed(
             f"{process.name} ended (exit code {process.exitcode}) without reporting"
         ) from None
 
@@ -404,12 +411,15 @@ def _receive(pipe: Connection, process: BaseProcess) -> tuple[Any, ...]:
 def _expect(pipe: Connection, process: BaseProcess, kind: str, seconds: float) -> Any:
     """The worker's next message, which must be `kind`; its error raised when it failed."""
     if not pipe.poll(seconds):
-        raise RuntimeError(f"{process.name}: nothing heard in {seconds:g} s")
+        raise WorkerFailed(
+            f"{process.name}: nothing heard in {seconds:g} s (a machine this busy cannot start "
+            "its worker processes in time: try fewer with --workers, or --workers 1)"
+        )
     got, *message = _receive(pipe, process)
     if got == "error":
         raise message[0]
     if got != kind:
-        raise RuntimeError(f"{process.name}: expected {kind!r}, got {got!r}")
+        raise WorkerFailed(f"{process.name}: expected {kind!r}, got {got!r}")
     return message[0]
 
 
