@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from gossipcomp.transport.base import MAX_WIRE_ROUND
-from gossipcomp.transport.claims import RoundClaims, agreed_round, furthest_round, quorum_of
+from gossipcomp.transport.claims import (
+    RoundClaims,
+    agreed_round,
+    furthest_round,
+    lead_bound,
+    quorum_of,
+)
 
 
 class _Clock:
@@ -52,3 +58,30 @@ def test_each_party_is_believed_only_as_far_as_time_allows_since_its_last_claim(
     assert newcomer.cut and newcomer.round == 104 + 20
     assert claims.believe("a", 130) == claims.believed("a")  # honest claims come back in
     assert not claims.believed("a").cut and claims.believed("a").round == 130
+
+
+def test_a_claim_about_the_future_is_bounded_by_a_lead_past_a_known_round():
+    assert lead_bound(100, 64) == 164
+    assert lead_bound(-5, 3) == 3  # a known round is never below 0
+    assert lead_bound(MAX_WIRE_ROUND - 1, 64) == MAX_WIRE_ROUND  # never past what the wire holds
+    with pytest.raises(ValueError, match="lead"):
+        lead_bound(0, -1)
+
+
+def test_level_notices_are_held_to_the_lead_bound():
+    """The one bound for claimed rounds also bounds a level notice's effective round, from its
+    envelope's round: exactly the lead is taken, one past it refused, near the end of the wire's
+    range too (schedules: tests/test_schedule_agreement.py, far schedules refused)."""
+    from gossipcomp.proto.v1 import gossip_pb2 as pb
+    from gossipcomp.transport.base import EnvelopeRejected, NoticeRules
+    from gossipcomp.transport.notices import check_notice
+
+    rules = NoticeRules(frozenset({1, 2}), 64)
+    for round in (10, MAX_WIRE_ROUND - 70):
+        header = pb.EnvelopeHeader(sender=0, round=round)
+        header.level_notice.level = 1
+        header.level_notice.effective_round = lead_bound(round, 64)
+        check_notice(header, 1, rules)  # exactly the lead: taken
+        header.level_notice.effective_round = lead_bound(round, 64) + 1
+        with pytest.raises(EnvelopeRejected, match="at most 64"):
+            check_notice(header, 1, rules)

@@ -34,6 +34,7 @@ from gossipcomp.compress import parse_spec
 from gossipcomp.schedule.groups import TensorGroup, check_cover
 from gossipcomp.schedule.rate import MAX_LEVEL
 from gossipcomp.text import quoted
+from gossipcomp.transport.claims import lead_bound
 
 MAX_EPOCH = 2**31 - 1  # epochs travel as int64 but are bounded like the envelope field
 MAX_ROUND = 2**53 - 1  # rounds on the wire lie below 2^53
@@ -275,7 +276,7 @@ class ScheduleBook:
                 f"{self.current.epoch} in force, {EPOCH_ALLOWANCE} more plus one a round since): "
                 "epochs cannot be used up"
             )
-        horizon = round + SCHEDULE_HORIZON
+        horizon = lead_bound(round, SCHEDULE_HORIZON)
         if schedule.effective_round > horizon:
             raise ScheduleRefused(
                 f"schedule epoch {schedule.epoch}: takes effect at round "

@@ -7,6 +7,9 @@ effective round and a level notice. Each reader bounds it the same way, here:
   most R + margin + `allowance` x t / (fastest seconds per round) now;
 - by agreement (`agreed_round`): a round several parties claim to have reached is believed only
   as far as `quorum` of them agree (the quorum-th highest claim), so one liar moves nothing;
+- by lead (`lead_bound`): a round that a message says something takes effect at (a schedule's
+  effective round, a level notice's) lies at most a fixed lead past a round the reader knows for
+  sure (its own round, the envelope's checked round);
 - `RoundClaims` keeps both for a set of parties (the coordinator's members, a peer's
   neighbours): each party's claim is believed up to what time allows since its last believed
   one, and `agreed()` is the round a quorum of them reached.
@@ -43,6 +46,15 @@ def furthest_round(
     rounds = min(allowance * elapsed / seconds_per_round, float(MAX_WIRE_ROUND))
     furthest = max(0, confirmed) + max(0, margin) + math.ceil(rounds)
     return min(furthest, MAX_WIRE_ROUND)
+
+
+def lead_bound(known: int, lead: int) -> int:
+    """The furthest round a claim about the future may name: `lead` rounds past `known`, a round
+    the reader knows for sure (its own, or the checked round of the envelope carrying the claim);
+    at most MAX_WIRE_ROUND. Schedules and level notices are held to it."""
+    if lead < 0:
+        raise ValueError(f"lead: expected rounds >= 0, got {lead}")
+    return min(max(0, known) + lead, MAX_WIRE_ROUND)
 
 
 def agreed_round(claims: Iterable[int], quorum: int) -> int | None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.transport.base import EnvelopeRejected, LevelNotice, NoticeRules, RejectCode
+from gossipcomp.transport.claims import lead_bound
 
 MAX_NOTICE_LEAD = 64  # rounds a notice may take effect after its envelope's round, at most
 
@@ -77,10 +78,10 @@ def check_notice(header: pb.EnvelopeHeader, receiver: int, rules: NoticeRules | 
                 f"force at its own round; expected {round}, got {effective}",
             )
         return
-    if not round < effective <= round + rules.lead:
+    if not round < effective <= lead_bound(round, rules.lead):
         raise EnvelopeRejected(
             RejectCode.INVALID_ARGUMENT,
             f"level_notice.effective_round: expected a round in [{round + 1}, "
-            f"{round + rules.lead}] (after the envelope's round {round}, at most {rules.lead} "
+            f"{lead_bound(round, rules.lead)}] (after the envelope's round {round}, at most {rules.lead} "
             f"ahead), got {effective}",
         )
