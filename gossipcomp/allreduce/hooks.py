@@ -429,20 +429,19 @@ def register(
     so for them it must be given (0.0 for plain SGD), never left to a default; other codecs
     default to 0.0.
     """
-    if momentum is None:
-        if takes_momentum(spec):
-            raise ValueError(
-                f"register(ddp, {spec[:64]!r}): a sign-based hook needs momentum= given: move "
-                "the optimizer's momentum into the hook (e.g. momentum=0.9 with "
-                "torch.optim.SGD(..., momentum=0)), or pass momentum=0.0 for plain SGD; the sign "
-                "of an update under the optimizer's momentum diverges"
-            )
-        momentum = 0.0
     named = list(ddp.module.named_parameters())
     names = {id(p): name for name, p in named}
     order = {name: index for index, (name, _) in enumerate(named)}
     comm = communicator or Communicator(ddp.process_group)
-    state, hook = make_state(spec, names, order, comm, seed, error_feedback, momentum)
+    given = momentum is not None
+    state, hook = make_state(spec, names, order, comm, seed, error_feedback, momentum or 0.0)
     check_ddp_hook(comm, ddp, state, hook, half)  # every rank the same (agreement.py)
+    if not given and takes_momentum(spec):  # after agreeing: every rank refuses alike
+        raise ValueError(
+            f"register(ddp, {spec[:64]!r}): a sign-based hook needs momentum= given: move "
+            "the optimizer's momentum into the hook (e.g. momentum=0.9 with "
+            "torch.optim.SGD(..., momentum=0)), or pass momentum=0.0 for plain SGD; the sign "
+            "of an update under the optimizer's momentum diverges"
+        )
     ddp.register_comm_hook(state, half_wrapper(hook, half) if half is not None else hook)
     return state
