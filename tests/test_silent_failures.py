@@ -323,7 +323,7 @@ def test_a_peer_whose_exchanges_all_fail_warns_then_stops_while_its_neighbours_t
     """Peer 0's BatchNorm variance overflows after start: both neighbours refuse everything it
     sends, round after round (each time its edges come back). A warning after 3 such rounds,
     GossipStalled after 8. Peers 1 and 2 each lose one neighbour only: they train on, mixing
-    with each other, and never count a failed round."""
+    with each other, and never come near the bound."""
     caplog.set_level(logging.WARNING, logger="gossipcomp.peer")
     rounds, bound = 60, 8
     peers = _grpc_network([_batchnorm_model() for _ in range(3)], max_failed_rounds=bound)
@@ -351,7 +351,9 @@ def test_a_peer_whose_exchanges_all_fail_warns_then_stops_while_its_neighbours_t
     assert "running_var" in str(stalled) and "--max-failed-rounds" in str(stalled)
     assert outcome[1] >= rounds and outcome[2] >= rounds, outcome
     assert peers[1].stats.bytes_received.get(2, 0) > 0
-    assert peers[1].failed_rounds == 0 and peers[2].failed_rounds == 0
+    # they lose one neighbour, not all: a round of theirs fails only when the other live edge
+    # also misses its deadline (once in a CI run), never enough rounds in a row to stop them
+    assert peers[1].failed_rounds < bound and peers[2].failed_rounds < bound
     warnings = [r.getMessage() for r in caplog.records if "rounds in a row" in r.getMessage()]
     assert any(m.startswith("peer 0:") and "in 3 rounds in a row" in m for m in warnings)
     assert not any(m.startswith(("peer 1:", "peer 2:")) for m in warnings)
