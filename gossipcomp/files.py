@@ -132,14 +132,18 @@ def read_regular_file(
     return data
 
 
-def read_text_file(path: str | os.PathLike[str], what: str, expected: str, max_bytes: int) -> str:
-    """The UTF-8 text of `path` (see read_regular_file); FileRefused when it is not UTF-8."""
-    data = read_regular_file(path, what, expected, max_bytes)
+def _utf8(data: bytes, what: str, path: str | os.PathLike[str], expected: str) -> str:
+    """`data` decoded as UTF-8; FileRefused naming the file and the first bad byte otherwise."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
         problem = f"not UTF-8 ({error.reason} at byte {error.start})"
         raise FileRefused(what, path, problem, expected) from None
+
+
+def read_text_file(path: str | os.PathLike[str], what: str, expected: str, max_bytes: int) -> str:
+    """The UTF-8 text of `path` (see read_regular_file); FileRefused when it is not UTF-8."""
+    return _utf8(read_regular_file(path, what, expected, max_bytes), what, path, expected)
 
 
 def json_depth(data: bytes) -> int:
@@ -210,11 +214,9 @@ def load_json_file(
     if depth > max_depth:
         problem = f"JSON nested {depth} levels deep, more than {max_depth}"
         raise FileRefused(what, path, problem, expected)
+    text = _utf8(data, what, path, expected)
     try:
-        return json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as error:
-        problem = f"not UTF-8 ({error.reason} at byte {error.start})"
-        raise FileRefused(what, path, problem, expected) from None
+        return json.loads(text)
     except json.JSONDecodeError as error:
         problem = f"not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
         raise FileRefused(what, path, problem, expected) from None
