@@ -9,65 +9,130 @@ the ranks), each group launched as soon as backward completes it. Step time: the
 time of a step after the first five, median over ranks and over `--repeats` rounds (the
 groupings run in turn within each round). Ratios: merged_speedup = per-tensor / planned,
 planned_vs_single = single / planned, per compressor; accuracy after the same steps.
+
+Links that bind: `--links shaped` (root, Linux) puts each rank in its own network namespace
+behind a NIC of X Mbit/s each way (benchmarks/shaped_hub.py; default 2 ranks), runs every
+planner (mgwfbp, mergecomp, strategy) beside per-tensor and single, with and without
+compression (identity, sign, top-1%), and sets X per compressor so that one step's
+communication is `--comm-over-backward` (default 2) times the backward pass: X is computed from
+the bytes a step puts on a rank's link and the backward time measured here before the ranks
+start. The run then measures, per compressor, comm_over_backward = the communication a step of
+the single group waits for / the backward pass timed inside the ranks; network_bound is true
+only when that is at least 1 for every compressor, and the script exits 1 (after writing the
+JSON) when it is not: a run that does not bind proves nothing about overlap. Per compressor it
+writes planned_vs_single, planned_groups and predicted_over_measured (the planner's predicted
+step time over the measured one) for `--planner` and, under "planners", for each planner.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from allreduce_runs import machine, run_configs, save, show, summarise
+from shaped_hub import NamespacesUnavailable, ShapedHub, run_ranks
 
-from gossipcomp.allreduce.launch import spawn
+from gossipcomp.allreduce.launch import Session, spawn
 from gossipcomp.allreduce.train import AllreduceConfig
+from gossipcomp.compress import parse_spec
+from gossipcomp.models import build_resmlp
 
 COMPRESSORS = ("sign", "topk:ratio=0.01")
+SHAPED_COMPRESSORS = ("identity", "sign", "topk:ratio=0.01")
 GROUPINGS = ("per-tensor", "single", "planned")
+PLANNERS = ("mgwfbp", "mergecomp", "strategy")
+TCP_EFFICIENCY = 0.9  # goodput over the tbf rate: headers, acks, slow start after idle
+BACKWARD_REPEATS = 20
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--links", choices=("loopback", "shaped"), default="loopback")
+    parser.add_argument("--nproc", type=int, help="ranks (default 4 on loopback, 2 shaped)")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--planner", default="mergecomp")
+    parser.add_argument("--planner", default="mergecomp", help="the planner of the headline")
+    parser.add_argument(
+        "--compressors", help="comma-separated specs (default sign,topk; shaped: identity too)"
+    )
+    parser.add_argument(
+        "--comm-over-backward",
+        type=float,
+        default=2.0,
+        help="shaped: the communication a step should take, in backward passes (1 to 3)",
+    )
+    parser.add_argument("--mbit", type=float, help="shaped: one rate for every compressor")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
-    base = AllreduceConfig(sync="merged", model="resmlp", steps=args.steps, momentum=0.0)
-    configs = {
-        f"{spec} {grouping}": replace(
-            base, compressor=spec, planner=args.planner if grouping == "planned" else grouping
-        )
-        for spec in COMPRESSORS
-        for grouping in GROUPINGS
+    shaped = args.links == "shaped"
+    nproc = args.nproc or (2 if shaped else 4)
+    default = SHAPED_COMPRESSORS if shaped else COMPRESSORS
+    compressors = tuple(args.compressors.split(",")) if args.compressors else default
+    if not 2 <= nproc <= 16 or args.steps < 6 or args.repeats < 1:
+        parser.error("expected --nproc in 2..16, --steps >= 6 and --repeats >= 1")
+    if not 0.5 <= args.comm_over_backward <= 10:
+        parser.error(f"--comm-over-backward: expected 0.5 to 10, got {args.comm_over_backward}")
+    if shaped and args.planner not in PLANNERS:
+        parser.error(f"--planner: expected one of {', '.join(PLANNERS)} with --links shaped")
+    for spec in compressors:
+        try:
+            parse_spec(spec)
+        except ValueError as error:
+            parser.error(f"--compressors: {error}")
+    if not shaped:
+        return _loopback(args, nproc, compressors)
+    try:
+        return _shaped(args, nproc, compressors)
+    except ShapedUnavailable as error:
+        print(f"allreduce_merge.py --links shaped: {error}", file=sys.stderr)
+        return 2
+
+
+def _configs(
+    compressors: tuple[str, ...], planners: dict[str, str], steps: int
+) -> dict[str, AllreduceConfig]:
+    """One configuration per compressor and grouping (grouping name -> planner)."""
+    base = AllreduceConfig(sync="merged", model="resmlp", steps=steps, momentum=0.0)
+    return {
+        f"{spec} {grouping}": replace(base, compressor=spec, planner=planner)
+        for spec in compressors
+        for grouping, planner in planners.items()
     }
-    ranks = spawn(run_configs, args.nproc, (configs, args.repeats), timeout_s=60, deadline_s=3600)
+
+
+def _loopback(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]) -> int:
+    groupings = {"per-tensor": "per-tensor", "single": "single", "planned": args.planner}
+    configs = _configs(compressors, groupings, args.steps)
+    ranks = spawn(run_configs, nproc, (configs, args.repeats), timeout_s=60, deadline_s=3600)
     table = summarise(ranks, configs)
     ratios = {}
-    for spec in COMPRESSORS:
+    for spec in compressors:
         planned = table[f"{spec} planned"]["step_ms"]
         ratios[spec] = {
             "merged_speedup": table[f"{spec} per-tensor"]["step_ms"] / planned,
             "planned_vs_single": table[f"{spec} single"]["step_ms"] / planned,
         }
     result = {
-        "nproc": args.nproc,
+        "links": "loopback",
+        "nproc": nproc,
         "steps": args.steps,
         "repeats": args.repeats,
         "planner": args.planner,
-        "tensors": len(list(torch.nn.Module.parameters(_model()))),
+        "tensors": len(list(build_resmlp(0).parameters())),
         "methods": table,
         "ratios": ratios,
         "merged_speedup": min(r["merged_speedup"] for r in ratios.values()),
         "planned_vs_single": min(r["planned_vs_single"] for r in ratios.values()),
         "machine": machine(),
     }
-    console = show(
-        f"merged compressed all-reduce, resmlp, {args.nproc} gloo ranks", table, groups=True
-    )
+    console = show(f"merged compressed all-reduce, resmlp, {nproc} gloo ranks", table, groups=True)
     for spec, r in ratios.items():
         console.print(
             f"{spec}: merged_speedup {r['merged_speedup']:.2f}, "
@@ -77,10 +142,151 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _model() -> torch.nn.Module:
-    from gossipcomp.models import build_resmlp
+class ShapedUnavailable(RuntimeError):
+    """Shaped links cannot be built here (not root, no iproute2/tc, or refused)."""
 
-    return build_resmlp(0)
+
+def backward_seconds(batch_size: int, seed: int = 0, repeats: int = BACKWARD_REPEATS) -> float:
+    """Median seconds of the residual MLP's backward pass on a digits-sized batch, one thread
+    as in a rank (after two untimed passes)."""
+    model = build_resmlp(seed)
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch_size, 64, generator=generator)
+    y = torch.randint(0, 10, (batch_size,), generator=generator)
+    runs = []
+    for _ in range(repeats + 2):
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        start = time.perf_counter()
+        loss.backward()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs[2:])
+
+
+def link_bytes_per_step(spec: str, numel: int, nproc: int) -> float:
+    """Bytes one rank sends a step for one group of `numel` elements under `spec` (ring
+    all-reduce: 2 (N - 1) / N of the payload; all-gather: N - 1 times it)."""
+    compressor = parse_spec(spec)
+    payload = compressor.wire_bytes(numel)
+    return payload * (2 * (nproc - 1) / nproc if compressor.summable else nproc - 1)
+
+
+def rate_mbit(nbytes: float, backward_s: float, comm_over_backward: float) -> float:
+    """The NIC rate at which `nbytes` take `comm_over_backward` backward passes to send."""
+    return 8 * nbytes / (comm_over_backward * backward_s) / 1e6 / TCP_EFFICIENCY
+
+
+def _shaped_worker(
+    session: Session, configs: dict[str, AllreduceConfig], repeats: int
+) -> dict[str, Any]:
+    """This rank's backward time (the same batch size as the configurations), then every
+    configuration `repeats` times."""
+    batch = next(iter(configs.values())).batch_size
+    backward_s = backward_seconds(batch, seed=session.rank)
+    rows = run_configs(session, configs, repeats)
+    return {"backward_ms": 1e3 * backward_s, "rows": rows}
+
+
+def _shaped(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]) -> int:
+    numel = sum(p.numel() for p in build_resmlp(0).parameters())
+    groupings = {"per-tensor": "per-tensor", "single": "single", **{p: p for p in PLANNERS}}
+    backward_s = backward_seconds(AllreduceConfig().batch_size)
+    rates = {
+        spec: args.mbit
+        or rate_mbit(link_bytes_per_step(spec, numel, nproc), backward_s, args.comm_over_backward)
+        for spec in compressors
+    }
+    table: dict[str, dict[str, Any]] = {}
+    per_compressor: dict[str, dict[str, Any]] = {}
+    try:
+        with ShapedHub(nproc, rates[compressors[0]]) as hub:
+            for spec in compressors:
+                hub.set_rate(rates[spec])
+                configs = _configs((spec,), groupings, args.steps)
+                ranks = run_ranks(
+                    hub, _shaped_worker, (configs, args.repeats), timeout_s=120, deadline_s=3600
+                )
+                rows = summarise([r["rows"] for r in ranks], configs)
+                table.update(rows)
+                backward_ms = statistics.median(r["backward_ms"] for r in ranks)
+                per_compressor[spec] = _figures(spec, rows, backward_ms, rates[spec], args.planner)
+                per_compressor[spec]["qdisc"] = hub.qdisc(0)
+            prefix = hub.prefix
+    except NamespacesUnavailable as error:
+        raise ShapedUnavailable(f"network namespaces are not available: {error}") from None
+    bound = all(c["network_bound"] for c in per_compressor.values())
+    result = {
+        "links": "shaped",
+        "nproc": nproc,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "planner": args.planner,
+        "tensors": len(list(build_resmlp(0).parameters())),
+        "target_comm_over_backward": args.comm_over_backward,
+        "launcher_backward_ms": 1e3 * backward_s,
+        "namespace_prefix": prefix,
+        "network_bound": bound,
+        "comm_over_backward": min(c["comm_over_backward"] for c in per_compressor.values()),
+        "compressors": per_compressor,
+        "methods": table,
+        "merged_speedup": min(c["merged_speedup"] for c in per_compressor.values()),
+        "planned_vs_single": min(c["planned_vs_single"] for c in per_compressor.values()),
+        "machine": machine(),
+    }
+    console = show(
+        f"merged all-reduce, resmlp, {nproc} gloo ranks on shaped NICs",
+        table,
+        groups=True,
+        timing=True,
+    )
+    for spec, c in per_compressor.items():
+        console.print(
+            f"{spec} at {c['mbit']:.2f} Mbit/s: comm/backward {c['comm_over_backward']:.2f}, "
+            f"{args.planner}: {c['planned_groups']} groups, planned_vs_single "
+            f"{c['planned_vs_single']:.2f}, predicted/measured {c['predicted_over_measured']:.2f}"
+        )
+    save(args.json, result)
+    if not bound:
+        loose = [s for s, c in per_compressor.items() if not c["network_bound"]]
+        print(
+            f"NOT network-bound: communication under the backward pass for {', '.join(loose)}; "
+            "these figures say nothing about overlap (slow the links: --comm-over-backward)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _figures(
+    spec: str, rows: dict[str, dict[str, Any]], backward_ms: float, mbit: float, headline: str
+) -> dict[str, Any]:
+    """One compressor's figures from its rows (names "SPEC GROUPING")."""
+    single = rows[f"{spec} single"]
+    ratio = single["comm_ms"] / backward_ms
+    planners = {}
+    for planner in PLANNERS:
+        row = rows[f"{spec} {planner}"]
+        planners[planner] = {
+            "groups": row["groups"],
+            "step_ms": row["step_ms"],
+            "predicted_ms": row["predicted_ms"],
+            "vs_single": single["step_ms"] / row["step_ms"],
+            "predicted_over_measured": row["predicted_ms"] / row["step_ms"],
+        }
+    head = planners[headline]
+    return {
+        "mbit": mbit,
+        "backward_ms": backward_ms,
+        "single_comm_ms": single["comm_ms"],
+        "comm_over_backward": ratio,
+        "network_bound": ratio >= 1.0,
+        "merged_speedup": rows[f"{spec} per-tensor"]["step_ms"] / head["step_ms"],
+        "planned_vs_single": head["vs_single"],
+        "planned_groups": head["groups"],
+        "predicted_over_measured": head["predicted_over_measured"],
+        "best_planned_vs_single": max(p["vs_single"] for p in planners.values()),
+        "planners": planners,
+    }
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 `run_configs` is the per-rank worker (each configuration `repeats` times, in turn, so a busy
 machine slows all of them alike); `summarise` takes, per configuration, rank 0's accuracy (the
-mean over repeats), its steady bytes per step and the median step time over ranks and repeats.
+mean over repeats), its steady bytes per step, the median step time over ranks and repeats, and
+as medians too the communication a step waited for, the rest of the step (compute) and the step
+time a planner predicted (merged sync; 0 otherwise).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def run_configs(
                     "link_bytes_per_step": result.steady_link_bytes_per_step,
                     "groups": result.groups,
                     "step_ms": 1e3 * result.step_seconds,
+                    "comm_ms": 1e3 * result.comm_seconds / result.steps,
+                    "compute_ms": 1e3 * result.compute_seconds / result.steps,
+                    "predicted_ms": 1e3 * result.predicted_step_seconds,
                 }
             )
     return rows
@@ -59,7 +64,10 @@ def summarise(
             "accuracy": statistics.fmean(run["accuracy"] for run in first),
             "payload_bytes_per_step": first[0]["payload_bytes_per_step"],
             "link_bytes_per_step": first[0]["link_bytes_per_step"],
-            "step_ms": statistics.median(run["step_ms"] for rank in ranks for run in rank[name]),
+            **{
+                key: statistics.median(run[key] for rank in ranks for run in rank[name])
+                for key in ("step_ms", "comm_ms", "compute_ms", "predicted_ms")
+            },
         }
     return table
 
@@ -73,11 +81,15 @@ def machine() -> dict[str, Any]:
     }
 
 
-def show(title: str, table: dict[str, dict[str, Any]], *, groups: bool = False) -> Console:
-    """Print the summary table; returns the console for the ratio lines."""
+def show(
+    title: str, table: dict[str, dict[str, Any]], *, groups: bool = False, timing: bool = False
+) -> Console:
+    """Print the summary table (with `timing`: also the communication a step waited for and
+    the planner's predicted step); returns the console for the ratio lines."""
     columns = ["method", *(["groups"] if groups else []), "accuracy", "payload B/step"]
+    columns += ["link B/step", "step ms", *(["comm ms", "predicted ms"] if timing else [])]
     view = Table(title=title)
-    for column in (*columns, "link B/step", "step ms"):
+    for column in columns:
         view.add_column(column, justify="right")
     for name, row in table.items():
         view.add_row(
@@ -87,6 +99,7 @@ def show(title: str, table: dict[str, dict[str, Any]], *, groups: bool = False) 
             f"{row['payload_bytes_per_step']:.0f}",
             f"{row['link_bytes_per_step']:.0f}",
             f"{row['step_ms']:.2f}",
+            *([f"{row['comm_ms']:.2f}", f"{row['predicted_ms']:.2f}"] if timing else []),
         )
     console = Console()
     console.print(view)

@@ -13,13 +13,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from gossipcomp.compress import parse_spec
+from gossipcomp.models import build_resmlp
+
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS_MLP_FLOATS = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
 
 
-def _run(script: str, *arguments: str) -> Any:
+def _run_status(script: str, *arguments: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *arguments],
         cwd=ROOT,
         env=env,
@@ -27,6 +32,10 @@ def _run(script: str, *arguments: str) -> Any:
         capture_output=True,
         text=True,
     )
+
+
+def _run(script: str, *arguments: str) -> Any:
+    done = _run_status(script, *arguments)
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 
@@ -75,3 +84,57 @@ def test_allreduce_merge_benchmark_writes_its_fields(tmp_path: Path) -> None:
         )
     assert result["merged_speedup"] == min(r["merged_speedup"] for r in result["ratios"].values())
     assert result["planned_vs_single"] > 0
+
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import shaped_links  # noqa: E402
+
+
+def _namespaces_unavailable() -> str | None:
+    try:
+        shaped_links.check_available()
+    except shaped_links.NamespacesUnavailable as why:
+        return str(why)
+    return None
+
+
+UNAVAILABLE = _namespaces_unavailable()
+
+
+@pytest.mark.skipif(UNAVAILABLE is not None, reason=f"network namespaces: {UNAVAILABLE}")
+def test_allreduce_merge_on_shaped_links_writes_the_network_bound_figures(tmp_path: Path) -> None:
+    """2 gloo ranks behind tbf-limited NICs, sign only, a few steps: every planner's plan and
+    prediction is reported, the link really limits the collective, the check is consistent."""
+    out = tmp_path / "shaped.json"
+    arguments = ["--links", "shaped", "--compressors", "sign", "--steps", "10", "--repeats", "1"]
+    arguments += ["--comm-over-backward", "3", "--json", str(out)]
+    done = _run_status("allreduce_merge.py", *arguments)
+    result = json.loads(out.read_text())
+    assert done.returncode == (0 if result["network_bound"] else 1), done.stderr[-2000:]
+    assert result["links"] == "shaped" and result["nproc"] == 2 and result["tensors"] >= 100
+    methods = result["methods"]
+    figures = result["compressors"]["sign"]
+    assert figures["network_bound"] == (figures["comm_over_backward"] >= 1.0)
+    assert result["comm_over_backward"] == figures["comm_over_backward"]
+    ratio = figures["single_comm_ms"] / figures["backward_ms"]
+    assert abs(figures["comm_over_backward"] - ratio) < 1e-9
+    assert methods["sign per-tensor"]["groups"] == result["tensors"]
+    assert methods["sign single"]["groups"] == 1
+    for name, planner in figures["planners"].items():
+        row = methods[f"sign {name}"]
+        assert planner["groups"] == row["groups"] >= 1
+        assert row["predicted_ms"] > 0  # every planner's cost model priced its plan
+        assert abs(planner["predicted_over_measured"] - row["predicted_ms"] / row["step_ms"]) < 1e-9
+        assert abs(planner["vs_single"] - methods["sign single"]["step_ms"] / row["step_ms"]) < 1e-9
+    assert figures["planned_groups"] == figures["planners"]["mergecomp"]["groups"]
+    # exact bytes: one all-gather of the packed signs of every element, sent to the other rank
+    numel = sum(p.numel() for p in build_resmlp(0).parameters())
+    sent = parse_spec("sign").wire_bytes(numel)
+    assert methods["sign single"]["link_bytes_per_step"] == sent
+    # the NIC limits for real: one step's collective cannot beat the tbf rate (less the burst
+    # that leaves at once, on each of the two shaped hops)
+    assert figures["qdisc"].startswith("qdisc tbf") and " rate " in figures["qdisc"]
+    floor_ms = 1e3 * 8 * max(0, sent - 2 * 5000) / (figures["mbit"] * 1e6)
+    assert figures["single_comm_ms"] >= floor_ms
+    # torn down on exit
+    assert not [n for n in shaped_links.namespaces() if n.startswith(result["namespace_prefix"])]

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,7 +38,9 @@ from gossipcomp.schedule import (
     fit_link,
     make_planner,
     measure_compressor,
+    predict_iteration,
 )
+from gossipcomp.schedule.planners import planner_specs
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +201,27 @@ def threshold_groups(
 def ready_times(model: nn.Module, run_backward: Callable[[], None]) -> list[TensorInfo]:
     """Each parameter with the seconds into one measured backward pass when its gradient was
     ready, made non-increasing along model order (backward readies the last layer first)."""
+    stamps, _ = _stamped(model, run_backward)
+    return _infos(model, stamps)
+
+
+def measure_backward(
+    model: nn.Module, run_backward: Callable[[], None], repeats: int = 5
+) -> tuple[list[TensorInfo], float]:
+    """Ready times (as `ready_times`) and the seconds of a whole `run_backward`, each the median
+    of `repeats` passes after one untimed warm-up: the first pass of a model pays for
+    allocations and autograd's set-up, which a planner must not take for its compute."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= 1000:
+        raise ValueError(f"measure_backward: repeats is {repeats!r}; expected an int in [1, 1000]")
+    _stamped(model, run_backward)
+    passes = [_stamped(model, run_backward) for _ in range(repeats)]
+    stamps = [statistics.median(column) for column in zip(*(p[0] for p in passes), strict=True)]
+    return _infos(model, stamps), statistics.median(p[1] for p in passes)
+
+
+def _stamped(model: nn.Module, run_backward: Callable[[], None]) -> tuple[list[float], float]:
+    """Seconds from the start of `run_backward` to each parameter's gradient (model order; the
+    end of the pass for one that got none), and the seconds of the whole pass."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     stamps: dict[str, float] = {}
 
@@ -211,9 +236,15 @@ def ready_times(model: nn.Module, run_backward: Callable[[], None]) -> list[Tens
     try:
         run_backward()
     finally:
+        end = time.perf_counter()
         for handle in handles:
             handle.remove()
-    times = [stamps.get(name, time.perf_counter()) - start for name, _ in named]
+    return [stamps.get(name, end) - start for name, _ in named], end - start
+
+
+def _infos(model: nn.Module, stamps: Sequence[float]) -> list[TensorInfo]:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    times = list(stamps)
     for i in range(len(times) - 2, -1, -1):  # a reading out of order: the later one wins
         times[i] = max(times[i], times[i + 1])
     return [
@@ -245,6 +276,14 @@ def measure_link(
     return samples
 
 
+@dataclass(frozen=True)
+class Plan:
+    """Groups a planner chose and the step seconds its cost model predicts for them."""
+
+    groups: tuple[TensorGroup, ...]
+    predicted_s: float  # predict_iteration of the groups; 0.0 when the planner could not plan
+
+
 def plan_groups(
     planner: str,
     tensors: Sequence[TensorInfo],
@@ -253,24 +292,41 @@ def plan_groups(
     compute_s: float,
     device: torch.device | str = "cpu",
 ) -> tuple[TensorGroup, ...]:
+    """The groups of `make_plan` (same arguments)."""
+    return make_plan(planner, tensors, compressor, communicator, compute_s, device).groups
+
+
+def make_plan(
+    planner: str,
+    tensors: Sequence[TensorInfo],
+    compressor: str,
+    communicator: Communicator,
+    compute_s: float,
+    device: torch.device | str = "cpu",
+) -> Plan:
     """Groups from a gossipcomp.schedule planner on costs measured here: the compressor timed on
     this machine, the collective timed between the ranks. Every rank must call it (the link is
     measured together); rank 0's plan is broadcast so all ranks agree. Falls back to
     `threshold_groups` (with a warning) when the planner cannot plan."""
     summable = parse_spec(compressor).summable
     link = measure_link(communicator, summable, [1 << 10, 1 << 14, 1 << 18], device)
-    groups: tuple[TensorGroup, ...] | None = None
+    plan: Plan | None = None
     if communicator.rank == 0:
         try:
             sizes = sorted({1 << 10, 1 << 14, 1 << 17})
+            chosen = make_planner(planner)
             costs = CostModel(
-                {compressor: measure_compressor(compressor, sizes, repeats=3)},
+                {
+                    spec: measure_compressor(spec, sizes, repeats=3)
+                    for spec in planner_specs(chosen, compressor)
+                },
                 fit_link(link),
                 compute_s,
                 mode="allreduce",
             )
-            groups = make_planner(planner).plan(tensors, costs, compressor)
+            groups = chosen.plan(tensors, costs, compressor)
             check_cover(groups, [t.name for t in tensors])
+            plan = Plan(groups, predict_iteration(tensors, groups, costs))
         except (ValueError, TypeError, ArithmeticError) as error:
             log.warning(
                 "planner %s could not plan (%s); groups of %d bytes instead",
@@ -278,9 +334,9 @@ def plan_groups(
                 error,
                 DEFAULT_THRESHOLD_BYTES,
             )
-            groups = threshold_groups(tensors, compressor)
-    box: list[object] = [groups]
+            plan = Plan(threshold_groups(tensors, compressor), 0.0)
+    box: list[object] = [plan]
     dist.broadcast_object_list(box, src=0, group=communicator.group)
-    plan = box[0]
-    assert isinstance(plan, tuple)
-    return plan
+    chosen = box[0]
+    assert isinstance(chosen, Plan)
+    return chosen

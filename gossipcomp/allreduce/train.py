@@ -33,7 +33,13 @@ from gossipcomp.allreduce.comm import Communicator, Traffic
 from gossipcomp.allreduce.hooks import register, takes_momentum
 from gossipcomp.allreduce.launch import Session
 from gossipcomp.allreduce.marsit import MarsitSync
-from gossipcomp.allreduce.merged import MergedSync, plan_groups, ready_times, threshold_groups
+from gossipcomp.allreduce.merged import (
+    MergedSync,
+    Plan,
+    make_plan,
+    measure_backward,
+    threshold_groups,
+)
 from gossipcomp.allreduce.ssd import SSDSGD
 from gossipcomp.data import load_digits_split, parse_partition, partition_indices
 from gossipcomp.models import build_mlp, build_resmlp
@@ -95,6 +101,7 @@ class RankResult:
     steady_payload_bytes_per_step: float
     steady_link_bytes_per_step: float
     history: list[tuple[int, float, float]] = field(default_factory=list)  # step, acc, link bytes
+    predicted_step_seconds: float = 0.0  # merged with a planner: its cost model's step time
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -139,6 +146,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     waited: Callable[[], float] = lambda: 0.0  # noqa: E731
     counting: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     groups = 1
+    predicted_s = 0.0
     if config.sync == "ddp-hook":
         ddp = DistributedDataParallel(
             model,
@@ -159,7 +167,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
                 momentum=in_sync,
             )
     elif config.sync == "merged":
-        merged = _merged(model, config, comm, stream)
+        merged, predicted_s = _merged(model, config, comm, stream)
         groups = len(merged.groups)
         after_backward, waited = merged.synchronize, lambda: merged.wait_seconds
     elif config.sync == "marsit":
@@ -221,6 +229,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
         / steady_steps,
         steady_link_bytes_per_step=(steady.link_bytes - steady_from[1].link_bytes) / steady_steps,
         history=history,
+        predicted_step_seconds=predicted_s,
     )
 
 
@@ -232,7 +241,8 @@ def _mean_model(model: nn.Module, world: int) -> torch.Tensor:
 
 def _merged(
     model: nn.Module, config: AllreduceConfig, comm: Communicator, stream: BatchStream
-) -> MergedSync:
+) -> tuple[MergedSync, float]:
+    """The merged synchroniser of `config`'s planner, and the step seconds it predicts."""
     device = next(model.parameters()).device
     x, y = (t.to(device) for t in stream.next_batch())
 
@@ -240,20 +250,19 @@ def _merged(
         model.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
 
-    start = time.perf_counter()
-    tensors = ready_times(model, backward)
-    compute_s = time.perf_counter() - start
+    tensors, compute_s = measure_backward(model, backward)
     model.zero_grad(set_to_none=True)
     if config.planner == THRESHOLD:
-        groups = threshold_groups(tensors, config.compressor)
+        plan = Plan(threshold_groups(tensors, config.compressor), 0.0)
     else:
-        groups = plan_groups(config.planner, tensors, config.compressor, comm, compute_s, device)
+        plan = make_plan(config.planner, tensors, config.compressor, comm, compute_s, device)
     comm.traffic = Traffic()  # the link measurements are not training traffic
-    return MergedSync(
+    merged = MergedSync(
         model,
-        groups,
+        plan.groups,
         comm,
         seed=config.seed,
         error_feedback=config.error_feedback,
         momentum=config.momentum if sync_takes_momentum(config) else 0.0,
     )
+    return merged, plan.predicted_s

@@ -354,11 +354,15 @@ class Strategy:
             if spec != USER:
                 parse_spec(spec)
 
+    def specs(self, compressor: str) -> tuple[str, ...]:
+        """The candidates with "user" read as `compressor`, each once, in the given order."""
+        return tuple(dict.fromkeys(compressor if c == USER else c for c in self.candidates))
+
     def plan(
         self, tensors: Sequence[TensorInfo], costs: CostModel, compressor: str
     ) -> tuple[TensorGroup, ...]:
         timeline = _Timeline.of(tensors, costs)
-        specs = list(dict.fromkeys(compressor if c == USER else c for c in self.candidates))
+        specs = list(self.specs(compressor))
         # least compression first: most bytes per element (stable, so ties keep the given order)
         specs.sort(key=lambda spec: -costs.costs_of(spec)[1].bytes_per_element)
         cuts, choice = optimal_plan(timeline, costs, specs)
@@ -416,6 +420,12 @@ def _relax(
 PLANNERS: dict[str, Callable[..., Planner]] = {
     cls.name: cls for cls in (PerTensor, Single, MergeComp, MGWFBP, Strategy)
 }
+
+
+def planner_specs(planner: Planner, compressor: str) -> tuple[str, ...]:
+    """Every compressor spec a plan of `planner` for the user's `compressor` may use: the cost
+    model it plans on must price each of them."""
+    return planner.specs(compressor) if isinstance(planner, Strategy) else (compressor,)
 
 
 def make_planner(spec: str) -> Planner:
