@@ -534,6 +534,7 @@ class Coordinator:
         if self._rate is None or self._rate.costs != ladder:
             self._rate = RateController(ladder)
         self._base = self._rate.update(self._base, sends, budget)
+        budget = self._rate.budget_s or budget  # what the levels fit: at least the slowest link's
         critical = {m.rank for m in self._members.values() if m.critical} if self.boost else set()
         chosen = {
             key: ladder.above(level) if critical.intersection(key) else level

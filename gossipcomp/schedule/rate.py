@@ -39,7 +39,9 @@ repeats (`raise_after`, `lower_after`), or at once going down from a level the w
 it was raised (the estimate that raised it was noise) needs twice the patience to rise again,
 up to `MAX_BACKOFF` times; a second raise in a row halves it.
 
-The budget is a round's local computation time (so communication hides behind it) unless set.
+The budget is a round's local computation time (so communication hides behind it) unless set,
+raised to the time the slowest link being decided takes at the lowest level when that is longer
+(`round_budget`): no round can be shorter, so the other links may carry that much at no cost.
 Pure arithmetic: no clock, no networking; the coordinator feeds it what peers report (its
 first decision waits for round `FIRST_DECISION_ROUND`: start-up sends are slow), or without
 one each edge's lower end its own sends (schedule/announce.py).
@@ -234,6 +236,7 @@ class RateController:
         self._changes: dict[Link, tuple[int, int]] = {}
         # link -> the latencies its sends separated at the last decisions that could
         self._latency: dict[Link, deque[float]] = {}
+        self.budget_s: float | None = None  # the budget of the last `update` (`round_budget`)
 
     def choose(self, current: int | None, cost: LinkCost, budget_s: float) -> int:
         """The level proposed for a link now at `current` (None: not set yet) costing `cost`,
@@ -271,6 +274,7 @@ class RateController:
         slower direction. A link's first level (none yet, or one off the ladder) jumps to
         what fits with every second of its sends priced as bytes: it never overshoots."""
         chosen = dict(current)
+        estimated: dict[Link, tuple[LinkCost, LinkCost]] = {}
         for key, directions in sends.items():
             first = current.get(key) not in self.costs.bytes_per_round
             estimates = self._estimates(key, directions, bytes_only=first)
@@ -280,8 +284,22 @@ class RateController:
                 LinkCost(max(e.latency_s for e in kind), max(e.seconds_per_byte for e in kind))
                 for kind in zip(*estimates, strict=True)
             )
-            chosen[key] = self._patient(key, current.get(key), worst, settled, budget_s)
+            estimated[key] = (worst, settled)
+        self.budget_s = self.round_budget(budget_s, [settled for _, settled in estimated.values()])
+        for key, (worst, settled) in estimated.items():
+            chosen[key] = self._patient(key, current.get(key), worst, settled, self.budget_s)
         return chosen
+
+    def round_budget(self, budget_s: float, links: Sequence[LinkCost]) -> float:
+        """The budget levels are chosen within: `budget_s`, or, when the slowest of `links`
+        takes longer than that at the lowest level, that time. A round waits for its slowest
+        link (every peer for its neighbours), so it cannot be shorter, and a link that carries
+        more in that time costs the round nothing: on a network slower than compute the
+        budget follows the network, and every faster link rises to what fits beside the
+        slowest one instead of all sinking to the lowest level."""
+        lowest = self.costs.levels[0]
+        floor = max((self.costs.seconds(lowest, cost) for cost in links), default=0.0)
+        return max(budget_s, floor)
 
     def _estimates(
         self, key: Link, directions: Sequence[Sequence[tuple[int, float]]], bytes_only: bool
