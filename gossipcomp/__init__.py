@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "Peer": "gossipcomp.peer",
     "PeerStats": "gossipcomp.peer",
     "GossipStalled": "gossipcomp.peer",
+    "ComputeTurns": "gossipcomp.gossip.turns",
     "BuildContext": "gossipcomp.gossip",
     "Choco": "gossipcomp.gossip",
     "DEFATC": "gossipcomp.gossip",

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Set
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -521,31 +521,40 @@ class PeerTrainer:
         # seconds into the run: a restored peer goes on from its checkpoint's last evaluation
         self._started = time.perf_counter() - (self.history[-1].seconds if self.history else 0.0)
         while peer.round < config.gossip_rounds:
-            before = peer.round
-            steps = config.steps_at(before)
-            if should_stop is not None and should_stop():
-                raise TrainingAborted(f"peer {peer.rank} stopped at round {before + 1}")
-            for _ in range(config.steps_at(before + 1) - steps):
-                local_step(peer.model, self.optimizer, self.stream.next_batch())
-            # once a round suffices: received NaN/Inf is refused at the door, and anything gossip
-            # itself overflowed to is caught after the next local steps
-            _check_finite(peer, before + 1, "after the local steps")
-            if self.coordinator is not None:
-                self.coordinator.observe_gradients(peer.model)
-            peer.gossip()
-            if self.coordinator is not None:
-                self.coordinator.after_round()
-            r = peer.round  # usually before + 1; more after catching up with the neighbours
-            done = config.steps_at(r)
-            if _crossed(steps, done, config.eval_every) or done >= config.rounds:
-                self._evaluate()
-            if self.store is not None and _crossed(before, r, self.checkpoint_every):
-                self.store.save(r, self.state_dict())
-            if on_round is not None:
-                on_round(r)
+            with peer.turns.turn() if peer.turns is not None else nullcontext():
+                self._round(on_round, should_stop)
         if not self.history or self.history[-1].gossip_round != peer.round:  # restored at the end
             self._evaluate()
         return PeerOutcome(peer.rank, self.history[-1].test_accuracy, peer.stats, self.history)
+
+    def _round(
+        self, on_round: Callable[[int], None] | None, should_stop: Callable[[], bool] | None
+    ) -> None:
+        """The local steps and one gossip round (with the peer's compute turn held, when the
+        peers of this process take turns: the turn is given up while it waits in gossip)."""
+        peer, config = self.peer, self.config
+        before = peer.round
+        steps = config.steps_at(before)
+        if should_stop is not None and should_stop():
+            raise TrainingAborted(f"peer {peer.rank} stopped at round {before + 1}")
+        for _ in range(config.steps_at(before + 1) - steps):
+            local_step(peer.model, self.optimizer, self.stream.next_batch())
+        # once a round suffices: received NaN/Inf is refused at the door, and anything gossip
+        # itself overflowed to is caught after the next local steps
+        _check_finite(peer, before + 1, "after the local steps")
+        if self.coordinator is not None:
+            self.coordinator.observe_gradients(peer.model)
+        peer.gossip()
+        if self.coordinator is not None:
+            self.coordinator.after_round()
+        r = peer.round  # usually before + 1; more after catching up with the neighbours
+        done = config.steps_at(r)
+        if _crossed(steps, done, config.eval_every) or done >= config.rounds:
+            self._evaluate()
+        if self.store is not None and _crossed(before, r, self.checkpoint_every):
+            self.store.save(r, self.state_dict())
+        if on_round is not None:
+            on_round(r)
 
     def _evaluate(self) -> None:
         """Record the test accuracy and bytes sent so far."""

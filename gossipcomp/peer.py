@@ -44,6 +44,7 @@ from gossipcomp.gossip.base import (
 from gossipcomp.gossip.clipping import total_norm
 from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.state import checked_tensors
+from gossipcomp.gossip.turns import ComputeTurns
 from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
 from gossipcomp.models import constant_tensors, gossiped_tensors, model_signature
 from gossipcomp.peer_levels import LEVELS_LOGGER as LEVELS_LOGGER
@@ -133,6 +134,7 @@ class Peer:
         local_steps: int = 1,
         constant_buffers: bool = True,
         max_failed_rounds: int = DEFAULT_MAX_FAILED_ROUNDS,
+        turns: ComputeTurns | None = None,
     ) -> None:
         """`ready=False` (a peer about to restore a checkpoint): neighbours' handshakes are
         answered "not ready" until `ready()`, so none is answered from a round about to change.
@@ -155,7 +157,9 @@ class Peer:
         of the bytes). `max_failed_rounds`: after that many rounds in a row whose exchanges
         failed with every neighbour, `gossip()` raises GossipStalled (0: never); a warning
         comes after FAILED_ROUNDS_WARNING of them. Losing some neighbours is not a failed round,
-        nor is a round with every edge down, waiting for probes or resume rounds."""
+        nor is a round with every edge down, waiting for probes or resume rounds. `turns`: the
+        compute turns of the peers sharing this process (gossip/turns.py), given up while this
+        peer waits for its neighbours; None: this peer never waits for a turn."""
         if not 0 <= rank < topology.n:
             raise ValueError(
                 f"rank {rank} out of range for topology {topology.name} (n={topology.n})"
@@ -195,6 +199,7 @@ class Peer:
                 f"{quoted(max_failed_rounds)}"
             )
         self.max_failed_rounds = max_failed_rounds
+        self.turns = turns
         self.failed_rounds = 0  # rounds that tried an exchange since one last heard a neighbour
         self._first_failed_round = 0  # the first of them
         self._failure_reasons: dict[int, str] = {}  # neighbour -> why its last exchange failed
@@ -454,6 +459,7 @@ class Peer:
         link_rates: LinkRates | None = None,
         constant_buffers: bool = True,
         max_failed_rounds: int = DEFAULT_MAX_FAILED_ROUNDS,
+        turns: ComputeTurns | None = None,
     ) -> Peer:
         """A peer with its own gRPC server at `bind` (default: its address in the topology).
         A stream that carries an envelope must finish within the round's deadline. With
@@ -485,6 +491,7 @@ class Peer:
                 local_steps=local_steps,
                 constant_buffers=constant_buffers,
                 max_failed_rounds=max_failed_rounds,
+                turns=turns,
             )
         except Exception:
             transport.close()
@@ -679,6 +686,7 @@ class Peer:
             timeout=self.round_timeout,
             links=links,
             schedule_epoch=self.schedules.current.epoch,
+            turns=self.turns,
         )
 
     def _resume_edges(self) -> bool:

@@ -40,6 +40,7 @@ from gossipcomp.experiment import (
     build_config_model,
     load_data,
 )
+from gossipcomp.gossip.turns import ComputeTurns
 from gossipcomp.models import gossiped_tensors
 from gossipcomp.peer import Peer
 from gossipcomp.report import Report, flat, merge_history, peer_reports
@@ -196,7 +197,7 @@ def run_simulation(
             if workers != 1:
                 outcomes, params = _train_in_workers(setup, workers, progress)
             else:
-                setup.build_peers(range(topology.n), data, keys, peers)
+                setup.build_peers(range(topology.n), data, keys, peers, usable_cores())
                 clients = setup.clients(peers)
                 trainers = setup.trainers(peers, clients, data)
                 addresses = {p.rank: p.address for p in peers}
@@ -287,9 +288,12 @@ class _Setup:
         data: DigitsSplit,
         keys: Sequence[PeerKeys | None],
         into: list[Peer],
+        slots: int,
     ) -> None:
         """A peer per rank on a loopback port, appended to `into` as each is made (so the
-        caller closes those made when a later one fails)."""
+        caller closes those made when a later one fails). The peers of one call share this
+        process and take turns computing, `slots` at once (gossip/turns.py)."""
+        turns = ComputeTurns(slots)
         for rank in ranks:
             into.append(
                 Peer.over_grpc(
@@ -304,6 +308,7 @@ class _Setup:
                     gossip_buffers=self.config.gossip_buffers,
                     link_rates=self.link_rates,
                     max_failed_rounds=_failed_rounds_bound(self.config, rank),
+                    turns=turns,
                 )
             )
             if self.peer_levels is not None:
@@ -353,10 +358,13 @@ def _train_in_workers(
     context = multiprocessing.get_context("spawn")
     pipes, processes = [], []
     try:
+        slots = max(1, usable_cores() // workers)  # each worker's peers compute this many at once
         for ranks in _blocks(setup.topology.n, workers):
             mine, theirs = context.Pipe()
             process = context.Process(
-                target=_worker, args=(setup, ranks, theirs), name=f"gossipcomp-worker-{ranks[0]}"
+                target=_worker,
+                args=(setup, ranks, theirs, slots),
+                name=f"gossipcomp-worker-{ranks[0]}",
             )
             process.start()
             theirs.close()
@@ -423,9 +431,10 @@ def _expect(pipe: Connection, process: BaseProcess, kind: str, seconds: float) -
     return message[0]
 
 
-def _worker(setup: _Setup, ranks: range, pipe: Connection) -> None:
-    """One worker process: build its peers, trade addresses through the parent, train, and
-    send back outcomes and final tensors (or the error that stopped it)."""
+def _worker(setup: _Setup, ranks: range, pipe: Connection, slots: int) -> None:
+    """One worker process: build its peers (computing `slots` at once), trade addresses
+    through the parent, train, and send back outcomes and final tensors (or the error that
+    stopped it)."""
     torch.set_num_threads(1)
     lock = threading.Lock()
 
@@ -437,7 +446,7 @@ def _worker(setup: _Setup, ranks: range, pipe: Connection) -> None:
     clients: list[CoordinatorClient] = []
     try:
         data = load_data(setup.config)
-        setup.build_peers(ranks, data, [None] * setup.topology.n, peers)
+        setup.build_peers(ranks, data, [None] * setup.topology.n, peers, slots)
         send("addresses", {p.rank: p.address for p in peers})
         addresses = pipe.recv()
         clients = setup.clients(peers)

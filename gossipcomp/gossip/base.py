@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from gossipcomp.gossip.turns import ComputeTurns
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.rate import LevelCosts
@@ -81,6 +83,7 @@ class Neighbourhood:
     timeout: float
     links: LinkStats
     schedule_epoch: int = 0
+    turns: ComputeTurns | None = None  # peers of one process taking turns: given up while waiting
     comm_seconds: float = 0.0
     exchanges: int = 0  # exchanges made this round
     failed: dict[int, str] = field(default_factory=dict)  # neighbour -> why it failed this round
@@ -98,9 +101,10 @@ class Neighbourhood:
             {j: outgoing for j in self.neighbours} if isinstance(outgoing, tuple) else outgoing
         )
         start = time.perf_counter()
-        result = self.transport.exchange(
-            self.round, phase, per_peer, self.timeout, self.schedule_epoch
-        )
+        with self.turns.waiting() if self.turns is not None else nullcontext():
+            result = self.transport.exchange(
+                self.round, phase, per_peer, self.timeout, self.schedule_epoch
+            )
         elapsed = time.perf_counter() - start
         self.comm_seconds += elapsed
         self.exchanges += 1
