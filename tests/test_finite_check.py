@@ -38,3 +38,34 @@ def test_nan_and_inf_anywhere_are_refused(dtype, size):
 def test_finite_values_whose_sum_overflows_are_accepted(dtype):
     largest = float(numpy.finfo(dtype).max)
     _scan(torch.full((50_000,), largest, dtype=DTYPES[dtype]))
+
+
+def _scan_envelope(tensors: dict[str, torch.Tensor], pieces: int = 2) -> None:
+    """Feed several tensors' bytes, back to back as in an envelope, to one scanner."""
+    spec = tuple(tensor_spec(name, t) for name, t in tensors.items())
+    scanner = FiniteScanner(spec, spec)
+    data = b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors.values())
+    buffer = memoryview(data)
+    for step in range(1, pieces + 1):
+        scanner.scan(buffer, len(buffer) * step // pieces)
+
+
+def test_a_bad_value_in_one_of_several_small_tensors_names_that_tensor():
+    """Neighbouring tensors of one dtype are checked as one span; the refusal still names the
+    tensor the NaN is in, wherever the chunks end."""
+    tensors = {f"v{i}": torch.randn(9 + i) for i in range(5)}
+    tensors["half"] = torch.randn(4).half()  # another dtype: a span of its own
+    tensors["last"] = torch.randn(6)
+    _scan_envelope(tensors)
+    for name in tensors:
+        spoiled = {k: v.clone() for k, v in tensors.items()}
+        spoiled[name][-1] = float("nan")
+        for pieces in (1, 3):
+            with pytest.raises(EnvelopeRejected, match=f"tensor '{name}' values"):
+                _scan_envelope(spoiled, pieces)
+
+
+def test_tensors_whose_joint_sum_overflows_are_accepted():
+    """Each tensor's sum is finite but the span's overflows: the element-wise check accepts."""
+    largest = float(numpy.finfo(numpy.float32).max)
+    _scan_envelope({"a": torch.full((3,), largest / 2), "b": torch.full((3,), largest / 2)})

@@ -188,20 +188,31 @@ class FiniteScanner:
     `scan(buffer, filled)` looks at the complete elements that arrived since the last call, so
     the check overlaps the transfer instead of following it, and a NaN refuses the envelope
     without reading the rest. Same rule as all_finite: a finite sum decides, an overflowing one
-    falls back to the element-wise check.
+    falls back to the element-wise check. Neighbouring tensors of one dtype are scanned as one
+    span (an envelope of small vectors costs one sum, not one per tensor); the tensor a bad
+    value lies in is named only when one is found.
     """
 
     def __init__(self, tensors: Iterable[TensorSpec], spec: PayloadSpec) -> None:
-        self._regions: list[list] = []  # [name, dtype, start, end, checked up to]
+        # spans: [dtype, start, end, checked up to, [(name, start, end), ...]]
+        self._spans: list[list] = []
         offset = 0
         for declared, want in zip(tensors, spec, strict=True):
             if want.require_finite and want.codec == RAW_CODEC and want.dtype in _FLOAT_NAMES:
-                self._regions.append([want.name, want.dtype, offset, offset + want.nbytes, offset])
+                end = offset + want.nbytes
+                last = self._spans[-1] if self._spans else None
+                if last is not None and last[0] == want.dtype and last[2] == offset:
+                    last[2] = end
+                    last[4].append((want.name, offset, end))
+                else:
+                    self._spans.append(
+                        [want.dtype, offset, end, offset, [(want.name, offset, end)]]
+                    )
             offset += declared.nbytes
 
     def scan(self, buffer: memoryview, filled: int) -> None:
-        for region in self._regions:
-            name, dtype, start, end, checked = region
+        for span in self._spans:
+            dtype, start, end, checked, members = span
             if checked >= end or checked >= filled:
                 continue
             size = DTYPES[dtype].itemsize
@@ -212,9 +223,21 @@ class FiniteScanner:
             if not _segment_finite(buffer[checked:upto], dtype):
                 raise EnvelopeRejected(
                     RejectCode.INVALID_ARGUMENT,
-                    f"tensor {name!r} values: expected finite, got NaN/Inf",
+                    f"tensor {_first_bad(buffer, members, checked, upto, dtype)!r} values: "
+                    "expected finite, got NaN/Inf",
                 )
-            region[4] = upto
+            span[3] = upto
+
+
+def _first_bad(
+    buffer: memoryview, members: list[tuple[str, int, int]], checked: int, upto: int, dtype: str
+) -> str:
+    """The name of the first tensor of a span with a NaN/Inf between `checked` and `upto`."""
+    for name, start, end in members:
+        low, high = max(start, checked), min(end, upto)
+        if low < high and not _segment_finite(buffer[low:high], dtype):
+            return name
+    return members[0][0]  # the span's sum overflowed while every tensor's own sum is finite
 
 
 _COLUMNS = 4096  # values per row when summing column-wise (see _sum)
@@ -233,8 +256,10 @@ def _segment_finite(data: memoryview, dtype: str) -> bool:
 def _sum(values: numpy.ndarray, accumulate: type) -> float:
     """The sum of `values`, its bulk taken as rows of _COLUMNS added column-wise: whole-row
     vector adds, a third faster than numpy's pairwise sum of a flat array (it is finite under
-    the same condition: every value finite and no overflow)."""
+    the same condition: every value finite and no overflow). A short array is summed whole."""
     rows = len(values) // _COLUMNS
+    if rows < 2:
+        return values.sum(dtype=accumulate)
     bulk = values[: rows * _COLUMNS].reshape(rows, _COLUMNS).sum(axis=0, dtype=accumulate)
     return bulk.sum(dtype=accumulate) + values[rows * _COLUMNS :].sum(dtype=accumulate)
 
