@@ -84,19 +84,30 @@ def _path(mode: str, chunk: int) -> str:
     return f"grpc_{'' if mode == 'exchange' else mode + '_'}{chunk >> 10}KiB"
 
 
+GRPC_OWN_READS = "grpc_own_reads"  # the default exchange with gRPC's own socket read sizes
+
+
+def _paths(chunk_sizes: list[int]) -> dict[str, tuple[str, GrpcOptions]]:
+    """Every gRPC path timed: its mode and the options both of its ends use."""
+    paths = {
+        _path(mode, chunk): (mode, GrpcOptions(chunk_bytes=chunk))
+        for mode in MODES
+        for chunk in chunk_sizes
+    }
+    paths[GRPC_OWN_READS] = ("exchange", GrpcOptions(read_chunk_bytes=0))
+    return paths
+
+
 def receiver(mib: int, chunk_sizes: list[int], rounds: int, pipe: Connection) -> None:
     """The receiving peer: gRPC transports (one per mode and chunk size), a bare gRPC sink, a
     socket."""
     torch.set_num_threads(1)
     spec = (tensor_spec("payload", _payload(mib)),)
     transports = {}
-    for mode in MODES:
-        for chunk in chunk_sizes:
-            transport = GrpcTransport(
-                Identity(1, "bench", "bench"), [0], options=GrpcOptions(chunk_bytes=chunk)
-            )
-            transport.expect(PHASE, spec)
-            transports[_path(mode, chunk)] = transport
+    for path, (_, options) in _paths(chunk_sizes).items():
+        transport = GrpcTransport(Identity(1, "bench", "bench"), [0], options=options)
+        transport.expect(PHASE, spec)
+        transports[path] = transport
 
     def drain(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         return sum(len(r) for r in requests).to_bytes(8, "little")
@@ -186,14 +197,11 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
     )
     process.start()
     addresses = ours.recv()
-    senders = {}
-    for mode in MODES:
-        for chunk in chunk_sizes:
-            sender = GrpcTransport(
-                Identity(0, "bench", "bench"), [1], options=GrpcOptions(chunk_bytes=chunk)
-            )
-            sender.expect(PHASE, (tensor_spec("ack", _ack()),))
-            senders[_path(mode, chunk)] = sender
+    senders, modes = {}, {}
+    for path, (mode, options) in _paths(chunk_sizes).items():
+        sender = GrpcTransport(Identity(0, "bench", "bench"), [1], options=options)
+        sender.expect(PHASE, (tensor_spec("ack", _ack()),))
+        senders[path], modes[path] = sender, mode
     ours.send({path: sender.address for path, sender in senders.items()})
     for path, sender in senders.items():
         sender.connect({1: addresses["grpc"][path]}, timeout=60)
@@ -209,7 +217,7 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
                 "grpc_raw_ceiling": raw_grpc_trial(drain, data, default_chunk),
             }
             for path, sender in senders.items():
-                trial_of = send_trial if path.startswith("grpc_send_") else grpc_trial
+                trial_of = send_trial if modes[path] == "send" else grpc_trial
                 times[path] = trial_of(sender, trial, (wire,))
             if trial:
                 for key, elapsed in times.items():
@@ -235,6 +243,8 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
         "grpc_vs_socket_ratio": throughput[default_key] / throughput["socket"],
         "grpc_vs_raw_grpc_ratio": throughput[default_key] / throughput["grpc_raw_ceiling"],
         "send_vs_socket_ratio": throughput[send_key] / throughput["socket"],
+        # the default exchange over the same with gRPC's own socket read sizes
+        "read_chunk_gain": throughput[default_key] / throughput[GRPC_OWN_READS],
         "default_chunk_bytes": default_chunk,
     }
 
@@ -283,6 +293,7 @@ def main() -> None:
     print(f"grpc_vs_socket_ratio = {result['grpc_vs_socket_ratio']:.3f}")
     print(f"grpc_vs_raw_grpc_ratio = {result['grpc_vs_raw_grpc_ratio']:.3f}")
     print(f"send_vs_socket_ratio = {result['send_vs_socket_ratio']:.3f}")
+    print(f"read_chunk_gain = {result['read_chunk_gain']:.3f} (megabyte reads over gRPC's own)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -46,7 +46,7 @@ def test_transport_benchmark_times_a_real_exchange_against_a_socket(tmp_path: Pa
     report = _json(out)
     assert report["envelope_bytes"] == 2 << 20 and report["trials"] == 2
     assert report["default_chunk_bytes"] == 1 << 20 and len(report["load_average_1min"]) == 2
-    paths = {"socket", "grpc_raw_ceiling", "grpc_1024KiB", "grpc_send_1024KiB"}
+    paths = {"socket", "grpc_raw_ceiling", "grpc_1024KiB", "grpc_send_1024KiB", "grpc_own_reads"}
     assert set(report["median_seconds"]) == paths
     for path in paths:
         seconds = report["median_seconds"][path]
@@ -55,6 +55,9 @@ def test_transport_benchmark_times_a_real_exchange_against_a_socket(tmp_path: Pa
     assert report["ratio_to_socket"]["socket"] == 1.0
     assert report["grpc_vs_socket_ratio"] == pytest.approx(
         report["ratio_to_socket"]["grpc_1024KiB"]
+    )
+    assert report["read_chunk_gain"] == pytest.approx(
+        report["ratio_to_socket"]["grpc_1024KiB"] / report["ratio_to_socket"]["grpc_own_reads"]
     )
     assert report["send_vs_socket_ratio"] == pytest.approx(
         report["ratio_to_socket"]["grpc_send_1024KiB"]

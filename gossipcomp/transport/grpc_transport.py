@@ -71,12 +71,15 @@ from gossipcomp.transport.schedules import (
     ScheduleSource,
 )
 from gossipcomp.transport.serving import (
+    DEFAULT_READ_CHUNK_BYTES,
     PROCESS_LOOP,
     AsyncServer,
     CallerSlots,
     Method,
     ServingLimits,
     bounded_handler,
+    check_read_chunk,
+    read_chunk_options,
 )
 from gossipcomp.transport.wire import (
     DEFAULT_CHUNK_BYTES,
@@ -125,6 +128,7 @@ class GrpcOptions:
     # glibc serves gRPC's megabyte buffers from a warm heap instead of fresh pages, for the
     # whole process (transport/allocator.py); False leaves the C library's defaults
     warm_heap: bool = True
+    read_chunk_bytes: int = DEFAULT_READ_CHUNK_BYTES  # socket reads, both ends (0: gRPC's own)
 
     def __post_init__(self) -> None:
         for name in ("hello_timeout", "first_chunk_timeout", "stream_timeout", "clock_tolerance"):
@@ -141,6 +145,7 @@ class GrpcOptions:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"GrpcOptions.{name}: expected >= 1, got {getattr(self, name)}")
+        check_read_chunk(self.read_chunk_bytes, "GrpcOptions")
         if self.receive_pool_bytes < 0:
             raise ValueError(
                 f"GrpcOptions.receive_pool_bytes: expected >= 0, got {self.receive_pool_bytes}"
@@ -150,6 +155,7 @@ class GrpcOptions:
         return [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
+            *read_chunk_options(self.read_chunk_bytes),
         ]
 
 
@@ -230,9 +236,7 @@ class _GossipService:
             self._auth.prove_reply(reply, request)
         return reply
 
-    async def Schedules(
-        self, request: pb.HelloRequest, context: grpc.aio.ServicerContext
-    ) -> bytes:
+    async def Schedules(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> bytes:
         """The schedules this peer holds past the asking neighbour's epoch: a handshake's
         checks, then the peer's own serialised list (built when its schedules change, never
         per request; changes nothing here). One caller has at most SCHEDULE_CALLS_PER_CALLER
@@ -459,6 +463,7 @@ def _serving_limits(options: GrpcOptions) -> ServingLimits:
         call_timeout=options.stream_timeout,
         # every method together, per connection: in-process peers share one connection
         max_calls_per_caller=options.max_streams_per_connection,
+        read_chunk_bytes=options.read_chunk_bytes,
     )
 
 
