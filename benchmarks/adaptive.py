@@ -1,43 +1,57 @@
-"""Bandwidth-adaptive compression against fixed compression, on links whose bandwidth changes.
+"""Bandwidth-adaptive compression against every fixed level, on shaped links that bind.
 
 Run: python benchmarks/adaptive.py --json docs/adaptive.json --plot docs/adaptive.png
 
-A ring of peers (8 by default) trains `--model` (wide-mlp: 1.1M parameters) on digits, every
-link at `--mbit` (100 Mbit/s) until one link (`--slow-link`, 0-1) drops to `--slow-mbit`
-(10 Mbit/s) a third of the way in. Side by side in one invocation, the same run with:
+The regime is set so that the network sets the pace on any machine, however few its cores: a
+ring of a few peer processes (4 by default: at most 2 per core on a 2-core machine) trains
+`--model` (mlp: 84K parameters, 336 KB a model) on digits over links of a few Mbit/s, so that a
+round's transfers take several times its compute. The links differ (`--rates`, Mbit/s of the
+ring's edges 0-1, 1-2, ...: one slow, one middling, the rest fast) and move: `--changes` times
+during training (at rounds evenly spaced, the same rounds for every configuration) every rate
+passes to the next edge of the ring, so the slow link moves to another edge and a fixed level
+fitted to one phase is wrong in the next. Side by side in one invocation, each `--repeats`
+times (all configurations once, then again, so drifting load falls on all alike):
 
-- D-PSGD (exact gossip: the whole model over every link every round);
-- PowerGossip at each fixed rank of `--ranks` (1 2 4 8 16 32 64);
-- adaptive: PowerGossip whose rank per link the coordinator sets from what each link carried
-  in the last rounds (`gossipcomp coordinator --adaptive`), within the round budget.
+- `dpsgd`: exact gossip, the whole model over every link every round;
+- `rank=R`: PowerGossip at each fixed rank of `--ranks` (the ladder 1..64: ranks above 64 send
+  more than D-PSGD's whole model for this model's matrices);
+- `adaptive`: PowerGossip whose rank per link the coordinator sets (`gossipcomp coordinator
+  --adaptive`, every peer reporting every round) within the round budget;
+- `adaptive-nc`: the same without a coordinator (`--adaptive` peers: each edge's lower end
+  sets the edge's rank from its own sends, `--no-coordinator` in simulate);
+- `choco topk=X`: Choco-SGD with top-k at each ratio of `--choco-ratios`, and `choco adaptive`:
+  its level on the top-k ladder set per peer by the coordinator (what it sends fits its slowest
+  link).
 
 Links (`--links`):
 - `shaped` (default; root on Linux): every peer is a real `gossipcomp peer` process in its own
   network namespace, the links veth pairs limited by tc tbf (benchmarks/shaped_links.py), the
-  coordinator in a control namespace with unshaped links. The drop is by round: when either end
-  of the slow link has finished round rounds/3 (seen from the checkpoint it writes at that round;
-  every peer checkpoints at the same rounds in every configuration, nothing else), the link's
-  tc qdisc is changed at both ends. After the last round the link is set back to `--mbit` so
-  that the reports' closing measurement (tens of rounds of exact averaging to estimate the
-  network average) does not take minutes; no figure below includes it.
+  coordinator in a control namespace with unshaped links. A change happens when the first peer
+  has finished its round (seen from the checkpoint every peer writes at the change rounds; the
+  same in every configuration); every edge whose rate moves gets `tc qdisc change` at both ends.
+  After the last round every link is set to the fastest rate so that the reports' closing
+  measurement (rounds of exact averaging to estimate the network average) does not take
+  minutes; no figure includes it.
 - `throttled`: the same comparison in one `gossipcomp simulate` process, its links throttled in
-  process (`--link-rate`, `--link-change I-J:MBIT@ROUND`); no namespaces needed (tests).
+  process (`--link-rate`, `--link-change`); no namespaces needed (tests).
 
-Figures per configuration: time to 0.90 accuracy (`time_to_090`): the wall time at the first
-evaluation (every `--eval-every` rounds) at which the mean over peers of their test accuracy
-reaches it. On shaped links the wall time of a round is the smallest of the peers' clocks at it:
-each peer's clock starts when it has connected to its neighbours, and no peer passes a round
-before the last one to start has begun, so the smallest clock is the time since the whole
-network was up (start-up, torch imports included, is not counted). Also: final accuracy, round
-time (before the drop, and after it from `--settle-rounds` rounds on), bytes, and for adaptive
-the level per link over time. Ratios: `adaptive_vs_best_fixed` (adaptive's time over the
-fastest fixed rank's), `adaptive_vs_dpsgd`, and `round_time_vs_budget`: after adapting, the
-communication part of a round (wall time per round minus the peers' mean compute time per
-round) over the round budget (`--round-budget`, or else what the coordinator used: the slowest
-peer's compute time per round).
+Measured per configuration and repeat: compute seconds per round (the peers' mean) and
+communication seconds per round (wall seconds per round less compute); time to `--target`
+(the wall time of the first evaluation, every `--eval-every` rounds, at which the peers' mean
+test accuracy reaches it; a round's wall time is the smallest of the peers' clocks at it, each
+started once the peer connected, so start-up is not counted); the accuracy every configuration
+has at the same wall time (the shortest run's); bytes; for the adaptive runs the level per link
+over time, and for each change the rounds until the level of a link whose rate moved moved.
 
-All peers share this machine's cores: on a 2-core machine 8 peer processes each get a quarter
-of a core, so compute per round, and with it the default budget, is that of a loaded machine.
+The run is refused (exit status 3, the figures left null, the reason printed and written) when
+it is not network-bound: D-PSGD's and every fixed rank's from the ladder's middle up had
+communication under 2x compute per round (`network_bound`, `comm_over_compute`: the smallest
+ratio). Figures (means over the repeats, their spread the range of the per-repeat ratios):
+`adaptive_vs_best_fixed` (time to target over the best fixed rank's, chosen in hindsight),
+`adaptive_vs_dpsgd`, `round_time_vs_budget` (the worst over the phases after each change, from
+`--settle-rounds` after it: communication per round over the round budget the schedules
+carried, `--round-budget`, or else the slowest peer's compute per round), the same three under
+`no_coordinator` and, for Choco's top-k ladder, under `choco`.
 """
 
 from __future__ import annotations
@@ -47,6 +61,7 @@ import functools
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,35 +79,57 @@ import shaped_links  # noqa: E402  (the sibling module: benchmarks/ is no packag
 PEER_PORT = 50100
 COORDINATOR_PORT = 50099
 POLL_SECONDS = 0.05
-TARGET = 0.90
+BOUND_FACTOR = 2.0  # communication per round at least this x compute: network-bound
+REFUSED = 3  # exit status of a run that is not network-bound
+GOALS = {"adaptive_vs_best_fixed": 0.8, "adaptive_vs_dpsgd": 0.2, "round_time_vs_budget": 1.25}
+Edge = tuple[int, int]
 
 
 @dataclass(frozen=True)
 class Workload:
     """What every configuration trains, and how its links behave."""
 
-    peers: int = 8
-    rounds: int = 90
-    change_fraction: float = 1 / 3
-    slow_link: tuple[int, int] = (0, 1)
-    mbit: float = 100.0
-    slow_mbit: float = 10.0
-    model: str = "wide-mlp"
+    peers: int = 4
+    rounds: int = 120
+    rates: tuple[float, ...] = (4.0, 16.0, 64.0)  # edge k of the ring; edges past the list: last
+    changes: int = 3
+    model: str = "mlp"
     dataset: str = "digits"
     partition: str = "dirichlet:0.5"
     lr: float = 0.1
     batch_size: int = 32
     seed: int = 0
     eval_every: int = 2
-    settle_rounds: int = 10
+    settle_rounds: int = 6
     round_budget: float | None = None
     round_timeout: float = 60.0
-    target: float = TARGET
+    target: float = 0.93
 
     @property
-    def change_round(self) -> int:
-        """The round after which the slow link drops."""
-        return max(1, round(self.rounds * self.change_fraction))
+    def change_rounds(self) -> list[int]:
+        """The rounds after which the rates move, evenly spaced."""
+        return [round(self.rounds * k / (self.changes + 1)) for k in range(1, self.changes + 1)]
+
+    @property
+    def edges(self) -> list[Edge]:
+        """The ring's edges in ring order: 0-1, 1-2, ..., 0-(n-1)."""
+        return [shaped_links.edge(i, (i + 1) % self.peers) for i in range(self.peers)]
+
+    def phase_rates(self, phase: int) -> dict[Edge, float]:
+        """Mbit/s of every edge in `phase` (0: before the first change): the rates of phase 0
+        each moved `phase` edges on along the ring."""
+        n = len(self.edges)
+        first = [self.rates[min(k, len(self.rates) - 1)] for k in range(n)]
+        return {e: first[(k - phase) % n] for k, e in enumerate(self.edges)}
+
+    @property
+    def fastest(self) -> float:
+        return max(self.rates)
+
+    def phase_bounds(self) -> list[tuple[int, int]]:
+        """(first round, last round) of every phase."""
+        starts = [0, *self.change_rounds]
+        return list(zip(starts, [*self.change_rounds, self.rounds], strict=True))
 
     def training_flags(self) -> list[str]:
         return [
@@ -109,25 +146,45 @@ class Configuration:
 
     name: str
     algorithm_flags: tuple[str, ...]
+    family: str  # "dpsgd", "powergossip" or "choco"
     adaptive: bool = False
-    rank: int | None = None
+    coordinator: bool = True  # with `adaptive`: levels set by a coordinator
+    rank: int | None = None  # a fixed PowerGossip rank
+    ratio: float | None = None  # a fixed top-k ratio (choco)
 
 
-def configurations(families: Sequence[str], ranks: Sequence[int]) -> list[Configuration]:
+FAMILIES = ["dpsgd", "fixed", "adaptive", "no-coordinator", "choco-fixed", "choco-adaptive"]
+
+
+def configurations(
+    families: Sequence[str], ranks: Sequence[int], choco_ratios: Sequence[float], choco: str
+) -> list[Configuration]:
+    pg = ("--algorithm", "powergossip")
     chosen = []
     if "dpsgd" in families:
-        chosen.append(Configuration("dpsgd", ("--algorithm", "dpsgd")))
+        chosen.append(Configuration("dpsgd", ("--algorithm", "dpsgd"), "dpsgd"))
     if "fixed" in families:
         for r in ranks:
-            flags = ("--algorithm", "powergossip", "--low-rank", str(r))
-            chosen.append(Configuration(f"rank={r}", flags, rank=r))
+            chosen.append(Configuration(f"rank={r}", (*pg, "--low-rank", str(r)), "powergossip",
+                                        rank=r))  # fmt: skip
     if "adaptive" in families:
-        chosen.append(Configuration("adaptive", ("--algorithm", "powergossip"), adaptive=True))
+        chosen.append(Configuration("adaptive", pg, "powergossip", adaptive=True))
+    if "no-coordinator" in families:
+        chosen.append(
+            Configuration("adaptive-nc", pg, "powergossip", adaptive=True, coordinator=False)
+        )
+    flags = ("--algorithm", "choco", "--compressor")
+    if "choco-fixed" in families:
+        for x in choco_ratios:
+            chosen.append(Configuration(f"choco topk={x:g}", (*flags, f"topk:ratio={x:g}"),
+                                        "choco", ratio=x))  # fmt: skip
+    if "choco-adaptive" in families:
+        chosen.append(Configuration("choco adaptive", (*flags, choco), "choco", adaptive=True))
     return chosen
 
 
 class Unsupported(RuntimeError):
-    """This gossipcomp lacks a flag the configuration needs (the adaptive mode not landed)."""
+    """This gossipcomp lacks a flag the configuration needs."""
 
 
 def gossipcomp(*arguments: str) -> list[str]:
@@ -147,10 +204,6 @@ def require_flags(command: str, flags: Sequence[str]) -> None:
     for flag in flags:
         if flag not in _help(command):
             raise Unsupported(f"`gossipcomp {command}` has no {flag} yet")
-
-
-def ring_edges(n: int) -> list[tuple[int, int]]:
-    return [shaped_links.edge(i, (i + 1) % n) for i in range(n)]
 
 
 def write_topology(path: Path, n: int, peers: dict[int, dict[str, str]] | None) -> Path:
@@ -174,7 +227,7 @@ class Run:
     link_levels: list[dict[str, Any]]  # every end's {reporter, round, link, level}
     # (effective round, budget_s) of the schedules in force, as the first peer saw them
     budgets: list[tuple[int, float]] = field(default_factory=list)
-    events: dict[str, float] = field(default_factory=dict)  # link events, seconds after start
+    events: list[tuple[str, float]] = field(default_factory=list)  # link events, s after start
     qdisc: list[str] = field(default_factory=list)
 
 
@@ -267,30 +320,30 @@ class ShapedRunner:
 
     def check(self, configuration: Configuration) -> None:
         if configuration.adaptive:
-            require_flags("coordinator", ["--adaptive"])
+            require_flags("coordinator" if configuration.coordinator else "peer", ["--adaptive"])
 
     def run(self, configuration: Configuration, directory: Path) -> Run:
         w, network = self.workload, self.network
         topology = write_topology(
             directory / "ring.yaml", w.peers, network.topology_peers(PEER_PORT)
         )
-        for link in network.edges:
-            if network.rates[link] != w.mbit:
-                network.set_rate(link, w.mbit)
-        every = math.gcd(w.change_round, w.rounds)  # checkpoints at the change and at the end
+        self._set_phase(0)
+        every = math.gcd(*w.change_rounds, w.rounds)  # checkpoints at the changes and the end
         checkpoints = directory / "checkpoints"
         processes: list[tuple[str, subprocess.Popen]] = []
+        budget = [] if w.round_budget is None else ["--round-budget", f"{w.round_budget:g}"]
         try:
             flags = list(configuration.algorithm_flags)
-            if configuration.adaptive:
+            if configuration.adaptive and configuration.coordinator:
                 address = f"{shaped_links.CONTROL_ADDRESS}:{COORDINATOR_PORT}"
-                budget = [] if w.round_budget is None else ["--round-budget", f"{w.round_budget:g}"]
                 processes.append(("coordinator", self._start(
                     "control", directory / "coordinator.log",
                     gossipcomp("coordinator", "--topology", str(topology), "--address", address,
                                "--insecure", "--adaptive", "--report-every", "1", *budget),
                 )))  # fmt: skip
                 flags += ["--coordinator", address, "--report-every", "1"]
+            elif configuration.adaptive:
+                flags += ["--adaptive", *budget]
             for rank in range(w.peers):
                 argv = gossipcomp(
                     "peer", "--topology", str(topology), "--rank", str(rank), "--insecure",
@@ -313,6 +366,15 @@ class ShapedRunner:
         run.events, run.qdisc = events, qdisc
         return run
 
+    def _set_phase(self, phase: int) -> list[Edge]:
+        """Give every edge its rate of `phase`; the edges changed."""
+        changed = []
+        for link, mbit in self.workload.phase_rates(phase).items():
+            if self.network.rates[link] != mbit:
+                self.network.set_rate(link, mbit)
+                changed.append(link)
+        return changed
+
     def _start(self, where: int | str, log: Path, argv: list[str]) -> subprocess.Popen:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
         with log.open("w") as out:
@@ -320,13 +382,15 @@ class ShapedRunner:
 
     def _drive(
         self, peers: list[tuple[str, subprocess.Popen]], checkpoints: Path, directory: Path
-    ) -> tuple[dict[str, float], list[str]]:
-        """Drop the slow link when either of its ends has checkpointed round change_round,
-        put it back when every peer has checkpointed the last round; wait for the peers."""
+    ) -> tuple[list[tuple[str, float]], list[str]]:
+        """Move the rates to the next phase when the first peer has checkpointed its change
+        round, set every link to the fastest rate when every peer has checkpointed the last
+        round; wait for the peers."""
         w, network = self.workload, self.network
         began, deadline = time.monotonic(), time.monotonic() + self.timeout
-        events: dict[str, float] = {}
+        events: list[tuple[str, float]] = []
         qdisc: list[str] = []
+        phase, restored = 0, False
         while True:
             failed = [(n, p) for n, p in peers if p.poll() not in (None, 0)]
             if failed:
@@ -338,13 +402,16 @@ class ShapedRunner:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the peers did not finish within {self.timeout:g} s")
             rounds = [_checkpointed(checkpoints, r) for r in range(w.peers)]
-            if "drop" not in events and max(rounds[r] for r in w.slow_link) >= w.change_round:
-                network.set_rate(w.slow_link, w.slow_mbit)
-                events["drop"] = time.monotonic() - began
-                qdisc.append(network.qdisc(w.slow_link))
-            if "drop" in events and "restore" not in events and min(rounds) >= w.rounds:
-                network.set_rate(w.slow_link, w.mbit)
-                events["restore"] = time.monotonic() - began
+            if phase < w.changes and max(rounds) >= w.change_rounds[phase]:
+                phase += 1
+                changed = self._set_phase(phase)
+                events.append((f"change {phase}", time.monotonic() - began))
+                qdisc += [f"{a}-{b}: {network.qdisc((a, b))}" for a, b in changed]
+            if not restored and min(rounds) >= w.rounds:
+                for link in w.edges:
+                    network.set_rate(link, w.fastest)
+                events.append(("restore", time.monotonic() - began))
+                restored = True
             time.sleep(POLL_SECONDS)
 
 
@@ -377,21 +444,36 @@ class ThrottledRunner:
     def check(self, configuration: Configuration) -> None:
         require_flags("simulate", ["--link-rate", "--link-change"])
         if configuration.adaptive:
-            require_flags("simulate", ["--adaptive"])
+            require_flags("simulate", ["--adaptive", "--no-coordinator"])
+
+    def link_flags(self) -> list[str]:
+        """--link-rate and a --link-change for every edge whose rate moves at a phase."""
+        w = self.workload
+        flags = ["--link-rate", f"{w.fastest:g}"]
+        previous = dict.fromkeys(w.edges, w.fastest)
+        starts = [0, *w.change_rounds]
+        for phase, start in enumerate(starts):
+            for (a, b), mbit in w.phase_rates(phase).items():
+                if previous[(a, b)] != mbit:  # from the round after the change, as when shaped
+                    at = start + 1 if phase else 0
+                    flags += ["--link-change", f"{a}-{b}:{mbit:g}@{at}"]
+                    previous[(a, b)] = mbit
+        for (a, b), mbit in previous.items():  # the closing measurement at the fastest rate
+            if mbit != w.fastest:
+                flags += ["--link-change", f"{a}-{b}:{w.fastest:g}@{w.rounds}"]
+        return flags
 
     def run(self, configuration: Configuration, directory: Path) -> Run:
         w = self.workload
         topology = write_topology(directory / "ring.yaml", w.peers, None)
-        a, b = w.slow_link
         argv = gossipcomp(
             "simulate", "--topology", str(topology), *configuration.algorithm_flags,
-            *w.training_flags(), "--link-rate", f"{w.mbit:g}",
-            "--link-change", f"{a}-{b}:{w.slow_mbit:g}@{w.change_round}",
-            "--link-change", f"{a}-{b}:{w.mbit:g}@{w.rounds}",  # the closing measurement
-            "--report", str(directory / "report.json"),
+            *w.training_flags(), *self.link_flags(), "--report", str(directory / "report.json"),
         )  # fmt: skip
         if configuration.adaptive:
             argv += ["--adaptive", "--report-every", "1"]
+            if not configuration.coordinator:
+                argv.append("--no-coordinator")
             if w.round_budget is not None:
                 argv += ["--round-budget", f"{w.round_budget:g}"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
@@ -419,6 +501,12 @@ def round_seconds(points: Sequence[tuple[int, float, float]], start: int, end: i
     return (last[1] - first[1]) / (last[0] - first[0])
 
 
+def accuracy_at(points: Sequence[tuple[int, float, float]], seconds: float) -> float | None:
+    """Mean accuracy at the last evaluation at or before `seconds` (None before the first)."""
+    before = [a for _, a, s in points if s <= seconds]
+    return before[-1] if before else None
+
+
 def level_timeline(run: Run) -> dict[str, list[tuple[int, str]]]:
     """Per link ("i-j"), the (round, level) changes, each change once (the ends agree)."""
     changes: dict[str, set[tuple[int, str]]] = {}
@@ -439,53 +527,120 @@ def ends_disagree(run: Run) -> int:
     return sum(1 for (i, j, _, _), ends in reporters.items() if ends != {i, j})
 
 
+def reactions(timeline: dict[str, list[tuple[int, str]]], w: Workload) -> list[dict[str, Any]]:
+    """For each change of the rates: per edge whose rate moved, the rounds from the change to
+    the first change of that edge's level after it (None: its level did not move before the
+    next change of the rates, or the end)."""
+    found = []
+    bounds = w.phase_bounds()
+    for phase, change in enumerate(w.change_rounds, start=1):
+        before, after = w.phase_rates(phase - 1), w.phase_rates(phase)
+        end = bounds[phase][1]
+        moved: dict[str, int | None] = {}
+        for (a, b), mbit in after.items():
+            if before[(a, b)] == mbit:
+                continue
+            rounds = [r for r, _ in timeline.get(f"{a}-{b}", []) if change < r <= end]
+            moved[f"{a}-{b}"] = min(rounds) - change if rounds else None
+        found.append({"change_round": change, "rounds_until_level_moved": moved})
+    return found
+
+
 def summarise(configuration: Configuration, run: Run, w: Workload) -> dict[str, Any]:
     reached = next(((r, s) for r, a, s in run.points if a >= w.target), None)
     rounds_done = run.points[-1][0] if run.points else 0
     training = run.points[-1][2] if run.points else None
     compute = sum(run.compute_seconds_per_round) / len(run.compute_seconds_per_round)
-    after = round_seconds(run.points, w.change_round + w.settle_rounds, rounds_done)
+    per_round = training / rounds_done if training and rounds_done else None
     summary: dict[str, Any] = {
         "name": configuration.name,
+        "family": configuration.family,
         "rank": configuration.rank,
+        "ratio": configuration.ratio,
         "adaptive": configuration.adaptive,
-        "time_to_090": reached[1] if reached else None,
-        "round_reached_090": reached[0] if reached else None,
+        "coordinator": configuration.coordinator if configuration.adaptive else None,
+        "time_to_target": reached[1] if reached else None,
+        "round_reached_target": reached[0] if reached else None,
         "final_accuracy": run.final_accuracy,
         "min_final_accuracy": run.min_final_accuracy,
         "training_seconds": training,
-        "round_seconds": training / rounds_done if training and rounds_done else None,
-        "round_seconds_before_change": round_seconds(run.points, 0, w.change_round),
-        "round_seconds_after_change": after,
+        "round_seconds": per_round,
         "compute_seconds_per_round": compute,
-        "change_seconds": seconds_at(run.points, w.change_round),
+        "communication_seconds_per_round": None if per_round is None else per_round - compute,
+        "comm_over_compute": None if per_round is None else (per_round - compute) / compute,
+        "phase_round_seconds": [round_seconds(run.points, a, b) for a, b in w.phase_bounds()],
+        "change_seconds": [seconds_at(run.points, c) for c in w.change_rounds],
         "bytes_sent_total": run.bytes_sent_total,
         "bytes_per_round": run.bytes_sent_total / rounds_done if rounds_done else None,
         "failed_exchanges": run.failed_exchanges,
         "history": [list(point) for point in run.points],
         "link_events_seconds": run.events,
-        "qdisc_after_change": run.qdisc,
+        "qdisc_after_changes": run.qdisc,
     }
     if configuration.adaptive:
         timeline = level_timeline(run)
-        settled = w.change_round + w.settle_rounds
-        budget = w.round_budget or budget_in_force(run.budgets, settled, rounds_done)
-        source = "--round-budget" if w.round_budget else "published schedules (mean after settling)"
-        if budget is None:  # the coordinator's default: the slowest peer's compute per round
-            budget, source = max(run.compute_seconds_per_round), "slowest peer's compute/round"
-        comm = None if after is None else after - compute
+        phases = []
+        for start, end in w.phase_bounds()[1:]:
+            settled = start + w.settle_rounds
+            seconds = round_seconds(run.points, settled, end)
+            budget = w.round_budget or budget_in_force(run.budgets, settled, end)
+            source = "--round-budget" if w.round_budget else "published schedules"
+            if budget is None:  # the default: the slowest peer's compute per round
+                budget, source = max(run.compute_seconds_per_round), "slowest compute/round"
+            comm = None if seconds is None else seconds - compute
+            phases.append({
+                "rounds": [settled, end], "round_seconds": seconds,
+                "communication_seconds_per_round": comm, "budget_seconds": budget,
+                "budget_source": source,
+                "round_time_vs_budget": None if comm is None else comm / budget,
+            })  # fmt: skip
+        ratios = [p["round_time_vs_budget"] for p in phases]
         summary.update(
             {
                 "link_levels": timeline,
                 "final_levels": {k: changes[-1][1] for k, changes in timeline.items()},
                 "level_changes_one_end_only": ends_disagree(run),
-                "budget_seconds": budget,
-                "budget_source": source,
-                "communication_seconds_per_round_after_change": comm,
-                "round_time_vs_budget": None if comm is None else comm / budget,
+                "reactions": reactions(timeline, w),
+                "settled_phases": phases,
+                "round_time_vs_budget": None if None in ratios else max(ratios, default=None),
             }
         )
     return summary
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    return None if not values or None in values else statistics.fmean(values)  # type: ignore[arg-type]
+
+
+def _spread(values: Sequence[float | None]) -> list[float] | None:
+    return None if not values or None in values else [min(values), max(values)]  # type: ignore[type-var]
+
+
+MEAN_FIELDS = (
+    "time_to_target", "final_accuracy", "round_seconds", "compute_seconds_per_round",
+    "communication_seconds_per_round", "comm_over_compute", "bytes_per_round",
+    "round_time_vs_budget",
+)  # fmt: skip
+
+
+def aggregate(repeats: list[dict[str, Any]], equal_seconds: float) -> dict[str, Any]:
+    """One configuration over its repeats: the means of MEAN_FIELDS, their ranges
+    (`spread`), the accuracy at `equal_seconds` of wall time, and every repeat's summary."""
+    first = repeats[0]
+    result = {k: first[k] for k in ("name", "family", "rank", "ratio", "adaptive", "coordinator")}
+    for key in MEAN_FIELDS:
+        values = [r.get(key) for r in repeats]
+        result[key] = _mean(values)
+        result[f"{key}_spread"] = _spread(values)
+    at = [accuracy_at([tuple(p) for p in r["history"]], equal_seconds) for r in repeats]
+    result["accuracy_at_equal_time"] = _mean(at)
+    result["accuracy_at_equal_time_spread"] = _spread(at)
+    result["comm_over_compute_min"] = min(
+        (r["comm_over_compute"] for r in repeats if r["comm_over_compute"] is not None),
+        default=None,
+    )
+    result["repeats"] = repeats
+    return result
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -494,24 +649,91 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
-def compare(results: list[dict[str, Any]]) -> dict[str, Any]:
+def ladder_middle_up(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fixed PowerGossip ranks from the middle of the ladder run up."""
+    fixed = sorted((r for r in results if r["rank"] is not None), key=lambda r: r["rank"])
+    return fixed[(len(fixed) - 1) // 2 :]
+
+
+def bound_check(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether the run is network-bound (module docstring): D-PSGD and the fixed ranks from
+    the ladder's middle up, each with communication per round >= BOUND_FACTOR x compute in
+    every repeat; and why not."""
     by_name = {r["name"]: r for r in results}
-    fixed = [r for r in results if r["rank"] is not None and r["time_to_090"] is not None]
-    best = min(fixed, key=lambda r: r["time_to_090"]) if fixed else None
-    adaptive, dpsgd = by_name.get("adaptive"), by_name.get("dpsgd")
-    time_of = lambda r: r["time_to_090"] if r else None  # noqa: E731
-    ratios = {
+    checked = [by_name[n] for n in ("dpsgd",) if n in by_name] + ladder_middle_up(results)
+    ratios = {r["name"]: r["comm_over_compute_min"] for r in checked}
+    why = []
+    if "dpsgd" not in ratios or len(checked) < 2:
+        why.append("the check needs D-PSGD and at least one fixed rank in the run")
+    low = {n: v for n, v in ratios.items() if v is None or v < BOUND_FACTOR}
+    if low:
+        shown = ", ".join(f"{n}: {'n/a' if v is None else f'{v:.2f}'}" for n, v in low.items())
+        why.append(f"communication under {BOUND_FACTOR:g}x compute per round ({shown})")
+    values = [v for v in ratios.values() if v is not None]
+    return {
+        "network_bound": not why,
+        "comm_over_compute": min(values) if values else None,
+        "comm_over_compute_checked": ratios,
+        "not_network_bound_because": "; ".join(why) or None,
+    }
+
+
+def figures(
+    results: list[dict[str, Any]], fixed: list[dict[str, Any]], adaptive: dict[str, Any] | None
+) -> dict[str, Any]:
+    """adaptive_vs_best_fixed, adaptive_vs_dpsgd (time to target: means over the repeats,
+    and the range of the per-repeat ratios), round_time_vs_budget (mean, and range)."""
+    dpsgd = next((r for r in results if r["name"] == "dpsgd"), None)
+    reached = [r for r in fixed if r["time_to_target"] is not None]
+    best = min(reached, key=lambda r: r["time_to_target"]) if reached else None
+    time_of = lambda r: r["time_to_target"] if r else None  # noqa: E731
+    out: dict[str, Any] = {
+        "adaptive": adaptive["name"] if adaptive else None,
         "best_fixed": best["name"] if best else None,
         "adaptive_vs_best_fixed": _ratio(time_of(adaptive), time_of(best)),
         "adaptive_vs_dpsgd": _ratio(time_of(adaptive), time_of(dpsgd)),
         "round_time_vs_budget": adaptive.get("round_time_vs_budget") if adaptive else None,
     }
-    goals = {"adaptive_vs_best_fixed": 0.8, "adaptive_vs_dpsgd": 0.2, "round_time_vs_budget": 1.25}
-    ratios["goals"] = {
-        key: {"goal": f"<= {goal}", "met": None if ratios[key] is None else ratios[key] <= goal}
-        for key, goal in goals.items()
+    spread: dict[str, list[float] | None] = {}
+    if adaptive is not None:
+        runs = len(adaptive["repeats"])
+
+        def per_repeat(i: int, configs: list[dict[str, Any]]) -> float | None:
+            times = [c["repeats"][i]["time_to_target"] for c in configs if len(c["repeats"]) > i]
+            return min((t for t in times if t is not None), default=None)
+
+        own = [adaptive["repeats"][i]["time_to_target"] for i in range(runs)]
+        spread["adaptive_vs_best_fixed"] = _spread(
+            [_ratio(own[i], per_repeat(i, fixed)) for i in range(runs)]
+        )
+        spread["adaptive_vs_dpsgd"] = _spread(
+            [_ratio(own[i], per_repeat(i, [dpsgd] if dpsgd else [])) for i in range(runs)]
+        )
+        spread["round_time_vs_budget"] = adaptive.get("round_time_vs_budget_spread")
+    out["spread"] = spread
+    out["goals"] = {
+        key: {"goal": f"<= {goal}", "met": None if out[key] is None else out[key] <= goal}
+        for key, goal in GOALS.items()
     }
-    return ratios
+    return out
+
+
+def compare(results: list[dict[str, Any]], bound: bool) -> dict[str, Any]:
+    """The figures (null when the run is not network-bound: it proves nothing) for
+    PowerGossip's adaptive runs with and without a coordinator, and for Choco's top-k ladder."""
+    by_name = {r["name"]: r for r in results}
+    fixed = [r for r in results if r["rank"] is not None]
+    choco_fixed = [r for r in results if r["ratio"] is not None]
+    with_coordinator = figures(results, fixed, by_name.get("adaptive"))
+    no_coordinator = figures(results, fixed, by_name.get("adaptive-nc"))
+    choco = figures(results, choco_fixed, by_name.get("choco adaptive"))
+    if not bound:
+        for found in (with_coordinator, no_coordinator, choco):
+            for key in GOALS:
+                found[key] = None
+                found["goals"][key]["met"] = None
+            found["spread"] = {}
+    return {**with_coordinator, "no_coordinator": no_coordinator, "choco": choco}
 
 
 # plot -------------------------------------------------------------------------------------------
@@ -522,45 +744,42 @@ def plot(results: list[dict[str, Any]], w: Workload, path: Path, note: str) -> N
     import matplotlib.pyplot as plt
     import numpy as np
 
-    figure, (accuracy, levels) = plt.subplots(2, 1, figsize=(10, 9))
+    leveled = [r for r in results if r["adaptive"] and r["family"] == "powergossip"]
+    figure, axes = plt.subplots(1 + max(1, len(leveled)), 1, figsize=(10, 4 + 3.2 * len(leveled)))
+    accuracy = axes[0]
     for result in results:
-        history = np.array(result["history"], dtype=float).reshape(-1, 3)
-        style = {"linewidth": 2.5, "color": "black"} if result["adaptive"] else {"linewidth": 1}
-        (line,) = accuracy.plot(history[:, 2], history[:, 1], label=result["name"], **style)
-        if result["change_seconds"] is not None:
-            accuracy.axvline(result["change_seconds"], color=line.get_color(), linestyle=":",
-                             linewidth=0.8)  # fmt: skip
+        history = np.array(result["repeats"][0]["history"], dtype=float).reshape(-1, 3)
+        style = {"linewidth": 2.5} if result["adaptive"] else {"linewidth": 1}
+        if result["family"] == "choco":
+            style["linestyle"] = "--"
+        accuracy.plot(history[:, 2], history[:, 1], label=result["name"], **style)
     accuracy.axhline(w.target, color="grey", linestyle="--", linewidth=0.8)
-    accuracy.set(xlabel="wall seconds", ylabel="mean test accuracy over peers", ylim=(0, 1))
+    accuracy.set(xlabel="wall seconds (first repeat)", ylabel="mean test accuracy", ylim=(0, 1))
     accuracy.set_xscale("log")
+    rates = "/".join(f"{m:g}" for m in w.phase_rates(0).values())
     accuracy.set_title(
-        f"ring of {w.peers}, {w.model} on {w.dataset}: links {w.mbit:g} Mbit/s, link "
-        f"{w.slow_link[0]}-{w.slow_link[1]} at {w.slow_mbit:g} from round {w.change_round} "
-        "(dotted)"
+        f"ring of {w.peers}, {w.model} on {w.dataset}: edges at {rates} Mbit/s, moved one edge on "
+        f"after rounds {', '.join(map(str, w.change_rounds))}"
     )
-    accuracy.legend(fontsize=8, ncol=2)
-    adaptive = next((r for r in results if r["adaptive"]), None)
-    if adaptive is None or not adaptive.get("link_levels"):
-        levels.text(0.5, 0.5, note or "no adaptive run", ha="center", va="center", wrap=True)
-        levels.set_axis_off()
-    else:
-        history = np.array(adaptive["history"], dtype=float).reshape(-1, 3)
-        end = history[-1, 2]
-        links = adaptive["link_levels"]
-        for index, (link, changes) in enumerate(links.items()):
-            xs = [float(np.interp(r, history[:, 0], history[:, 2])) for r, _ in changes] + [end]
-            apart = 2 ** (0.04 * (index - len(links) / 2))  # links at one level stay visible
-            ys = [_level_number(level) * apart for _, level in changes]
+    accuracy.legend(fontsize=7, ncol=3)
+    if not leveled:
+        axes[1].text(0.5, 0.5, note or "no adaptive run", ha="center", va="center", wrap=True)
+        axes[1].set_axis_off()
+    for levels, result in zip(axes[1:], leveled, strict=False):
+        links = result["repeats"][0].get("link_levels") or {}
+        for link, changes in links.items():
+            a, b = (int(x) for x in link.split("-"))
+            xs = [r for r, _ in changes] + [w.rounds]
+            ys = [_level_number(level) for _, level in changes]
             ys.append(ys[-1])
-            slow = link == f"{w.slow_link[0]}-{w.slow_link[1]}"
-            levels.step(xs, ys, where="post", label=f"link {link}" + (" (slow)" if slow else ""),
-                        linewidth=2.5 if slow else 1)  # fmt: skip
-        if adaptive["change_seconds"] is not None:
-            levels.axvline(adaptive["change_seconds"], color="grey", linestyle=":")
+            mbit = "/".join(f"{w.phase_rates(p)[(a, b)]:g}" for p in range(w.changes + 1))
+            levels.step(xs, ys, where="post", label=f"link {link} ({mbit} Mbit/s)")
+        for change in w.change_rounds:
+            levels.axvline(change, color="grey", linestyle=":")
         levels.set_yscale("log", base=2)
-        levels.set(xlabel="wall seconds", ylabel="PowerGossip rank in force",
-                   title="adaptive: level per link (lines set slightly apart)")  # fmt: skip
-        levels.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+        levels.set(xlabel="round", ylabel="PowerGossip rank", xlim=(0, w.rounds),
+                   title=f"{result['name']}: rank per link (first repeat)")  # fmt: skip
+        levels.legend(fontsize=7, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -576,14 +795,6 @@ def _level_number(level: str) -> float:
 
 
 # command line -----------------------------------------------------------------------------------
-def _link(text: str) -> tuple[int, int]:
-    try:
-        a, b = (int(part) for part in text.split("-"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected I-J (two ranks), got {text[:40]!r}") from None
-    return shaped_links.edge(a, b)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     d = Workload()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -592,18 +803,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--links", choices=["shaped", "throttled"], default="shaped",
                         help="real peer processes on shaped links (root), or one simulate "
                         "process with throttled links")  # fmt: skip
-    parser.add_argument("--configs", nargs="+", choices=["dpsgd", "fixed", "adaptive"],
-                        default=["dpsgd", "fixed", "adaptive"],
-                        help="which configurations to run (fixed: one per --ranks)")  # fmt: skip
+    parser.add_argument("--configs", nargs="+", choices=FAMILIES, default=FAMILIES,
+                        help="which configurations to run (fixed: one per --ranks, "
+                        "choco-fixed: one per --choco-ratios)")  # fmt: skip
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
                         help="PowerGossip's fixed ranks")  # fmt: skip
+    parser.add_argument("--choco-ratios", type=float, nargs="+", default=[0.01, 0.05, 0.2],
+                        help="Choco's fixed top-k ratios")  # fmt: skip
+    parser.add_argument(
+        "--choco-compressor",
+        default="topk:ratio=0.05",
+        help="Choco's compressor under --adaptive (its level at the start)",
+    )
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peers", type=int, default=d.peers)
     parser.add_argument("--rounds", type=int, default=d.rounds)
-    parser.add_argument("--change-at", type=float, default=d.change_fraction,
-                        help="fraction of the rounds after which the slow link drops")  # fmt: skip
-    parser.add_argument("--slow-link", type=_link, default=d.slow_link)
-    parser.add_argument("--mbit", type=float, default=d.mbit)
-    parser.add_argument("--slow-mbit", type=float, default=d.slow_mbit)
+    parser.add_argument("--rates", type=float, nargs="+", default=list(d.rates),
+                        help="Mbit/s of the ring's edges 0-1, 1-2, ... before the first change "
+                        "(edges past the list: the last rate)")  # fmt: skip
+    parser.add_argument("--changes", type=int, default=d.changes,
+                        help="times the rates move one edge on along the ring")  # fmt: skip
     parser.add_argument("--model", default=d.model)
     parser.add_argument("--dataset", default=d.dataset)
     parser.add_argument("--partition", default=d.partition)
@@ -611,33 +830,48 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--eval-every", type=int, default=d.eval_every)
-    parser.add_argument("--settle-rounds", type=int, default=d.settle_rounds,
-                        help="rounds after the drop before round time counts as adapted")  # fmt: skip
+    parser.add_argument("--target", type=float, default=d.target,
+                        help="the mean test accuracy time to target is measured to")  # fmt: skip
+    parser.add_argument(
+        "--settle-rounds",
+        type=int,
+        default=d.settle_rounds,
+        help="rounds after a change before round time counts as adapted",
+    )
     parser.add_argument("--round-budget", type=float, default=None)
     parser.add_argument("--round-timeout", type=float, default=d.round_timeout)
-    parser.add_argument("--keep", type=Path, help="keep each configuration's reports and logs "
-                        "in KEEP/NAME (a new folder) instead of a temporary one")  # fmt: skip
+    parser.add_argument("--keep", type=Path, help="keep each run's reports and logs in "
+                        "KEEP/NAME-REPEAT (a new folder) instead of a temporary one")  # fmt: skip
     parser.add_argument("--config-timeout", type=float, default=1800.0,
                         help="seconds one configuration may take")  # fmt: skip
     args = parser.parse_args(argv)
     problems = []
     if not 3 <= args.peers <= shaped_links.MAX_PEERS:
         problems.append(f"--peers: expected 3 to {shaped_links.MAX_PEERS}, got {args.peers}")
-    if args.rounds < 3:
-        problems.append(f"--rounds: expected at least 3, got {args.rounds}")
-    if not 0 < args.change_at < 1:
-        problems.append(f"--change-at: expected a fraction in (0, 1), got {args.change_at}")
-    if max(args.slow_link) >= args.peers or args.slow_link not in ring_edges(args.peers):
-        problems.append(f"--slow-link {args.slow_link[0]}-{args.slow_link[1]}: not a ring edge")
+    if not 1 <= args.repeats <= 20:
+        problems.append(f"--repeats: expected 1 to 20, got {args.repeats}")
+    if not 1 <= args.changes <= 50:
+        problems.append(f"--changes: expected 1 to 50, got {args.changes}")
+    if args.rounds < 2 * (args.changes + 1):
+        problems.append(f"--rounds: expected at least 2 per phase ({2 * (args.changes + 1)}), "
+                        f"got {args.rounds}")  # fmt: skip
+    if len(args.rates) > args.peers:
+        problems.append(f"--rates: expected at most one per edge ({args.peers})")
+    if len(set(args.rates)) < 2:
+        problems.append("--rates: expected at least two different rates (links that differ)")
     if any(r < 1 for r in args.ranks):
         problems.append("--ranks: expected ranks >= 1")
+    if any(not 0 < x <= 1 for x in args.choco_ratios):
+        problems.append("--choco-ratios: expected ratios in (0, 1]")
     if args.eval_every < 1:
-        problems.append("--eval-every: expected at least 1 (time to accuracy needs evaluations)")
+        problems.append("--eval-every: expected at least 1 (time to target needs evaluations)")
+    if not 0 < args.target <= 1:
+        problems.append(f"--target: expected an accuracy in (0, 1], got {args.target}")
     if args.round_budget is not None and args.round_budget <= 0:
         problems.append("--round-budget: expected seconds > 0")
-    for flag in ("mbit", "slow_mbit"):
+    for mbit in args.rates:
         try:
-            shaped_links.check_mbit(getattr(args, flag), f"--{flag.replace('_', '-')}")
+            shaped_links.check_mbit(mbit, "--rates")
         except ValueError as error:
             problems.append(str(error))
     if problems:
@@ -647,94 +881,123 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def workload_of(args: argparse.Namespace) -> Workload:
     return Workload(
-        peers=args.peers, rounds=args.rounds, change_fraction=args.change_at,
-        slow_link=args.slow_link, mbit=args.mbit, slow_mbit=args.slow_mbit, model=args.model,
-        dataset=args.dataset, partition=args.partition, lr=args.lr, batch_size=args.batch_size,
-        seed=args.seed, eval_every=args.eval_every, settle_rounds=args.settle_rounds,
-        round_budget=args.round_budget, round_timeout=args.round_timeout,
+        peers=args.peers, rounds=args.rounds, rates=tuple(args.rates), changes=args.changes,
+        model=args.model, dataset=args.dataset, partition=args.partition, lr=args.lr,
+        batch_size=args.batch_size, seed=args.seed, eval_every=args.eval_every,
+        settle_rounds=args.settle_rounds, round_budget=args.round_budget,
+        round_timeout=args.round_timeout, target=args.target,
     )  # fmt: skip
+
+
+def _line(result: dict[str, Any], w: Workload) -> str:
+    reached = result["time_to_target"]
+    return (
+        f"{result['name']:>16}: "
+        + (f"{w.target:.2f} after {reached:7.1f} s" if reached else f"{w.target:.2f} not reached")
+        + f", final {result['final_accuracy']:.3f},"
+        + f" {result['round_seconds'] or 0:.3f} s/round: compute"
+        + f" {result['compute_seconds_per_round']:.4f}, communication"
+        + f" {result['communication_seconds_per_round'] or 0:.3f}"
+        + f" ({result['comm_over_compute'] or 0:.1f}x), {result['bytes_sent_total'] / 1e6:.1f} MB"
+    )
 
 
 def run_all(
     runner: ShapedRunner | ThrottledRunner,
     chosen: list[Configuration],
     w: Workload,
+    repeats: int,
     keep: Path | None,
-) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """Run every configuration in turn (in `keep`/NAME when given, else a temporary folder);
-    those this gossipcomp cannot run are skipped, with the reason."""
-    results, skipped = [], {}
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
+    """Run every configuration `repeats` times, all of them once before any again (in
+    `keep`/NAME-REPEAT when given, else a temporary folder); those this gossipcomp cannot run
+    are skipped, with the reason."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    skipped = {}
     for configuration in chosen:
         try:
             runner.check(configuration)
         except Unsupported as why:
             skipped[configuration.name] = f"skipped: {why}"
             print(f"{configuration.name}: skipped: {why}", flush=True)
-            continue
-        began = time.perf_counter()
-        if keep is not None:
-            directory = keep / configuration.name
-            directory.mkdir(parents=True, exist_ok=False)
-            run = runner.run(configuration, directory)
-        else:
-            with tempfile.TemporaryDirectory(prefix="adaptive-") as tmp:
-                run = runner.run(configuration, Path(tmp))
-        result = summarise(configuration, run, w)
-        result["invocation_seconds"] = time.perf_counter() - began
-        results.append(result)
-        reached = result["time_to_090"]
-        print(
-            f"{configuration.name:>9}: "
-            + (
-                f"{w.target:.2f} after {reached:7.1f} s"
-                if reached
-                else f"{w.target:.2f} not reached"
-            )
-            + f", final {result['final_accuracy']:.3f}, {result['round_seconds'] or 0:.3f} s/round"
-            + f" ({result['round_seconds_before_change'] or 0:.3f} before the drop,"
-            + f" {result['round_seconds_after_change'] or 0:.3f} after),"
-            + f" {result['bytes_sent_total'] / 1e6:.1f} MB",
-            flush=True,
-        )
-    return results, skipped
+    for repeat in range(repeats):
+        for configuration in (c for c in chosen if c.name not in skipped):
+            began = time.perf_counter()
+            if keep is not None:
+                directory = keep / f"{configuration.name.replace(' ', '_')}-{repeat}"
+                directory.mkdir(parents=True, exist_ok=False)
+                run = runner.run(configuration, directory)
+            else:
+                with tempfile.TemporaryDirectory(prefix="adaptive-") as tmp:
+                    run = runner.run(configuration, Path(tmp))
+            result = summarise(configuration, run, w)
+            result["invocation_seconds"] = time.perf_counter() - began
+            runs.setdefault(configuration.name, []).append(result)
+            print(f"[{repeat + 1}/{repeats}] " + _line(result, w), flush=True)
+    return runs, skipped
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     w = workload_of(args)
-    chosen = configurations(args.configs, args.ranks)
+    chosen = configurations(args.configs, args.ranks, args.choco_ratios, args.choco_compressor)
     load_before = os.getloadavg()[0]
+    began = time.perf_counter()
     try:
         if args.links == "shaped":
-            edges = ring_edges(w.peers)
-            with shaped_links.ShapedNetwork(w.peers, edges, w.mbit, control=True) as network:
+            with shaped_links.ShapedNetwork(w.peers, w.edges, w.fastest, control=True) as network:
                 runner = ShapedRunner(network, w, args.config_timeout)
-                results, skipped = run_all(runner, chosen, w, args.keep)
+                runs, skipped = run_all(runner, chosen, w, args.repeats, args.keep)
         else:
-            results, skipped = run_all(
-                ThrottledRunner(w, args.config_timeout), chosen, w, args.keep
-            )
+            runner_t = ThrottledRunner(w, args.config_timeout)
+            runs, skipped = run_all(runner_t, chosen, w, args.repeats, args.keep)
     except shaped_links.NamespacesUnavailable as error:
         print(f"adaptive.py: network namespaces are not available ({error}); run as root on "
               "Linux, or use --links throttled", file=sys.stderr)  # fmt: skip
         return 1
+    ends = [r["training_seconds"] for rs in runs.values() for r in rs if r["training_seconds"]]
+    equal_seconds = min(ends, default=0.0)
+    results = [aggregate(rs, equal_seconds) for rs in runs.values()]
+    bound = bound_check(results)
     report = {
         "links": args.links,
-        "workload": {**asdict(w), "change_round": w.change_round},
+        "workload": {
+            **asdict(w),
+            "change_rounds": w.change_rounds,
+            "phase_rates": [
+                {f"{a}-{b}": m for (a, b), m in w.phase_rates(p).items()}
+                for p in range(w.changes + 1)
+            ],
+        },  # fmt: skip
         "command": " ".join(
             ["python", "benchmarks/adaptive.py", *(sys.argv[1:] if argv is None else argv)]
         ),
+        "repeats": args.repeats,
         "load_average_1min": [load_before, os.getloadavg()[0]],
         "cpu_count": os.cpu_count(),
+        "invocation_seconds": time.perf_counter() - began,
+        "equal_wall_seconds": equal_seconds,
         "configurations": results,
         "skipped": skipped,
-        **compare(results),
+        **bound,
+        **compare(results, bound["network_bound"]),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
-    for key in ("adaptive_vs_best_fixed", "adaptive_vs_dpsgd", "round_time_vs_budget"):
-        value = report[key]
-        print(f"{key}: " + ("n/a" if value is None else f"{value:.3f}"))
+    print(
+        "comm_over_compute (smallest of D-PSGD and the ladder's middle up): "
+        + ("n/a" if bound["comm_over_compute"] is None else f"{bound['comm_over_compute']:.2f}")
+    )
+    if not bound["network_bound"]:
+        print(f"adaptive.py: refused: the run is not network-bound, so its figures prove "
+              f"nothing: {bound['not_network_bound_because']}", file=sys.stderr)  # fmt: skip
+        return REFUSED
+    for scope, found in (("powergossip", report), ("no coordinator", report["no_coordinator"]),
+                         ("choco", report["choco"])):  # fmt: skip
+        for key in GOALS:
+            value = found[key]
+            print(f"{scope} {key}: " + ("n/a" if value is None else f"{value:.3f}")
+                  + f" (spread {found['spread'].get(key)})")  # fmt: skip
     if args.plot is not None:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot(results, w, args.plot, "; ".join(f"{k}: {v}" for k, v in skipped.items()))

@@ -1,10 +1,12 @@
-"""benchmarks/adaptive.py in a tiny configuration, end to end (the real script in a subprocess).
+"""benchmarks/adaptive.py in a tiny configuration, end to end (the real script in a subprocess),
+and its analysis on hand-made inputs.
 
-The throttled run (links limited inside `gossipcomp simulate`) works anywhere; the shaped run
+The throttled runs (links limited inside `gossipcomp simulate`) work anywhere; the shaped run
 (real peer processes in network namespaces, benchmarks/shaped_links.py) where namespaces can be
-built. The figures mean nothing at this size; the checks are on what holds at any size: every
-field docs/benchmarks.md quotes is there, ratios are the quotients of the times they come from,
-the link really changed mid-run, and the two ends of every link switched levels together.
+built. The figures mean nothing at this size; the checks are on what holds at any size: the
+rates move along the ring at the change rounds, every field docs/benchmarks.md quotes is
+there, ratios are the quotients of the times they come from, a run whose communication does
+not dominate its compute is refused, and the two ends of every link switched levels together.
 """
 
 from __future__ import annotations
@@ -20,20 +22,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import adaptive  # noqa: E402
 import shaped_links  # noqa: E402
 
 FIELDS = {
-    "time_to_090", "round_reached_090", "final_accuracy", "min_final_accuracy", "round_seconds",
-    "round_seconds_before_change", "round_seconds_after_change", "compute_seconds_per_round",
-    "bytes_sent_total", "bytes_per_round", "history", "change_seconds", "failed_exchanges",
+    "time_to_target", "round_reached_target", "final_accuracy", "min_final_accuracy",
+    "round_seconds", "compute_seconds_per_round", "communication_seconds_per_round",
+    "comm_over_compute", "phase_round_seconds", "bytes_sent_total", "bytes_per_round", "history",
+    "change_seconds", "failed_exchanges",
 }  # fmt: skip
 ADAPTIVE_FIELDS = {
-    "link_levels", "final_levels", "level_changes_one_end_only", "budget_seconds",
-    "budget_source", "communication_seconds_per_round_after_change", "round_time_vs_budget",
+    "link_levels", "final_levels", "level_changes_one_end_only", "reactions", "settled_phases",
+    "round_time_vs_budget",
 }  # fmt: skip
+FIGURES = ("adaptive_vs_best_fixed", "adaptive_vs_dpsgd", "round_time_vs_budget")
 
 
-def _run(tmp_path: Path, *arguments: str, timeout: float) -> dict[str, Any]:
+def _run(tmp_path: Path, *arguments: str, timeout: float, status: int = 0) -> dict[str, Any]:
     out = tmp_path / "adaptive.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     done = subprocess.run(
@@ -41,73 +46,151 @@ def _run(tmp_path: Path, *arguments: str, timeout: float) -> dict[str, Any]:
          *arguments],
         cwd=ROOT, env=env, timeout=timeout, capture_output=True, text=True,
     )  # fmt: skip
-    assert done.returncode == 0, (
-        f"adaptive.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == status, (
+        f"adaptive.py exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     )
-    return json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    report["_stderr"] = done.stderr
+    return report
 
 
-def _check_configuration(result: dict[str, Any], rounds: int, change_round: int) -> None:
+def _check_run(result: dict[str, Any], rounds: int, changes: list[int], target: float) -> None:
     assert FIELDS <= set(result)
     history = result["history"]
     assert history[-1][0] == rounds and [p[0] for p in history] == sorted(p[0] for p in history)
     seconds = [p[2] for p in history]
     assert seconds == sorted(seconds) and seconds[0] > 0
     assert result["round_seconds"] == pytest.approx(seconds[-1] / rounds)
+    comm = result["round_seconds"] - result["compute_seconds_per_round"]
+    assert result["communication_seconds_per_round"] == pytest.approx(comm)
+    assert result["comm_over_compute"] == pytest.approx(comm / result["compute_seconds_per_round"])
     assert 0 <= result["final_accuracy"] <= 1 and result["bytes_sent_total"] > 0
-    assert result["change_seconds"] == next(s for r, _, s in history if r >= change_round)
-    if result["time_to_090"] is None:
-        assert all(p[1] < 0.9 for p in history)
+    assert result["change_seconds"] == [next(s for r, _, s in history if r >= c) for c in changes]
+    if result["time_to_target"] is None:
+        assert all(p[1] < target for p in history)
     else:
-        first = next(p for p in history if p[1] >= 0.9)
-        assert (result["round_reached_090"], result["time_to_090"]) == (first[0], first[2])
+        first = next(p for p in history if p[1] >= target)
+        assert (result["round_reached_target"], result["time_to_target"]) == (first[0], first[2])
 
 
-def _check_ratios(report: dict[str, Any]) -> None:
-    by_name = {r["name"]: r for r in report["configurations"]}
-    adaptive, dpsgd = by_name["adaptive"], by_name["dpsgd"]
-    fixed = [r for r in report["configurations"] if r["rank"] is not None and r["time_to_090"]]
-    if fixed and adaptive["time_to_090"] is not None:
-        best = min(fixed, key=lambda r: r["time_to_090"])
-        assert report["best_fixed"] == best["name"]
-        assert report["adaptive_vs_best_fixed"] == pytest.approx(
-            adaptive["time_to_090"] / best["time_to_090"]
-        )
-    if dpsgd["time_to_090"] and adaptive["time_to_090"] is not None:
-        assert report["adaptive_vs_dpsgd"] == pytest.approx(
-            adaptive["time_to_090"] / dpsgd["time_to_090"]
-        )
-    assert ADAPTIVE_FIELDS <= set(adaptive)
-    assert adaptive["level_changes_one_end_only"] == 0
-    assert report["round_time_vs_budget"] == adaptive["round_time_vs_budget"]
-    comm = adaptive["round_seconds_after_change"] - adaptive["compute_seconds_per_round"]
-    assert adaptive["round_time_vs_budget"] == pytest.approx(comm / adaptive["budget_seconds"])
-    for key in ("adaptive_vs_best_fixed", "adaptive_vs_dpsgd", "round_time_vs_budget"):
-        assert report["goals"][key]["met"] in (True, False, None)
+# the analysis, on hand-made inputs ------------------------------------------------------------
+def test_the_rates_move_one_edge_on_at_each_change() -> None:
+    w = adaptive.Workload(peers=4, rounds=40, rates=(2.0, 8.0, 32.0), changes=3)
+    assert w.change_rounds == [10, 20, 30]
+    assert w.edges == [(0, 1), (1, 2), (2, 3), (0, 3)]
+    slow = [min(w.phase_rates(p), key=w.phase_rates(p).get) for p in range(4)]
+    assert slow == [(0, 1), (1, 2), (2, 3), (0, 3)]  # the slow link on another edge each phase
+    assert sorted(w.phase_rates(2).values()) == [2.0, 8.0, 32.0, 32.0]
+    flags = adaptive.ThrottledRunner(w, 60).link_flags()
+    changes = [flags[i + 1] for i, f in enumerate(flags) if f == "--link-change"]
+    assert flags[:2] == ["--link-rate", "32"]
+    assert changes[:2] == ["0-1:2@0", "1-2:8@0"]  # phase 0, then from the round after each
+    assert {"0-1:32@11", "1-2:2@11", "2-3:8@11"} <= set(changes)
+    assert {"0-1:8@31", "2-3:32@31", "0-3:2@31"} <= set(changes)
+    assert changes[-2:] == ["0-1:32@40", "0-3:32@40"]  # back to the fastest for the closing
 
 
-def test_throttled_comparison_runs_end_to_end(tmp_path: Path) -> None:
-    # links 10x faster than the real benchmark's, so D-PSGD's rounds take milliseconds
-    report = _run(tmp_path, "--links", "throttled", "--peers", "3", "--rounds", "45",
-                  "--model", "mlp", "--partition", "iid", "--ranks", "1", "4", "--eval-every",
-                  "3", "--settle-rounds", "6", "--mbit", "1000", "--slow-mbit", "100",
-                  "--plot", str(tmp_path / "adaptive.png"), timeout=240)  # fmt: skip
+def test_reactions_count_rounds_from_each_change_to_the_level_moving() -> None:
+    w = adaptive.Workload(peers=3, rounds=30, rates=(2.0, 20.0), changes=2)
+    assert w.change_rounds == [10, 20]
+    timeline = {"0-1": [(4, "rank=1"), (13, "rank=8")], "1-2": [(4, "rank=8"), (24, "rank=1")]}
+    found = adaptive.reactions(timeline, w)
+    # change 1: 0-1 goes 2 -> 20 (moved 3 rounds later), 1-2 20 -> 2 (not before round 20)
+    assert found[0] == {"change_round": 10, "rounds_until_level_moved": {"0-1": 3, "1-2": None}}
+    assert found[1]["rounds_until_level_moved"]["1-2"] == 4
+
+
+def _result(name: str, times: list[float | None], comm: float, **extra: Any) -> dict[str, Any]:
+    point = [[2, 0.5, 1.0]]
+    repeats = [{"time_to_target": t, "comm_over_compute": comm, "history": point} for t in times]
+    base = {"name": name, "rank": None, "ratio": None, "repeats": repeats}
+    base.update(extra)
+    base["comm_over_compute_min"] = comm
+    base["time_to_target"] = None if None in times else sum(times) / len(times)  # type: ignore[arg-type]
+    return base
+
+
+def test_figures_are_ratios_of_means_with_the_per_repeat_range() -> None:
+    results = [
+        _result("dpsgd", [100.0, 120.0], 50.0),
+        _result("rank=1", [30.0, 40.0], 3.0, rank=1),
+        _result("rank=4", [20.0, 60.0], 9.0, rank=4),
+        _result("rank=16", [None, 50.0], 20.0, rank=16),
+        _result("adaptive", [12.0, 36.0], 5.0, adaptive=True, round_time_vs_budget=1.1),
+    ]
+    bound = adaptive.bound_check(results)
+    assert bound["network_bound"] and bound["comm_over_compute"] == 9.0  # rank 1 is not checked
+    found = adaptive.compare(results, bound["network_bound"])
+    assert found["best_fixed"] == "rank=1"  # means 35 and 40; rank 16 missed once
+    assert found["adaptive_vs_best_fixed"] == pytest.approx(24 / 35)
+    assert found["adaptive_vs_dpsgd"] == pytest.approx(24 / 110)
+    # per repeat: 12 / min(30, 20) and 36 / min(40, 60, 50)
+    assert found["spread"]["adaptive_vs_best_fixed"] == pytest.approx([0.6, 0.9])
+    assert found["goals"]["adaptive_vs_best_fixed"]["met"] is True
+    assert found["goals"]["adaptive_vs_dpsgd"]["met"] is False
+    assert found["no_coordinator"]["adaptive_vs_best_fixed"] is None  # not run
+    results[2]["comm_over_compute_min"] = 1.5  # rank 4 (the ladder's middle) bound by CPU
+    refused = adaptive.bound_check(results)
+    assert not refused["network_bound"] and "rank=4: 1.50" in refused["not_network_bound_because"]
+    assert all(adaptive.compare(results, False)[key] is None for key in FIGURES)
+
+
+# end to end ----------------------------------------------------------------------------------
+def test_throttled_network_bound_comparison_runs_end_to_end(tmp_path: Path) -> None:
+    report = _run(tmp_path, "--links", "throttled", "--peers", "3", "--rounds", "12",
+                  "--changes", "2", "--rates", "2", "16", "--model", "mlp", "--partition", "iid",
+                  "--ranks", "4", "8", "--configs", "dpsgd", "fixed", "adaptive",
+                  "no-coordinator", "choco-adaptive", "--repeats", "1", "--eval-every", "2",
+                  "--settle-rounds", "1", "--target", "0.5", "--plot",
+                  str(tmp_path / "adaptive.png"), timeout=420)  # fmt: skip
     assert report["links"] == "throttled" and report["skipped"] == {}
-    assert report["workload"]["change_round"] == 15
+    assert report["workload"]["change_rounds"] == [4, 8]
     names = [r["name"] for r in report["configurations"]]
-    assert names == ["dpsgd", "rank=1", "rank=4", "adaptive"]
+    assert names == ["dpsgd", "rank=4", "rank=8", "adaptive", "adaptive-nc", "choco adaptive"]
     for result in report["configurations"]:
-        _check_configuration(result, 45, 15)
-        assert result["failed_exchanges"] == 0  # slow links are slow, never down
+        (run,) = result["repeats"]
+        _check_run(run, 12, [4, 8], 0.5)
+        assert run["failed_exchanges"] == 0  # slow links are slow, never down
+        assert result["time_to_target"] == run["time_to_target"]
     by_name = {r["name"]: r for r in report["configurations"]}
-    # D-PSGD sends the whole model every round: more bytes than any compressed run, and its
-    # rounds slow down when the link drops (the others' payloads fit the slow link)
-    assert by_name["dpsgd"]["bytes_sent_total"] > 5 * by_name["rank=4"]["bytes_sent_total"]
-    dpsgd = by_name["dpsgd"]
-    assert dpsgd["round_seconds_after_change"] > dpsgd["round_seconds_before_change"]
-    assert by_name["dpsgd"]["time_to_090"] is not None  # 45 rounds of iid digits suffice
-    _check_ratios(report)
+    assert by_name["dpsgd"]["bytes_per_round"] > 5 * by_name["rank=8"]["bytes_per_round"]
+    # a link of 2 Mbit/s: D-PSGD's 336 KB, and rank 4's 20 KB, take longer than a round's compute
+    assert report["network_bound"] is True
+    checked = report["comm_over_compute_checked"]
+    assert set(checked) == {"dpsgd", "rank=4", "rank=8"}  # D-PSGD, the ladder from its middle up
+    assert report["comm_over_compute"] == min(checked.values()) >= adaptive.BOUND_FACTOR
+    for scope in (report, report["no_coordinator"], report["choco"]):
+        assert set(FIGURES) <= set(scope) and set(scope["goals"]) == set(FIGURES)
+    leveled = by_name["adaptive"]["repeats"][0]
+    assert ADAPTIVE_FIELDS <= set(leveled)
+    assert leveled["level_changes_one_end_only"] == 0
+    assert [r["change_round"] for r in leveled["reactions"]] == [4, 8]
+    for phase in leveled["settled_phases"]:
+        comm = phase["round_seconds"] - leveled["compute_seconds_per_round"]
+        assert phase["round_time_vs_budget"] == pytest.approx(comm / phase["budget_seconds"])
+    assert report["round_time_vs_budget"] == pytest.approx(
+        max(p["round_time_vs_budget"] for p in leveled["settled_phases"])
+    )
     assert (tmp_path / "adaptive.png").stat().st_size > 10_000
+
+
+def test_a_run_bound_by_cpu_is_refused(tmp_path: Path) -> None:
+    # links of 1-2 Gbit/s: D-PSGD's 336 KB take no longer than a round's compute (rank 1's
+    # communication per round is mostly a round's bookkeeping, whatever the links)
+    report = _run(tmp_path, "--links", "throttled", "--peers", "3", "--rounds", "4",
+                  "--changes", "1", "--rates", "1000", "2000", "--model", "mlp", "--ranks", "1",
+                  "--configs", "dpsgd", "fixed", "--repeats", "2", "--eval-every", "2",
+                  timeout=300, status=adaptive.REFUSED)  # fmt: skip
+    assert report["network_bound"] is False and "not network-bound" in report["_stderr"]
+    checked = report["comm_over_compute_checked"]
+    assert set(checked) == {"dpsgd", "rank=1"}
+    low = [name for name, ratio in checked.items() if ratio < adaptive.BOUND_FACTOR]
+    assert low and all(f"{name}: {checked[name]:.2f}" in report["_stderr"] for name in low)
+    assert all(report[key] is None for key in FIGURES)
+    (rank1,) = [r for r in report["configurations"] if r["name"] == "rank=1"]
+    assert len(rank1["repeats"]) == 2
+    low, high = rank1["round_seconds_spread"]
+    assert low <= rank1["round_seconds"] <= high
 
 
 def _namespaces_unavailable() -> str | None:
@@ -122,13 +205,21 @@ UNAVAILABLE = _namespaces_unavailable()
 
 
 @pytest.mark.skipif(UNAVAILABLE is not None, reason=f"network namespaces: {UNAVAILABLE}")
-def test_shaped_run_changes_the_link_mid_run_and_leaves_no_namespace(tmp_path: Path) -> None:
-    report = _run(tmp_path, "--peers", "3", "--rounds", "6", "--model", "mlp", "--configs",
-                  "fixed", "--ranks", "1", "--eval-every", "2", "--settle-rounds", "0",
-                  timeout=240)  # fmt: skip
+def test_shaped_run_moves_the_slow_link_and_leaves_no_namespace(tmp_path: Path) -> None:
+    report = _run(tmp_path, "--peers", "3", "--rounds", "6", "--changes", "2", "--rates", "1",
+                  "4", "--model", "mlp", "--configs", "fixed", "--ranks", "2", "--repeats", "1",
+                  "--eval-every", "2", "--settle-rounds", "0", timeout=240,
+                  status=adaptive.REFUSED)  # fmt: skip
+    # no D-PSGD in the run: the check cannot be made, so it is refused, figures null
+    assert "needs D-PSGD" in report["_stderr"]
     (result,) = report["configurations"]
-    _check_configuration(result, 6, 2)
-    events = result["link_events_seconds"]
-    assert 0 < events["drop"] < events["restore"]  # dropped at round 2, restored after round 6
-    assert ["rate 10Mbit" in shown for shown in result["qdisc_after_change"]] == [True]
+    (run,) = result["repeats"]
+    _check_run(run, 6, [2, 4], adaptive.Workload().target)
+    events = run["link_events_seconds"]
+    assert [name for name, _ in events] == ["change 1", "change 2", "restore"]
+    assert 0 < events[0][1] < events[1][1] < events[2][1]
+    # change 1: 0-1 1 -> 4, 1-2 4 -> 1; change 2: 1-2 1 -> 4, 0-2 4 -> 1 (2 edges each)
+    shown = run["qdisc_after_changes"]
+    assert len(shown) == 4 and "rate 1Mbit" in shown[1] and shown[1].startswith("1-2:")
+    assert result["comm_over_compute"] > adaptive.BOUND_FACTOR  # 11 KB a round over 1 Mbit/s
     assert not any(n.startswith(shaped_links.PREFIX) for n in shaped_links.stale_namespaces())
