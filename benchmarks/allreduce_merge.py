@@ -11,7 +11,9 @@ groupings run in turn within each round). Ratios: merged_speedup = per-tensor / 
 planned_vs_single = single / planned, per compressor; accuracy after the same steps.
 
 Links that bind: `--links shaped` (root, Linux) puts each rank in its own network namespace
-behind a NIC of X Mbit/s each way (benchmarks/shaped_hub.py; default 2 ranks), runs every
+behind a NIC of X Mbit/s each way (benchmarks/shaped_hub.py; default 2 ranks, and the residual
+MLP 256 wide, `--model resmlp-wide`: the same 102 tensors with a backward long against one
+collective's fixed cost of a few ms on a loaded 2-core machine), runs every
 planner (mgwfbp, mergecomp, strategy) beside per-tensor and single, with and without
 compression (identity, sign, top-1%), and sets X per compressor so that one step's
 communication is `--comm-over-backward` (default 2) times the backward pass: X is computed from
@@ -40,9 +42,8 @@ from allreduce_runs import machine, run_configs, save, show, summarise
 from shaped_hub import NamespacesUnavailable, ShapedHub, run_ranks
 
 from gossipcomp.allreduce.launch import Session, spawn
-from gossipcomp.allreduce.train import AllreduceConfig
+from gossipcomp.allreduce.train import MODELS, AllreduceConfig
 from gossipcomp.compress import parse_spec
-from gossipcomp.models import build_resmlp
 
 COMPRESSORS = ("sign", "topk:ratio=0.01")
 SHAPED_COMPRESSORS = ("identity", "sign", "topk:ratio=0.01")
@@ -56,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--links", choices=("loopback", "shaped"), default="loopback")
     parser.add_argument("--nproc", type=int, help="ranks (default 4 on loopback, 2 shaped)")
+    parser.add_argument(
+        "--model",
+        choices=("resmlp", "resmlp-wide"),
+        help="102 tensors, 64 wide (default on loopback) or 256 wide (default shaped)",
+    )
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--planner", default="mergecomp", help="the planner of the headline")
@@ -73,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shaped = args.links == "shaped"
     nproc = args.nproc or (2 if shaped else 4)
+    args.model = args.model or ("resmlp-wide" if shaped else "resmlp")
     default = SHAPED_COMPRESSORS if shaped else COMPRESSORS
     compressors = tuple(args.compressors.split(",")) if args.compressors else default
     if not 2 <= nproc <= 16 or args.steps < 6 or args.repeats < 1:
@@ -96,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _configs(
-    compressors: tuple[str, ...], planners: dict[str, str], steps: int
+    compressors: tuple[str, ...], planners: dict[str, str], steps: int, model: str
 ) -> dict[str, AllreduceConfig]:
     """One configuration per compressor and grouping (grouping name -> planner)."""
-    base = AllreduceConfig(sync="merged", model="resmlp", steps=steps, momentum=0.0)
+    base = AllreduceConfig(sync="merged", model=model, steps=steps, momentum=0.0)
     return {
         f"{spec} {grouping}": replace(base, compressor=spec, planner=planner)
         for spec in compressors
@@ -109,7 +116,7 @@ def _configs(
 
 def _loopback(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]) -> int:
     groupings = {"per-tensor": "per-tensor", "single": "single", "planned": args.planner}
-    configs = _configs(compressors, groupings, args.steps)
+    configs = _configs(compressors, groupings, args.steps, args.model)
     ranks = spawn(run_configs, nproc, (configs, args.repeats), timeout_s=60, deadline_s=3600)
     table = summarise(ranks, configs)
     ratios = {}
@@ -125,7 +132,8 @@ def _loopback(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]
         "steps": args.steps,
         "repeats": args.repeats,
         "planner": args.planner,
-        "tensors": len(list(build_resmlp(0).parameters())),
+        "model": args.model,
+        "tensors": len(list(MODELS[args.model](0).parameters())),
         "methods": table,
         "ratios": ratios,
         "merged_speedup": min(r["merged_speedup"] for r in ratios.values()),
@@ -146,10 +154,12 @@ class ShapedUnavailable(RuntimeError):
     """Shaped links cannot be built here (not root, no iproute2/tc, or refused)."""
 
 
-def backward_seconds(batch_size: int, seed: int = 0, repeats: int = BACKWARD_REPEATS) -> float:
-    """Median seconds of the residual MLP's backward pass on a digits-sized batch, one thread
-    as in a rank (after two untimed passes)."""
-    model = build_resmlp(seed)
+def backward_seconds(
+    model_name: str, batch_size: int, seed: int = 0, repeats: int = BACKWARD_REPEATS
+) -> float:
+    """Median seconds of the model's backward pass on a digits-sized batch, one thread as in a
+    rank (after two untimed passes)."""
+    model = MODELS[model_name](seed)
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, 64, generator=generator)
     y = torch.randint(0, 10, (batch_size,), generator=generator)
@@ -181,16 +191,16 @@ def _shaped_worker(
 ) -> dict[str, Any]:
     """This rank's backward time (the same batch size as the configurations), then every
     configuration `repeats` times."""
-    batch = next(iter(configs.values())).batch_size
-    backward_s = backward_seconds(batch, seed=session.rank)
+    first = next(iter(configs.values()))
+    backward_s = backward_seconds(first.model, first.batch_size, seed=session.rank)
     rows = run_configs(session, configs, repeats)
     return {"backward_ms": 1e3 * backward_s, "rows": rows}
 
 
 def _shaped(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]) -> int:
-    numel = sum(p.numel() for p in build_resmlp(0).parameters())
+    numel = sum(p.numel() for p in MODELS[args.model](0).parameters())
     groupings = {"per-tensor": "per-tensor", "single": "single", **{p: p for p in PLANNERS}}
-    backward_s = backward_seconds(AllreduceConfig().batch_size)
+    backward_s = backward_seconds(args.model, AllreduceConfig().batch_size)
     rates = {
         spec: args.mbit
         or rate_mbit(link_bytes_per_step(spec, numel, nproc), backward_s, args.comm_over_backward)
@@ -202,7 +212,7 @@ def _shaped(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]) 
         with ShapedHub(nproc, rates[compressors[0]]) as hub:
             for spec in compressors:
                 hub.set_rate(rates[spec])
-                configs = _configs((spec,), groupings, args.steps)
+                configs = _configs((spec,), groupings, args.steps, args.model)
                 ranks = run_ranks(
                     hub, _shaped_worker, (configs, args.repeats), timeout_s=120, deadline_s=3600
                 )
@@ -221,7 +231,8 @@ def _shaped(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]) 
         "steps": args.steps,
         "repeats": args.repeats,
         "planner": args.planner,
-        "tensors": len(list(build_resmlp(0).parameters())),
+        "model": args.model,
+        "tensors": len(list(MODELS[args.model](0).parameters())),
         "target_comm_over_backward": args.comm_over_backward,
         "launcher_backward_ms": 1e3 * backward_s,
         "namespace_prefix": prefix,

@@ -68,6 +68,11 @@ def summarise(
                 key: statistics.median(run[key] for rank in ranks for run in rank[name])
                 for key in ("step_ms", "comm_ms", "compute_ms", "predicted_ms")
             },
+            # each repeat's step time (median over ranks): the run-to-run spread
+            "step_ms_repeats": [
+                statistics.median(rank[name][i]["step_ms"] for rank in ranks)
+                for i in range(len(first))
+            ],
         }
     return table
 

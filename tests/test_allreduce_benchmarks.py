@@ -106,7 +106,8 @@ def test_allreduce_merge_on_shaped_links_writes_the_network_bound_figures(tmp_pa
     """2 gloo ranks behind tbf-limited NICs, sign only, a few steps: every planner's plan and
     prediction is reported, the link really limits the collective, the check is consistent."""
     out = tmp_path / "shaped.json"
-    arguments = ["--links", "shaped", "--compressors", "sign", "--steps", "10", "--repeats", "1"]
+    arguments = ["--links", "shaped", "--model", "resmlp", "--compressors", "sign"]
+    arguments += ["--steps", "10", "--repeats", "1"]
     arguments += ["--comm-over-backward", "3", "--json", str(out)]
     done = _run_status("allreduce_merge.py", *arguments)
     result = json.loads(out.read_text())

@@ -257,13 +257,15 @@ def measure_link(
     summable: bool,
     sizes: Sequence[int],
     device: torch.device | str = "cpu",
+    repeats: int = 3,
 ) -> list[tuple[int, float]]:
-    """(bytes, seconds) of real collectives of each size (all ranks take part, in step)."""
+    """(bytes, seconds) of real collectives of each size (all ranks take part, in step), the
+    first of `repeats` of each size left out (a warm-up)."""
     samples = []
     for size in sizes:
         dtype = torch.float32 if summable else torch.uint8
         buffer = torch.zeros(max(1, size // dtype.itemsize), dtype=dtype, device=device)
-        for repeat in range(3):
+        for repeat in range(repeats):
             start = time.perf_counter()
             if summable:
                 communicator.all_reduce_sum(buffer)
@@ -274,6 +276,16 @@ def measure_link(
             if repeat:
                 samples.append((size, time.perf_counter() - start))
     return samples
+
+
+def link_sizes(tensors: Sequence[TensorInfo], specs: Sequence[str]) -> list[int]:
+    """Collective sizes (bytes) to fit the link on: 1 KiB, and an eighth of and the whole
+    model's largest payload under `specs`, the range a plan's groups span (a fit far outside
+    the sizes sent extrapolates: on a slow link 256 KiB of a sign payload of 14 KB wastes
+    seconds, on a fast one 16 KiB says little about 400 KB)."""
+    numel = sum(t.numel for t in tensors)
+    whole = max(parse_spec(spec).wire_bytes(numel) for spec in specs)
+    return sorted({1 << 10, max(2 << 10, whole // 8), max(4 << 10, whole)})
 
 
 @dataclass(frozen=True)
@@ -309,17 +321,18 @@ def make_plan(
     measured together); rank 0's plan is broadcast so all ranks agree. Falls back to
     `threshold_groups` (with a warning) when the planner cannot plan."""
     summable = parse_spec(compressor).summable
-    link = measure_link(communicator, summable, [1 << 10, 1 << 14, 1 << 18], device)
+    try:
+        specs = planner_specs(make_planner(planner), compressor)
+    except ValueError:  # said below, where rank 0 falls back
+        specs = (compressor,)
+    link = measure_link(communicator, summable, link_sizes(tensors, specs), device, repeats=5)
     plan: Plan | None = None
     if communicator.rank == 0:
         try:
             sizes = sorted({1 << 10, 1 << 14, 1 << 17})
             chosen = make_planner(planner)
             costs = CostModel(
-                {
-                    spec: measure_compressor(spec, sizes, repeats=3)
-                    for spec in planner_specs(chosen, compressor)
-                },
+                {spec: measure_compressor(spec, sizes, repeats=3) for spec in specs},
                 fit_link(link),
                 compute_s,
                 mode="allreduce",
@@ -337,6 +350,6 @@ def make_plan(
             plan = Plan(threshold_groups(tensors, compressor), 0.0)
     box: list[object] = [plan]
     dist.broadcast_object_list(box, src=0, group=communicator.group)
-    chosen = box[0]
-    assert isinstance(chosen, Plan)
-    return chosen
+    agreed = box[0]
+    assert isinstance(agreed, Plan)
+    return agreed

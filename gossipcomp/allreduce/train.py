@@ -46,7 +46,12 @@ from gossipcomp.models import build_mlp, build_resmlp
 from gossipcomp.training import BatchStream, evaluate_accuracy, make_optimizer
 
 SYNCS = ("ddp-hook", "merged", "marsit", "ssd")
-MODELS: dict[str, Callable[[int], nn.Module]] = {"mlp": build_mlp, "resmlp": build_resmlp}
+MODELS: dict[str, Callable[[int], nn.Module]] = {
+    "mlp": build_mlp,
+    "resmlp": build_resmlp,
+    # the same 102 tensors, 256 wide: a backward long against one collective's fixed cost
+    "resmlp-wide": lambda seed: build_resmlp(seed, width=256),
+}
 THRESHOLD = "threshold"
 TIMED_AFTER = 5  # steps left out of the step-time median (start-up, DDP's bucket rebuild)
 
@@ -69,7 +74,7 @@ class AllreduceConfig:
     ssd_k: int = 5
     ssd_warmup: int = 50
     bucket_cap_mb: float = 25.0  # DDP bucket size
-    model: str = "mlp"  # mlp (digits MLP) or resmlp (102 parameter tensors)
+    model: str = "mlp"  # mlp (digits MLP), resmlp or resmlp-wide (102 parameter tensors)
     error_feedback: bool = True
 
     def __post_init__(self) -> None:
