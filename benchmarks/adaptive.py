@@ -103,7 +103,7 @@ class Workload:
     settle_rounds: int = 6
     round_budget: float | None = None
     round_timeout: float = 60.0
-    target: float = 0.93
+    target: float = 0.95
 
     @property
     def change_rounds(self) -> list[int]:
