@@ -464,5 +464,9 @@ def test_peer_command_exits_1_when_every_exchange_is_refused(tmp_path: Path, cap
     err = " ".join(capsys.readouterr().err.split())
     assert code == 1, err
     assert "gossipcomp peer: error: peer 0: its exchanges failed with every neighbour" in err
-    # the neighbour stalls too, or (peer 0 gone) trains its last rounds alone: no failed round
-    assert not thread.is_alive() and all(isinstance(e, GossipStalled) for e in errors), errors
+    # the neighbour ends loudly too: it stalls, or (peer 0 gone) trains its last rounds alone
+    # with no failed round, or, when its own handshake lost the race with peer 0's probes of
+    # their broken edge (answered "up and exchanging, wait" each time, a clean-clone CI run on
+    # loaded cores), it gives up starting once peer 0 has stopped; never silently, never hung
+    loud = (GossipStalled, PeerUnreachableError)
+    assert not thread.is_alive() and all(isinstance(e, loud) for e in errors), errors
