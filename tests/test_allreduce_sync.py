@@ -24,7 +24,7 @@ from gossipcomp.allreduce import (
     threshold_groups,
 )
 from gossipcomp.allreduce.launch import Session
-from gossipcomp.allreduce.merged import plan_groups, ready_times
+from gossipcomp.allreduce.merged import make_plan, measure_backward
 from gossipcomp.allreduce.train import AllreduceConfig, train_rank
 from gossipcomp.models import build_mlp, build_resmlp
 from gossipcomp.schedule import TensorGroup, TensorInfo, check_cover
@@ -85,9 +85,9 @@ def _planned_worker(session: Session, planner: str) -> tuple[tuple[str, ...], ..
         model.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
 
-    tensors = ready_times(model, backward)
+    tensors, _ = measure_backward(model, backward, repeats=1)
     comm = Communicator()
-    groups = plan_groups(planner, tensors, "sign", comm, compute_s=0.01)
+    groups = make_plan(planner, tensors, "sign", comm, compute_s=0.01).groups
     check_cover(groups, [t.name for t in tensors])
     sync = MergedSync(model, groups, comm)
     backward()

@@ -232,3 +232,20 @@ def test_the_peers_server_is_built_this_way_too():
                 stop.set()
             assert error is not None and error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
             assert "not received within 0.5 s" in error.details()
+
+
+@pytest.mark.parametrize("hostile", [-1, True, 1.5, (1 << 30) + 1, "4194304"])
+def test_socket_read_sizes_out_of_range_are_refused(hostile):
+    """read_chunk_bytes comes from options a caller builds: a negative, huge or mistyped value is
+    refused, naming the field, before any server or channel is made from it."""
+    with pytest.raises(ValueError, match=r"ServingLimits.read_chunk_bytes: expected an integer"):
+        ServingLimits(read_chunk_bytes=hostile)
+    with pytest.raises(ValueError, match=r"GrpcOptions.read_chunk_bytes: expected an integer"):
+        GrpcOptions(read_chunk_bytes=hostile)
+
+
+def test_socket_read_sizes_reach_servers_and_channels_and_zero_keeps_grpcs_own():
+    read = "grpc.experimental.tcp_read_chunk_size"
+    assert (read, 1 << 20) in ServingLimits(read_chunk_bytes=1 << 20).server_options()
+    assert (read, 1 << 20) in GrpcOptions(read_chunk_bytes=1 << 20).channel_options()
+    assert not any(name == read for name, _ in GrpcOptions(read_chunk_bytes=0).channel_options())

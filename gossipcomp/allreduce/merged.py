@@ -198,19 +198,14 @@ def threshold_groups(
     return tuple(TensorGroup(tuple(reversed(names)), compressor) for names in reversed(groups))
 
 
-def ready_times(model: nn.Module, run_backward: Callable[[], None]) -> list[TensorInfo]:
-    """Each parameter with the seconds into one measured backward pass when its gradient was
-    ready, made non-increasing along model order (backward readies the last layer first)."""
-    stamps, _ = _stamped(model, run_backward)
-    return _infos(model, stamps)
-
-
 def measure_backward(
     model: nn.Module, run_backward: Callable[[], None], repeats: int = 5
 ) -> tuple[list[TensorInfo], float]:
-    """Ready times (as `ready_times`) and the seconds of a whole `run_backward`, each the median
-    of `repeats` passes after one untimed warm-up: the first pass of a model pays for
-    allocations and autograd's set-up, which a planner must not take for its compute."""
+    """Each parameter with the seconds into the backward pass when its gradient was ready
+    (non-increasing along model order: backward readies the last layer first), and the seconds
+    of a whole `run_backward`, each the median of `repeats` passes after one untimed warm-up:
+    the first pass of a model pays for allocations and autograd's set-up, which a planner must
+    not take for its compute."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= 1000:
         raise ValueError(f"measure_backward: repeats is {repeats!r}; expected an int in [1, 1000]")
     _stamped(model, run_backward)
@@ -294,18 +289,6 @@ class Plan:
 
     groups: tuple[TensorGroup, ...]
     predicted_s: float  # predict_iteration of the groups; 0.0 when the planner could not plan
-
-
-def plan_groups(
-    planner: str,
-    tensors: Sequence[TensorInfo],
-    compressor: str,
-    communicator: Communicator,
-    compute_s: float,
-    device: torch.device | str = "cpu",
-) -> tuple[TensorGroup, ...]:
-    """The groups of `make_plan` (same arguments)."""
-    return make_plan(planner, tensors, compressor, communicator, compute_s, device).groups
 
 
 def make_plan(
