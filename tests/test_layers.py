@@ -10,8 +10,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gossipcomp"
 
-# unit (first part of the module path under gossipcomp) -> layer; a module may import any
-# module of its own layer or a lower one
+# module path under gossipcomp (a unit, or a dotted path inside one) -> layer: a module takes
+# the layer of the longest key that is it or a package above it, and may import any module of
+# its own layer or a lower one
 LAYERS = {
     "text": 0,
     "arguments": 0,
@@ -41,9 +42,10 @@ LAYERS = {
     "plot": 11,
     "cli": 12,
     "__main__": 13,
+    # modules that sit above their unit: the all-reduce command line and launcher
+    "allreduce.command": 11,
+    "allreduce.__main__": 13,
 }
-# modules that sit above their unit: the all-reduce command line and launcher
-ABOVE_THEIR_UNIT = {"allreduce.command": 11, "allreduce.__main__": 13}
 
 
 def _unit(module: str) -> str:
@@ -51,10 +53,12 @@ def _unit(module: str) -> str:
 
 
 def _layer(module: str) -> int:
-    for prefix, layer in ABOVE_THEIR_UNIT.items():
-        if module == prefix or module.startswith(prefix + "."):
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):  # the longest key first
+        layer = LAYERS.get(".".join(parts[:end]))
+        if layer is not None:
             return layer
-    return LAYERS[_unit(module)]
+    raise KeyError(f"{module}: no layer in LAYERS for it or a package above it")
 
 
 def _imports(path: Path, module: str) -> set[str]:
