@@ -1,0 +1,211 @@
+"""TrainConfig: every setting that decides a training run, each checked when it is made.
+
+The same on every peer (a checkpoint records it, and a restart must agree with it), so a
+setting that could not train is refused here, naming it, before any peer starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gossipcomp.compress import parse_spec
+from gossipcomp.data import DATASETS, parse_partition
+from gossipcomp.gossip import ALGORITHMS, make_attack, parse_clip
+from gossipcomp.gossip.byzantine import DEFAULT_SCALE
+from gossipcomp.gossip.specs import MAX_GOSSIP_STEPS, canonical_spec, parse_options
+from gossipcomp.models import MODELS
+from gossipcomp.peer import DEFAULT_MAX_FAILED_ROUNDS, MAX_ROUND_TIMEOUT
+from gossipcomp.schedule import make_planner
+from gossipcomp.text import quoted
+from gossipcomp.training import DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_MOMENTUM
+from gossipcomp.transport.base import MAX_WIRE_ROUND
+
+# an SGD rate this large diverges at once (TrainingDiverged, tests/test_simulate.py); far above
+# it, torch cannot apply the step to float32 parameters at all (1e308: an overflow error)
+MAX_LR = 1e6
+MAX_SEED = 2**32 - 1  # the data split's seed (scikit-learn, numpy) must fit 32 bits
+MAX_LOCAL_STEPS = 10**6  # local steps between gossip rounds; more is a run without gossip
+# the algorithms whose payload follows tensor groups (PowerGossip merges its raw payload only)
+GROUPED_ALGORITHMS = ("choco", "def", "powergossip")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides a training run (the same on every peer)."""
+
+    # a name from gossipcomp.gossip.ALGORITHMS, whose options come from the fields below, or a
+    # whole spec such as "choco:compressor=sign,steps=4,gamma=0.7" (gossip/specs.py)
+    algorithm: str = "powergossip"
+    model: str = "mlp"  # a name from gossipcomp.models.MODELS
+    dataset: str = "digits"  # a name from gossipcomp.data.DATASETS
+    rounds: int = 600  # local steps; a gossip round follows every `local_steps` of them
+    lr: float = DEFAULT_LR  # SGD learning rate
+    momentum: float = DEFAULT_MOMENTUM  # SGD momentum (each peer keeps its own buffer)
+    batch_size: int = DEFAULT_BATCH_SIZE  # examples per local step
+    partition: str = "iid"  # iid | by-label | dirichlet:ALPHA
+    seed: int = 0  # data split, model init (identical on all peers) and batch order
+    consensus_step: float | str | None = None  # gossip step; "auto"; None: the algorithm's default
+    compressor: str | None = None  # compressor spec for choco and def, e.g. "topk:ratio=0.01"
+    rank: int = 1  # powergossip: rank of the power iteration
+    gossip_steps: int = 1  # exchanges per round: powergossip's power steps, choco's steps
+    zeta: float | None = None  # def: damping of the differential update (None: per compressor)
+    gamma: float | None = None  # def: mixing weight of the combine step (None: per compressor)
+    eval_every: int = 50  # rounds between test-accuracy checkpoints (0: only at the end)
+    round_timeout: float = 30.0  # seconds a round may wait for its neighbours
+    clip: str | None = None  # clipped gossip: "adaptive", "adaptive:B", a radius; None: plain
+    byzantine: tuple[int, ...] = ()  # ranks that lie (robustness experiments)
+    attack: str = "sign_flip"  # what they send: a name from gossipcomp.gossip.ATTACKS
+    attack_scale: float = DEFAULT_SCALE  # sign_flip sends -scale x, scale sends scale x
+    # tensor groups for choco and def: "per-tensor", "single" or a planner spec (static plan)
+    schedule: str = "per-tensor"
+    # floating-point buffers (BatchNorm's running statistics) gossiped with the parameters
+    gossip_buffers: bool = True
+    local_steps: int = 1  # local optimizer steps between gossip rounds (local SGD)
+    # rounds in a row without hearing any neighbour before a peer stops (0: never)
+    max_failed_rounds: int = DEFAULT_MAX_FAILED_ROUNDS
+
+    def __post_init__(self) -> None:
+        """Refuse any setting that could not train, naming it, before anything runs."""
+        _integer("rounds", self.rounds, 1, MAX_WIRE_ROUND - 1)
+        _integer("batch_size", self.batch_size, 1)
+        _integer("eval_every", self.eval_every, 0)
+        _integer("seed", self.seed, 0, MAX_SEED)
+        _integer("rank", self.rank, 1)
+        _integer("gossip_steps", self.gossip_steps, 1, MAX_GOSSIP_STEPS)
+        _integer("local_steps", self.local_steps, 1, MAX_LOCAL_STEPS)
+        _integer("max_failed_rounds", self.max_failed_rounds, 0, MAX_WIRE_ROUND - 1)
+        _number("lr", self.lr, 0.0, MAX_LR)
+        _number("momentum", self.momentum, 0.0, 1.0, closed_low=True, closed_high=False)
+        _number("round_timeout", self.round_timeout, 0.0, MAX_ROUND_TIMEOUT)
+        if not isinstance(self.gossip_buffers, bool):
+            raise ValueError(
+                f"gossip_buffers must be True or False, got {quoted(self.gossip_buffers)}"
+            )
+        for name in ("zeta", "gamma"):
+            if getattr(self, name) is not None:
+                _number(name, getattr(self, name), 0.0, 1.0)
+        if isinstance(self.consensus_step, str):
+            if self.consensus_step != "auto":
+                raise ValueError(
+                    f"consensus_step must be a number or 'auto', got {self.consensus_step!r}"
+                )
+        elif self.consensus_step is not None:  # the algorithm checks its own upper limit
+            _number("consensus_step", self.consensus_step, 0.0, math.inf, closed_high=False)
+        if ":" in self.algorithm:  # a whole spec: its options are not given twice
+            defaults = TrainConfig()
+            name = parse_options(self.algorithm, ALGORITHMS)[0]
+            for option in ALGORITHMS[name].OPTIONS.values():
+                flag = option.flag
+                if flag is not None and getattr(self, flag) != getattr(defaults, flag):
+                    raise ValueError(
+                        f"{flag}: given both in the algorithm spec {quoted(self.algorithm)} "
+                        "and on its own; expected one of them"
+                    )
+        self.algorithm_options()  # a complete, valid spec (a required compressor given)
+        parse_partition(self.partition)
+        if self.compressor is not None:
+            parse_spec(self.compressor)  # fail early on a bad spec, naming what exists
+        if self.clip is not None:
+            parse_clip(self.clip)
+        if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in self.byzantine):
+            raise ValueError(f"byzantine ranks must be integers >= 0, got {self.byzantine!r}")
+        object.__setattr__(self, "byzantine", tuple(sorted(self.byzantine)))  # a list is welcome
+        if len(set(self.byzantine)) != len(self.byzantine):
+            raise ValueError(f"byzantine ranks must differ, got {self.byzantine!r}")
+        make_attack(self.attack, self.attack_scale)
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {quoted(self.model)}; known: {sorted(MODELS)}")
+        if not isinstance(self.dataset, str) or self.dataset not in DATASETS:
+            raise ValueError(f"unknown dataset {quoted(self.dataset)}; known: {sorted(DATASETS)}")
+        if self.model == "cnn" and self.dataset != "digits":
+            raise ValueError(
+                f"model cnn reads the 8x8 digits images; dataset {self.dataset} is tabular: "
+                "expected model mlp or resmlp"
+            )
+        make_planner(self.schedule)  # fails naming the planners that exist
+        if self.schedule != "per-tensor" and self.algorithm_name not in GROUPED_ALGORITHMS:
+            raise ValueError(
+                f"schedule {quoted(self.schedule)}: only {', '.join(GROUPED_ALGORITHMS)} "
+                f"send tensor groups; {self.algorithm_name} takes schedule 'per-tensor'"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def gossip_rounds(self) -> int:
+        """Gossip rounds a peer runs: one after every `local_steps` local steps (the last
+        after what is left of `rounds`)."""
+        return -(-self.rounds // self.local_steps)
+
+    def steps_at(self, gossip_round: int) -> int:
+        """Local steps done when a peer has finished `gossip_round` gossip rounds."""
+        return min(gossip_round * self.local_steps, self.rounds)
+
+    @property
+    def algorithm_name(self) -> str:
+        return self.algorithm.partition(":")[0].strip()
+
+    def algorithm_spec(self) -> str:
+        """The algorithm as one spec string: `algorithm` when it is one, else its name with
+        the options the fields give (each algorithm option names its field)."""
+        if ":" in self.algorithm:
+            return self.algorithm
+        cls = ALGORITHMS.get(self.algorithm)
+        if cls is None:
+            parse_options(self.algorithm, ALGORITHMS)  # raises, naming those that exist
+            raise AssertionError("unreachable")
+        options = {
+            key: getattr(self, option.flag) if option.flag else None
+            for key, option in cls.OPTIONS.items()
+        }
+        return canonical_spec(self.algorithm, options)
+
+    def algorithm_options(self) -> dict[str, Any]:
+        """Every option of the algorithm, given or defaulted (ValueError when not valid)."""
+        return parse_options(self.algorithm_spec(), ALGORITHMS)[1]
+
+    @property
+    def group_compressor(self) -> str | None:
+        """The compressor spec a schedule's groups get: the algorithm's own, "identity" for
+        PowerGossip (whose groups only merge its raw payload), None for algorithms whose
+        payload follows no groups."""
+        if self.algorithm_name not in GROUPED_ALGORITHMS:
+            return None
+        return self.algorithm_options().get("compressor", "identity")
+
+
+def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
+    """Raise ValueError naming `name` unless `value` is an int (not a bool) in [low, high]."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        upper = "" if high is None else f" and <= {high}"
+        raise ValueError(f"{name} must be >= {low}{upper} (an integer), got {quoted(value)}")
+
+
+def _number(
+    name: str,
+    value: Any,
+    low: float,
+    high: float,
+    *,
+    closed_low: bool = False,
+    closed_high: bool = True,
+) -> None:
+    """Raise ValueError naming `name` unless `value` is a finite int or float (not a bool) in
+    the interval from `low` to `high`, open at the low end and closed at the high end unless
+    told otherwise (NaN fails every comparison, so it is caught by the same test)."""
+    ok = not isinstance(value, bool) and isinstance(value, int | float)
+    if ok:
+        above = low <= value if closed_low else low < value
+        below = value <= high if closed_high else value < high
+        ok = above and below and (isinstance(value, int) or math.isfinite(value))
+    if not ok:
+        interval = f"{'[' if closed_low else '('}{low:g}, {high:g}{']' if closed_high else ')'}"
+        raise ValueError(f"{name} must be a finite number in {interval}, got {quoted(value)}")
