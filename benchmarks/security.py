@@ -63,12 +63,12 @@ def envelope_times(sizes_kib: list[int], trials: int) -> dict[str, dict[str, flo
             for kib in sizes_kib:
                 x = torch.randn(kib * 256, generator=torch.Generator().manual_seed(kib))
                 for _, receiver in pairs.values():
-                    receiver.expect("b", (tensor_spec("x", x),))
+                    receiver.inbox.expect("b", (tensor_spec("x", x),))
                 times: dict[str, list[float]] = {setup: [] for setup in SETUPS}
                 for trial in range(trials + 1):  # the first is a warm-up
                     round += 1
                     for setup, (sender, receiver) in pairs.items():
-                        receiver.open_round(round)
+                        receiver.inbox.open_round(round)
                         envelope = Envelope(0, round, "b", (encode_raw("x", x),))
                         start = time.perf_counter()
                         sender.send(1, envelope, time.monotonic() + 60)

@@ -106,7 +106,7 @@ def receiver(mib: int, chunk_sizes: list[int], rounds: int, pipe: Connection) ->
     transports = {}
     for path, (_, options) in _paths(chunk_sizes).items():
         transport = GrpcTransport(Identity(1, "bench", "bench"), [0], options=options)
-        transport.expect(PHASE, spec)
+        transport.inbox.expect(PHASE, spec)
         transports[path] = transport
 
     def drain(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
@@ -179,7 +179,7 @@ def send_trial(sender: GrpcTransport, round_: int, payload: Payload) -> float:
     """One envelope by `send`, timed until the receiver has stored it; the receiver's answering
     exchange opens its rounds and collects it (and its acknowledgement payload, arriving here
     within the mailbox's window of open rounds, is simply dropped later)."""
-    sender.open_round(round_)
+    sender.inbox.open_round(round_)
     start = time.perf_counter()
     sender.send(1, Envelope(0, round_, PHASE, payload), time.monotonic() + ROUND_TIMEOUT)
     return time.perf_counter() - start
@@ -200,7 +200,7 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
     senders, modes = {}, {}
     for path, (mode, options) in _paths(chunk_sizes).items():
         sender = GrpcTransport(Identity(0, "bench", "bench"), [1], options=options)
-        sender.expect(PHASE, (tensor_spec("ack", _ack()),))
+        sender.inbox.expect(PHASE, (tensor_spec("ack", _ack()),))
         senders[path], modes[path] = sender, mode
     ours.send({path: sender.address for path, sender in senders.items()})
     for path, sender in senders.items():

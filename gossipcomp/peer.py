@@ -217,7 +217,7 @@ class Peer:
             rank,
             neighbours,
             backoff,
-            on_resume=transport.allow_round,
+            on_resume=transport.inbox.allow_round,
             pace=pace,
             newest_epoch=lambda: self.schedules.newest.epoch,
             on_newer_epoch=self._want_schedules,
@@ -239,7 +239,7 @@ class Peer:
         specs.update(self._averager.setup(self._params, rank, neighbours))
         self._specs = specs  # per phase, under the schedule with no groups (epoch 0)
         for phase, spec in specs.items():
-            transport.expect(phase, spec)
+            transport.inbox.expect(phase, spec)
         # start() done: a handshake may no longer take down an edge whose exchanges succeed
         self._started = False
         self._ready = threading.Event()
@@ -416,7 +416,7 @@ class Peer:
 
     def _expect_epoch(self, epoch: int, specs: dict[str, PayloadSpec]) -> None:
         for phase, spec in specs.items():
-            self.transport.expect(phase, spec, epoch)
+            self.transport.inbox.expect(phase, spec, epoch)
         self.transport.schedule_epoch = max(self.transport.schedule_epoch, epoch)
 
     def _switch_schedule(self) -> None:
@@ -430,7 +430,7 @@ class Peer:
         if isinstance(self.algorithm, Regroupable):
             self.algorithm.regroup(self._params, schedule.groups or None)
         self._levels.switch_schedule(self.schedules.history[-2], schedule, self.round)
-        self.transport.forget_epochs_before(previous)
+        self.transport.inbox.forget_epochs_before(previous)
         self._replies.refresh(self._held_schedules())
         log.info(
             "peer %d: schedule epoch %d (%s, %d groups) in force from round %d",
@@ -599,9 +599,9 @@ class Peer:
         )
         before, self.round = self.round, target
         if target < before:
-            self.transport.rewind_round(target)
+            self.transport.inbox.rewind_round(target)
         else:
-            self.transport.open_round(target)
+            self.transport.inbox.open_round(target)
         for j in self.links.live():  # now out of step: fail at once rather than wait a deadline
             self.links.failed(j, before, f"this peer moved to round {target}")
 
@@ -917,7 +917,7 @@ class Peer:
         for epoch, epoch_specs in specs.items():
             self._expect_epoch(epoch, epoch_specs)
         self._levels.restore(levels, schedules.current)
-        self.transport.forget_epochs_before(schedules.current.epoch)
+        self.transport.inbox.forget_epochs_before(schedules.current.epoch)
         self._replies.refresh(self._held_schedules())
         self.model.load_state_dict(saved)
         self.round = round

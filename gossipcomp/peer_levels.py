@@ -150,18 +150,18 @@ class CompressionLevels:
             default = self.algorithm.default_level()
             self.senders = SenderLevels(self.rank, self._weights, default)
             for schedule in self._in_use():
-                self.transport.expect(LEVELS_PHASE, (), schedule.epoch)
+                self.transport.inbox.expect(LEVELS_PHASE, (), schedule.epoch)
             rules = NoticeRules(
                 frozenset(costs.levels),
                 MAX_NOTICE_LEAD,
                 own_levels=True,  # a notice sets its sender's own level
                 in_force_phase=RESUME_PHASE,  # a resume envelope's: the level in force then
             )
-            self.transport.accept_notices(rules)
+            self.transport.inbox.accept_notices(rules)
             return {LEVELS_PHASE: ()}
         self._rate = LocalRateControl(costs, round_budget)
         self.edges = EdgeLevels(self.rank, self._weights)
-        self.transport.accept_notices(NoticeRules(frozenset(costs.levels), MAX_NOTICE_LEAD))
+        self.transport.inbox.accept_notices(NoticeRules(frozenset(costs.levels), MAX_NOTICE_LEAD))
         return {}
 
     def schedule_specs(
@@ -234,7 +234,7 @@ class CompressionLevels:
         in_force, waiting = book.in_force, book.waiting()
         for schedule in self._in_use():
             for phase, spec in self._level_specs(schedule, in_force).items():
-                self.transport.expect(phase, spec, schedule.epoch)
+                self.transport.inbox.expect(phase, spec, schedule.epoch)
             for j in self._weights:
                 later: dict[str, PayloadSpec] = {}
                 if j in waiting:
@@ -242,7 +242,7 @@ class CompressionLevels:
                     for phase, spec in self._level_specs(schedule, changed).items():
                         later[phase] = spec[j] if isinstance(spec, Mapping) else spec
                 round = waiting[j].effective_round if j in waiting else 0
-                self.transport.expect_from(j, round, later, schedule.epoch)
+                self.transport.inbox.expect_from(j, round, later, schedule.epoch)
 
     def switch_schedule(self, before: Schedule, after: Schedule, round: int) -> None:
         """Put in force the levels of `after`, the schedule that takes effect at `round`
@@ -357,7 +357,7 @@ class CompressionLevels:
                 self._put_local_levels(reset, round)
         if self.senders is not None:  # the resume envelope states the own level
             for j in due:
-                self.transport.announce(j, LevelNotice(self.senders.own, round))
+                self.transport.inbox.announce(j, LevelNotice(self.senders.own, round))
 
     def after_resume(
         self, resumed: ExchangeResult, round: int, exchange: Exchange
@@ -382,7 +382,7 @@ class CompressionLevels:
             self._put_sender_levels({}, round)
         synced = [j for j in resumed.received if j not in resumed.failed and j not in failed]
         for j in synced:
-            self.transport.announce(j, book.own_notice)
+            self.transport.inbox.announce(j, book.own_notice)
         if not synced:
             return failed
         result = exchange(LEVELS_PHASE, synced)
@@ -407,7 +407,7 @@ class CompressionLevels:
             book = self.senders
             self._own_rate.decide(book, self.links.live(), sends, round)
             for j in self._weights:
-                self.transport.announce(j, book.own_notice)
+                self.transport.inbox.announce(j, book.own_notice)
             return
         if self._rate is None or self.edges is None:
             return
@@ -415,7 +415,7 @@ class CompressionLevels:
         if decided:
             self.expect()
         for j in self._weights:
-            self.transport.announce(j, self.edges.notice_for(j))
+            self.transport.inbox.announce(j, self.edges.notice_for(j))
 
     def hear(self, hood: Neighbourhood, round: int) -> None:
         """Take in the notices lower-ranked neighbours (any neighbour, of its own level, for a
@@ -442,7 +442,7 @@ class CompressionLevels:
     def silence(self) -> None:
         """Carry no level notice from now on (no notice outlives training)."""
         for j in self._weights:
-            self.transport.announce(j, None)
+            self.transport.inbox.announce(j, None)
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint rows of the levels set with the neighbours (they shape the

@@ -54,7 +54,7 @@ def receiver(tls):
     transport = GrpcTransport(
         Identity(1, "topo", "model"), [0, 2], options=GrpcOptions(tls=tls["peer1"], keys=keys(1))
     )
-    transport.expect("p", SPEC)
+    transport.inbox.expect("p", SPEC)
     yield transport
     transport.close()
 
@@ -201,8 +201,8 @@ def test_signed_exchange_is_bit_exact_and_counts_the_proof_bytes(tls):
         )
         x = torch.randn(300_000, generator=torch.Generator().manual_seed(0))  # several chunks
         spec = (tensor_spec("x", x),)
-        a.expect("p", spec)
-        b.expect("p", spec)
+        a.inbox.expect("p", spec)
+        b.inbox.expect("p", spec)
         for round in range(3):
             ra, rb = run_in_threads(
                 [
@@ -226,12 +226,12 @@ def test_envelopes_with_a_good_proof_are_stored(receiver, tls):
         receiver.address, tls["peer0"], signed_chunks(Authenticator(0, keys(0)), envelope())
     )
     assert status == grpc.StatusCode.OK, details
-    assert receiver._inbox.mailbox.pending() == 1
+    assert receiver.inbox.mailbox.pending() == 1
 
 
 def _refusal(receiver, tls, chunks, files="peer0") -> tuple[grpc.StatusCode, str]:
     status, details = push(receiver.address, tls[files], chunks)
-    assert receiver._inbox.mailbox.pending() == 0, "a refused envelope reached the mailbox"
+    assert receiver.inbox.mailbox.pending() == 0, "a refused envelope reached the mailbox"
     return status, details
 
 
@@ -283,11 +283,11 @@ def test_a_stale_timestamp_is_unauthenticated(receiver, tls):
 def test_a_replayed_nonce_is_unauthenticated(receiver, tls):
     chunks = signed_chunks(Authenticator(0, keys(0)), envelope())
     assert push(receiver.address, tls["peer0"], chunks)[0] == grpc.StatusCode.OK
-    receiver._inbox.mailbox.open_round(1)  # round 0 is over: only the nonce can stop a replay
+    receiver.inbox.mailbox.open_round(1)  # round 0 is over: only the nonce can stop a replay
     status, details = push(receiver.address, tls["peer0"], chunks)
     assert status == grpc.StatusCode.UNAUTHENTICATED
     assert "nonce: already used by peer 0" in details
-    assert receiver._inbox.mailbox.pending() == 0
+    assert receiver.inbox.mailbox.pending() == 0
 
 
 def test_a_peer_claiming_another_peers_id_is_denied(receiver, tls):

@@ -306,7 +306,7 @@ def test_a_neighbour_sets_only_its_own_level_and_a_lie_costs_it_that_edge(one_th
     try:
         for peer in peers:
             peer.start(5, {})
-        peers[0].transport.announce(1, LevelNotice(1, 3))
+        peers[0].transport.inbox.announce(1, LevelNotice(1, 3))
         gossip_round(peers)
         assert peers[1]._sender_levels.waiting() == {0: LevelNotice(1, 3)}
         default = peers[1].algorithm.default_level()
@@ -445,18 +445,18 @@ def test_hostile_notices_of_a_senders_own_level_are_refused_at_the_door(
     status, naming the field, in a short message; nothing is stored. Within the rules (in a
     resume envelope: the level in force at round 10) the same envelope is accepted."""
     receiving, sending = grpc_pair()
-    receiving.expect(phase, SPEC)
-    receiving.open_round(10)
-    receiving.accept_notices(rules)
+    receiving.inbox.expect(phase, SPEC)
+    receiving.inbox.open_round(10)
+    receiving.inbox.accept_notices(rules)
     with pytest.raises(grpc.RpcError) as refused:
         sending.send(0, _envelope(1, phase, notice), deadline=time.monotonic() + 5)
     assert refused.value.code() == code
     assert field in refused.value.details() and len(refused.value.details()) < 300
-    assert receiving._inbox.mailbox.pending() == 0
-    receiving.accept_notices(OWN)
+    assert receiving.inbox.mailbox.pending() == 0
+    receiving.inbox.accept_notices(OWN)
     good = LevelNotice(2, 10 if phase == RESUME_PHASE else 12)
     sending.send(0, _envelope(1, phase, good), deadline=time.monotonic() + 5)
-    assert receiving._inbox.mailbox.pending() == 1
+    assert receiving.inbox.mailbox.pending() == 1
 
 
 def test_a_signed_resume_envelope_covers_the_level_it_states():

@@ -158,7 +158,7 @@ def test_malformed_compressed_payload_is_refused_before_any_state_changes():
             )
             sender = GrpcTransport(Identity(0, topology.hash, model_signature(m)), [1])
             made += [peer, sender]
-            sender.expect("choco0", MergedCodec(params, parse_spec(spec), 0, 0).spec(int))
+            sender.inbox.expect("choco0", MergedCodec(params, parse_spec(spec), 0, 0).spec(int))
             sender.connect({1: peer.address}, timeout=10)
             peer.start(timeout=10, addresses={0: sender.address})
             peers.append((peer, sender))

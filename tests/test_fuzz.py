@@ -49,8 +49,8 @@ def live_peer():
     receiver = GrpcTransport(Identity(1, "t", "m"), [0])
     sender = GrpcTransport(Identity(0, "t", "m"), [1])
     for transport in (receiver, sender):
-        transport.expect("model", (tensor_spec("w", WEIGHT),))
-        transport.expect("choco0", MergedCodec(COMPRESSED_PARAMS, TOPK, 0, 0).spec(int))
+        transport.inbox.expect("model", (tensor_spec("w", WEIGHT),))
+        transport.inbox.expect("choco0", MergedCodec(COMPRESSED_PARAMS, TOPK, 0, 0).spec(int))
     sender.connect({1: receiver.address}, timeout=10)
     receiver.connect({0: sender.address}, timeout=10)
     channel = grpc.insecure_channel(receiver.address)
@@ -74,9 +74,9 @@ def _deliver(push, push_one, chunks: list[bytes]) -> None:
 
 def _stored_envelopes_are_valid(receiver: GrpcTransport) -> None:
     """Everything in the mailbox matches its spec: re-reading it passes every check."""
-    mailbox = receiver._inbox.mailbox
+    mailbox = receiver.inbox.mailbox
     for envelope, _ in list(mailbox._items.values()):
-        read_envelope(envelope_chunks(envelope), receiver._inbox.check_header)
+        read_envelope(envelope_chunks(envelope), receiver.inbox.check_header)
         if envelope.phase == "model":
             assert torch.isfinite(decode_raw(envelope.tensors[0])).all()
 
@@ -119,7 +119,7 @@ def test_mutated_envelopes_are_refused_or_valid(
 def test_peer_still_serves_a_valid_neighbour_after_fuzzing(live_peer):
     receiver, sender, _, _ = live_peer
     for transport in (receiver, sender):  # a fresh round far from anything the fuzzing sent
-        transport._inbox.mailbox.open_round(1000)
+        transport.inbox.mailbox.open_round(1000)
     payload = (encode_raw("w", WEIGHT * 2),)
     results = run_in_threads(
         [

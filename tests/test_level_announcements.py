@@ -252,10 +252,10 @@ def test_a_neighbour_moves_only_its_own_edge_and_a_contradiction_costs_it_that_e
             peer.adapt_levels(1e-9)  # the lowest level everywhere peers decide: rank 1
         for peer in peers:
             peer.start(5, {})
-        peers[0].transport.announce(1, LevelNotice(4, 3))
+        peers[0].transport.inbox.announce(1, LevelNotice(4, 3))
         gossip_round(peers)
         assert peers[1]._edge_levels.waiting() == {0: LevelNotice(4, 3)}
-        peers[0].transport.announce(1, None)
+        peers[0].transport.inbox.announce(1, None)
         for _ in range(3):
             gossip_round(peers)
         assert [c["link"] for c in peers[1].stats.link_levels] == [[0, 1]]
@@ -268,9 +268,9 @@ def test_a_neighbour_moves_only_its_own_edge_and_a_contradiction_costs_it_that_e
         assert peers[1].stats.failed_exchanges[0] == 1 and 2 not in peers[1].stats.failed_exchanges
 
         r = peers[0].round
-        peers[0].transport.announce(1, LevelNotice(4, r + 3))
+        peers[0].transport.inbox.announce(1, LevelNotice(4, r + 3))
         gossip_round(peers)
-        peers[0].transport.announce(1, LevelNotice(1, r + 4))
+        peers[0].transport.inbox.announce(1, LevelNotice(1, r + 4))
         gossip_round(peers)
         assert peers[1].links.state(0) is not LinkState.UP  # contradicted: edge taken down
         assert peers[1]._edge_levels.waiting() == {0: LevelNotice(4, r + 3)}
@@ -368,17 +368,17 @@ def test_hostile_notices_are_refused_at_the_door_naming_the_field(
     stored. The same envelope without the notice is accepted."""
     zero, one = grpc_pair()
     sending, receiving = (zero, one) if sender == 0 else (one, zero)
-    receiving.expect("model", SPEC)
-    receiving.open_round(10)
+    receiving.inbox.expect("model", SPEC)
+    receiving.inbox.open_round(10)
     if takes:
-        receiving.accept_notices(NoticeRules(frozenset({1, 2, 4}), MAX_NOTICE_LEAD))
+        receiving.inbox.accept_notices(NoticeRules(frozenset({1, 2, 4}), MAX_NOTICE_LEAD))
     with pytest.raises(grpc.RpcError) as refused:
         sending.send(receiving.rank, _envelope(sender, 10, notice), deadline=_soon())
     assert refused.value.code() == code
     assert field in refused.value.details() and len(refused.value.details()) < 300
-    assert receiving._inbox.mailbox.pending() == 0
+    assert receiving.inbox.mailbox.pending() == 0
     sending.send(receiving.rank, _envelope(sender, 10, None), deadline=_soon())
-    assert receiving._inbox.mailbox.pending() == 1
+    assert receiving.inbox.mailbox.pending() == 1
 
 
 def _soon() -> float:

@@ -112,7 +112,7 @@ def test_in_memory_transport_validates_and_counts_like_grpc():
     a = InMemoryTransport(Identity(0, "t", "m"), [1], hub)
     b = InMemoryTransport(Identity(1, "t", "m"), [0], hub)
     for t in (a, b):
-        t.expect("p", spec)
+        t.inbox.expect("p", spec)
         t.connect({}, timeout=1)
     payload = (encode_raw("w", torch.tensor([1.0, 2.0, 3.0])),)
     ra, rb = run_in_threads(

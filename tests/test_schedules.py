@@ -147,12 +147,12 @@ def test_a_schedule_that_does_not_fit_is_refused_and_nothing_changes(change, mes
         for _ in range(3):
             gossip_round(peers)
         peer = peers[1]
-        inbox_before = dict(peer.transport._inbox._specs)
+        inbox_before = dict(peer.transport.inbox._specs)
         with pytest.raises(ScheduleRefused, match=message):
             peer.apply(change(_names(models[0])))
         assert peer.schedules.newest.epoch == 0
         assert peer.transport.schedule_epoch == 0
-        assert peer.transport._inbox._specs == inbox_before
+        assert peer.transport.inbox._specs == inbox_before
         gossip_round(peers)  # and it trains on under the current schedule
         assert all(p.stats.failed_exchanges == {} for p in peers)
     finally:

@@ -35,7 +35,7 @@ def _ring() -> list[GrpcTransport]:
         for rank in range(PEERS):
             neighbours = [(rank - 1) % PEERS, (rank + 1) % PEERS]
             transports.append(GrpcTransport(Identity(rank, "ring", "model"), neighbours))
-            transports[-1].expect(PHASE, spec)
+            transports[-1].inbox.expect(PHASE, spec)
         addresses = {t.rank: t.address for t in transports}
         for transport in transports:
             transport.connect(addresses, timeout=30)

@@ -70,8 +70,8 @@ def test_mutual_tls_transports_exchange_envelopes_bit_exact(peer_files):
         )
         x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
         spec = (tensor_spec("x", x),)
-        a.expect("p", spec)
-        b.expect("p", spec)
+        a.inbox.expect("p", spec)
+        b.inbox.expect("p", spec)
         ra, rb = run_in_threads(
             [
                 lambda: a.exchange(0, "p", {1: (encode_raw("x", x),)}, 20),

@@ -52,8 +52,8 @@ def test_an_envelope_held_by_the_algorithm_is_not_overwritten_by_the_next(grpc_p
     a, b = grpc_pair()
     values = [torch.randn(MIB, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     spec = (tensor_spec("x", values[0]),)
-    a.expect("p", spec)
-    b.expect("p", spec)
+    a.inbox.expect("p", spec)
+    b.inbox.expect("p", spec)
     ack = (encode_raw("x", torch.zeros(MIB)),)
 
     def round_of(r: int) -> torch.Tensor:

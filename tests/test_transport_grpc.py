@@ -54,8 +54,8 @@ def test_every_dtype_round_trips_bit_exact(grpc_pair):
         for i, shape in enumerate(shapes)
     }
     spec = tuple(tensor_spec(n, t) for n, t in tensors.items())
-    a.expect("p", spec)
-    b.expect("p", spec)
+    a.inbox.expect("p", spec)
+    b.inbox.expect("p", spec)
     payload = tuple(encode_raw(n, t) for n, t in tensors.items())
     ra, rb = _exchange_both(a, b, 0, "p", payload, payload)
     for result in (ra, rb):
@@ -71,8 +71,8 @@ def test_64_mib_envelope_arrives_intact_and_bytes_are_counted(grpc_pair):
     a, b = grpc_pair()
     big = torch.randn(16 << 20, generator=torch.Generator().manual_seed(3))
     spec = (tensor_spec("big", big),)
-    a.expect("big", spec)
-    b.expect("big", spec)
+    a.inbox.expect("big", spec)
+    b.inbox.expect("big", spec)
     envelope_a = (encode_raw("big", big),)
     envelope_b = (encode_raw("big", -big),)
     ra, rb = _exchange_both(a, b, 0, "big", envelope_a, envelope_b, timeout=60)
@@ -174,7 +174,7 @@ def _refused(sender: GrpcTransport, envelope: Envelope) -> grpc.RpcError:
 def test_invalid_envelopes_are_refused_with_field_expected_and_actual(grpc_pair):
     a, b = grpc_pair(options=GrpcOptions(max_envelope_bytes=1 << 20))
     good = torch.zeros(4, 3)
-    b.expect("p", (tensor_spec("w", good),))
+    b.inbox.expect("p", (tensor_spec("w", good),))
     cases = [
         (encode_raw("w", torch.zeros(3, 4)), grpc.StatusCode.INVALID_ARGUMENT, "shape"),
         (
@@ -217,17 +217,17 @@ def test_invalid_envelopes_are_refused_with_field_expected_and_actual(grpc_pair)
         error.code() == grpc.StatusCode.FAILED_PRECONDITION
         and "protocol_version" in error.details()
     )
-    assert b._inbox.mailbox.pending() == 0  # nothing was stored
+    assert b.inbox.mailbox.pending() == 0  # nothing was stored
     # the channel still works for a valid envelope
     assert a.send(1, Envelope(0, 0, "p", (encode_raw("w", good),)), time.monotonic() + 10) > 0
-    assert b._inbox.mailbox.pending() == 1
+    assert b.inbox.mailbox.pending() == 1
 
 
 def test_sender_that_is_not_a_neighbour_is_denied():
     b = GrpcTransport(Identity(1, "t", "m"), [0])
     stranger = GrpcTransport(Identity(5, "t", "m"), [1])
     try:
-        b.expect("p", (tensor_spec("w", torch.zeros(2)),))
+        b.inbox.expect("p", (tensor_spec("w", torch.zeros(2)),))
         with pytest.raises(HandshakeError, match="peer 5 is not a neighbour"):
             stranger.connect({1: b.address}, timeout=5)
         chunks = (
@@ -239,7 +239,7 @@ def test_sender_that_is_not_a_neighbour_is_denied():
                 pb_grpc.GossipStub(channel).Push(chunks, timeout=5)
         assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "peer 5 is not a neighbour" in caught.value.details()
-        assert b._inbox.mailbox.pending() == 0
+        assert b.inbox.mailbox.pending() == 0
     finally:
         b.close()
         stranger.close()
@@ -248,8 +248,8 @@ def test_sender_that_is_not_a_neighbour_is_denied():
 def test_duplicate_and_late_envelopes_are_refused(grpc_pair):
     a, b = grpc_pair()
     spec = (tensor_spec("w", torch.zeros(2)),)
-    a.expect("p", spec)
-    b.expect("p", spec)
+    a.inbox.expect("p", spec)
+    b.inbox.expect("p", spec)
     envelope = Envelope(0, 0, "p", (encode_raw("w", torch.ones(2)),))
     a.send(1, envelope, time.monotonic() + 5)
     # plaintext callers are not told which rounds arrived: any refusal by the mailbox reads
@@ -268,7 +268,7 @@ def test_duplicate_and_late_envelopes_are_refused(grpc_pair):
 def test_missing_neighbour_fails_the_exchange_within_its_deadline(grpc_pair):
     a, b = grpc_pair()
     for t in (a, b):
-        t.expect("p", (tensor_spec("w", torch.zeros(2)),))
+        t.inbox.expect("p", (tensor_spec("w", torch.zeros(2)),))
     start = time.monotonic()  # b accepts a's envelope but never sends its own
     result = a.exchange(0, "p", {1: (encode_raw("w", torch.zeros(2)),)}, timeout=0.5)
     assert time.monotonic() - start < 1.5
@@ -288,13 +288,13 @@ def test_health_service_reports_serving(grpc_pair):
 
 def test_per_sender_specs_accept_a_matching_envelope(grpc_pair):
     a, b = grpc_pair()
-    b.expect("p", {0: (TensorSpec("w", "float32", (2,), "raw", 8),)})
+    b.inbox.expect("p", {0: (TensorSpec("w", "float32", (2,), "raw", 8),)})
     assert a.send(1, Envelope(0, 0, "p", (encode_raw("w", torch.zeros(2)),)), time.monotonic() + 5)
 
 
 def test_single_chunk_push_one_is_validated_like_a_stream(grpc_pair):
     a, b = grpc_pair()
-    b.expect("p", (tensor_spec("w", torch.zeros(4, 3)),))
+    b.inbox.expect("p", (tensor_spec("w", torch.zeros(4, 3)),))
     bad = Envelope(0, 0, "p", (encode_raw("w", torch.zeros(3, 4)),))
     (chunk,) = envelope_chunks(bad)
     with grpc.insecure_channel(b.address) as channel:
@@ -302,9 +302,9 @@ def test_single_chunk_push_one_is_validated_like_a_stream(grpc_pair):
             pb_grpc.GossipStub(channel).PushOne(pb.EnvelopeChunk.FromString(chunk), timeout=5)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "shape: expected (4, 3), got (3, 4)" in caught.value.details()
-    assert b._inbox.mailbox.pending() == 0
+    assert b.inbox.mailbox.pending() == 0
     # a valid single-chunk exchange goes through PushOne and counts the chunk's bytes
-    a.expect("p", (tensor_spec("w", torch.zeros(4, 3)),))
+    a.inbox.expect("p", (tensor_spec("w", torch.zeros(4, 3)),))
     good = (encode_raw("w", torch.ones(4, 3)),)
     ra, _ = _exchange_both(a, b, 0, "p", good, good)
     assert not ra.failed
@@ -325,8 +325,8 @@ def test_wrong_shape_is_refused_and_the_receivers_model_is_bitwise_unchanged():
     peer = Peer.over_grpc(model, topology, 1, DPSGD(), bind="127.0.0.1:0", round_timeout=0.5)
     sender = GrpcTransport(Identity(0, topology.hash, model_signature(model)), [1])
     try:
-        sender.expect("model", tuple(tensor_spec(n, p) for n, p in model.named_parameters()))
-        sender.expect("resume", ())
+        sender.inbox.expect("model", tuple(tensor_spec(n, p) for n, p in model.named_parameters()))
+        sender.inbox.expect("resume", ())
         sender.connect({1: peer.address}, timeout=10)
         peer.start(timeout=10, addresses={0: sender.address})
         before = [p.detach().clone() for p in model.parameters()]

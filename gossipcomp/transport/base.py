@@ -11,7 +11,10 @@ import enum
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # inbox.py builds on this module's types
+    from gossipcomp.transport.inbox import Inbox
 
 PROTOCOL_VERSION = 1
 RAW_CODEC = "raw"
@@ -41,7 +44,7 @@ Payload = tuple[WireTensor, ...]
 class LevelNotice:
     """A link's compression level and the round from which both ends of the edge use it: what
     the lower-ranked end announces in its envelopes when peers set levels without a
-    coordinator (transport/notices.py checks one at receipt)."""
+    coordinator (levels/notices.py checks one at receipt)."""
 
     level: int
     effective_round: int
@@ -201,58 +204,16 @@ def epoch_mismatch(round: int, theirs: int, mine: int) -> str:
 
 
 class Transport(Protocol):
-    """Moves one payload per neighbour per (round, phase) and returns what the neighbours sent."""
+    """Moves one payload per neighbour per (round, phase) and returns what the neighbours sent.
+
+    A transport is how bytes move: the handshake (`connect`, `probe`), the exchange and
+    `close`. What the peer expects, accepts and announces is its `inbox`
+    (transport/inbox.py), one object every transport holds and the peer calls directly.
+    """
 
     rank: int
     schedule_epoch: int  # the newest schedule epoch the peer has: told in every handshake
-
-    def expect(
-        self,
-        phase: str,
-        specs: Mapping[int, PayloadSpec] | PayloadSpec,
-        schedule_epoch: int = 0,
-    ) -> None:
-        """Declare what envelopes of (`schedule_epoch`, `phase`) must contain (per sender, or
-        one spec for all)."""
-        ...
-
-    def forget_epochs_before(self, schedule_epoch: int) -> None:
-        """Stop accepting envelopes of schedule epochs older than `schedule_epoch`."""
-        ...
-
-    def expect_from(
-        self,
-        sender: int,
-        round: int,
-        specs: Mapping[str, PayloadSpec],
-        schedule_epoch: int = 0,
-    ) -> None:
-        """From `round` on, `sender`'s envelopes of `schedule_epoch` hold `specs` (per phase)
-        instead of what `expect` declared: a link level changing at that round. Replaces the
-        sender's earlier one under that epoch; empty `specs` drops it."""
-        ...
-
-    def accept_notices(self, rules: NoticeRules | None) -> None:
-        """Accept level notices in neighbours' envelopes under `rules` (None: refuse any)."""
-        ...
-
-    def announce(self, neighbour: int, notice: LevelNotice | None) -> None:
-        """Carry `notice` in every envelope sent to `neighbour` from now on (None: none)."""
-        ...
-
-    def open_round(self, round: int) -> None:
-        """Accept envelopes from `round` on (and a few rounds ahead); older ones are late. Every
-        exchange opens its own round; a peer that jumps ahead opens the new one at once."""
-        ...
-
-    def rewind_round(self, round: int) -> None:
-        """Start again at an earlier `round`, dropping everything held (a peer with no live edge
-        adopting its neighbours' round)."""
-        ...
-
-    def allow_round(self, neighbour: int, round: int) -> None:
-        """Accept `neighbour`'s envelopes for `round` even beyond the window (a resume round)."""
-        ...
+    inbox: Inbox  # expectations, notices and the mailbox, checked before anything is stored
 
     def connect(
         self,

@@ -52,8 +52,6 @@ from gossipcomp.transport.base import (
     HelloAnswer,
     HelloHandler,
     Identity,
-    LevelNotice,
-    NoticeRules,
     Payload,
     PayloadSpec,
     PeerNotReady,
@@ -500,11 +498,11 @@ class GrpcTransport:
         credentials = server_credentials(tls) if tls else None  # files checked before starting
         self._channel_credentials = channel_credentials(tls) if tls else None
         self._auth = Authenticator(self.rank, keys, self._options.clock_tolerance) if keys else None
-        self._inbox = Inbox(
+        self.inbox = Inbox(
             self.rank, neighbours, self._options.max_envelope_bytes, self._options.mailbox_window
         )
         self._service = _GossipService(
-            identity, self._inbox, self._auth, self._options, callers_verified=tls is not None
+            identity, self.inbox, self._auth, self._options, callers_verified=tls is not None
         )
         limits = _serving_limits(self._options)
         self._server = AsyncServer(
@@ -523,46 +521,7 @@ class GrpcTransport:
         self._stubs: dict[int, pb_grpc.GossipStub] = {}
         self._pushers: dict[int, grpc.aio.StreamUnaryMultiCallable] = {}
         self._push_ones: dict[int, grpc.aio.UnaryUnaryMultiCallable] = {}
-        self._notices: dict[int, LevelNotice] = {}  # neighbour -> what its envelopes carry
         self._closed = False
-
-    def expect(
-        self,
-        phase: str,
-        specs: Mapping[int, PayloadSpec] | PayloadSpec,
-        schedule_epoch: int = 0,
-    ) -> None:
-        self._inbox.expect(phase, specs, schedule_epoch)
-
-    def forget_epochs_before(self, schedule_epoch: int) -> None:
-        self._inbox.forget_epochs_before(schedule_epoch)
-
-    def expect_from(
-        self,
-        sender: int,
-        round: int,
-        specs: Mapping[str, PayloadSpec],
-        schedule_epoch: int = 0,
-    ) -> None:
-        self._inbox.expect_from(sender, round, specs, schedule_epoch)
-
-    def accept_notices(self, rules: NoticeRules | None) -> None:
-        self._inbox.accept_notices(rules)
-
-    def announce(self, neighbour: int, notice: LevelNotice | None) -> None:
-        if notice is None:
-            self._notices.pop(neighbour, None)
-        else:
-            self._notices[neighbour] = notice
-
-    def open_round(self, round: int) -> None:
-        self._inbox.mailbox.open_round(round)
-
-    def rewind_round(self, round: int) -> None:
-        self._inbox.mailbox.rewind(round)
-
-    def allow_round(self, neighbour: int, round: int) -> None:
-        self._inbox.mailbox.allow(neighbour, round)
 
     def set_hello_handler(self, handler: HelloHandler) -> None:
         self._service.on_hello = handler
@@ -610,7 +569,7 @@ class GrpcTransport:
         if missing:
             raise ValueError(f"peer {self.rank}: no address for neighbours {missing}")
         self._loop.run(self._open_channels(addresses))
-        self._inbox.mailbox.open_round(round)
+        self.inbox.open_round(round)
         proposals = proposals or {}
         answers: dict[int, HelloAnswer] = {}
         deadline = time.monotonic() + timeout
@@ -770,7 +729,7 @@ class GrpcTransport:
             raise RuntimeError(f"peer {self.rank}: exchange before connect()")
         start = time.monotonic()
         deadline = start + timeout
-        self._inbox.mailbox.open_round(round)
+        self.inbox.open_round(round)
         # One payload sent to several neighbours is chunked (and hashed) once; when peers
         # authenticate, only its first chunk is rebuilt per receiver, with a signed header. A
         # payload of several chunks for one neighbour only is streamed as its chunks are built
@@ -780,7 +739,7 @@ class GrpcTransport:
         pushes: dict[int, Coroutine[Any, Any, int]] = {}
         sizes: dict[int, int] = {}
         for j, payload in outgoing.items():
-            notice = self._notices.get(j)
+            notice = self.inbox.notice_for(j)
             if receivers[id(payload)] == 1 and _data_bytes(payload) > self._options.chunk_bytes:
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch, notice=notice)
                 pushes[j] = self._stream(j, self._lazy_chunks(j, envelope), deadline)
@@ -805,9 +764,9 @@ class GrpcTransport:
                 pushes[j] = self._stream(j, chunks, deadline)
         # every push of the exchange goes to the loop at once (one wake-up, not one per push);
         # a refused push means the neighbour has moved on or gone: stop waiting for it
-        pushed = _Pushes(self._inbox.mailbox, round, phase, start)
+        pushed = _Pushes(self.inbox.mailbox, round, phase, start)
         batch = self._loop.submit(pushed.run(pushes))
-        arrived, mismatched = self._inbox.collect(
+        arrived, mismatched = self.inbox.collect(
             round, phase, outgoing.keys(), deadline, schedule_epoch
         )
         try:

@@ -11,6 +11,12 @@ the envelopes sent under the epoch the exchange itself uses, so no exchange ever
 A sender's link level may change at a round within an epoch (levels set by peers without a
 coordinator): `expect_from` declares what its envelopes hold from that round on, chosen by the
 header's round. Level notices in headers are checked with the header (transport/notices.py).
+
+Every transport holds one Inbox and exposes it (`transport.inbox`; a throttle hands through the
+one it wraps), and the peer talks to it directly: a transport only moves bytes. The inbox also
+keeps the level notice announced to each neighbour, since a notice is one agreement per edge:
+checked here on the way in (`accept_notices`), stamped by the transport on the way out
+(`notice_for`), so both are set in one place whatever the transport.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import threading
 from collections.abc import Collection, Iterable, Mapping
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
-from gossipcomp.transport.base import Envelope, NoticeRules, PayloadSpec
+from gossipcomp.transport.base import Envelope, LevelNotice, NoticeRules, PayloadSpec
 from gossipcomp.transport.codec import check_finite, decode_payloads, validate_header
 from gossipcomp.transport.mailbox import Mailbox
 from gossipcomp.transport.notices import check_notice
@@ -29,7 +35,7 @@ SpecTable = Mapping[tuple[int, str], Mapping[int, PayloadSpec]]
 
 
 class Inbox:
-    """Validates and stores envelopes addressed to one peer."""
+    """Validates and stores envelopes addressed to one peer; holds the notices it announces."""
 
     def __init__(
         self,
@@ -46,6 +52,7 @@ class Inbox:
         # (epoch, phase, sender) -> (round, what its envelopes hold from that round on)
         self._from_round: dict[tuple[int, str, int], tuple[int, PayloadSpec]] = {}
         self._notice_rules: NoticeRules | None = None
+        self._notices: dict[int, LevelNotice] = {}  # neighbour -> what its envelopes carry
         self._lock = threading.Lock()
 
     def expect(
@@ -96,6 +103,31 @@ class Inbox:
     def accept_notices(self, rules: NoticeRules | None) -> None:
         """Accept level notices in neighbours' envelopes under `rules` (None: refuse any)."""
         self._notice_rules = rules
+
+    def announce(self, neighbour: int, notice: LevelNotice | None) -> None:
+        """Carry `notice` in every envelope sent to `neighbour` from now on (None: none)."""
+        if notice is None:
+            self._notices.pop(neighbour, None)
+        else:
+            self._notices[neighbour] = notice
+
+    def notice_for(self, neighbour: int) -> LevelNotice | None:
+        """The notice the transport puts in envelopes to `neighbour` (None: none)."""
+        return self._notices.get(neighbour)
+
+    def open_round(self, round: int) -> None:
+        """Accept envelopes from `round` on (and a few rounds ahead); older ones are late. Every
+        exchange opens its own round; a peer that jumps ahead opens the new one at once."""
+        self.mailbox.open_round(round)
+
+    def rewind_round(self, round: int) -> None:
+        """Start again at an earlier `round`, dropping everything held (a peer with no live edge
+        adopting its neighbours' round)."""
+        self.mailbox.rewind(round)
+
+    def allow_round(self, neighbour: int, round: int) -> None:
+        """Accept `neighbour`'s envelopes for `round` even beyond the window (a resume round)."""
+        self.mailbox.allow(neighbour, round)
 
     def collect(
         self,

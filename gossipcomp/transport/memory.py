@@ -24,10 +24,7 @@ from gossipcomp.transport.base import (
     HelloAnswer,
     HelloHandler,
     Identity,
-    LevelNotice,
-    NoticeRules,
     Payload,
-    PayloadSpec,
     PeerNotReady,
     PeerUnreachableError,
     epoch_mismatch,
@@ -108,54 +105,15 @@ class InMemoryTransport:
         self.identity = identity
         self._neighbours = sorted(neighbours)
         self._hub = hub
-        self._inbox = Inbox(self.rank, neighbours, max_envelope_bytes)
+        self.inbox = Inbox(self.rank, neighbours, max_envelope_bytes)
         self._on_hello: HelloHandler = no_rejoin
-        self._notices: dict[int, LevelNotice] = {}  # neighbour -> what its envelopes carry
         hub.register(self)
-
-    def expect(
-        self,
-        phase: str,
-        specs: Mapping[int, PayloadSpec] | PayloadSpec,
-        schedule_epoch: int = 0,
-    ) -> None:
-        self._inbox.expect(phase, specs, schedule_epoch)
-
-    def forget_epochs_before(self, schedule_epoch: int) -> None:
-        self._inbox.forget_epochs_before(schedule_epoch)
-
-    def expect_from(
-        self,
-        sender: int,
-        round: int,
-        specs: Mapping[str, PayloadSpec],
-        schedule_epoch: int = 0,
-    ) -> None:
-        self._inbox.expect_from(sender, round, specs, schedule_epoch)
-
-    def accept_notices(self, rules: NoticeRules | None) -> None:
-        self._inbox.accept_notices(rules)
-
-    def announce(self, neighbour: int, notice: LevelNotice | None) -> None:
-        if notice is None:
-            self._notices.pop(neighbour, None)
-        else:
-            self._notices[neighbour] = notice
-
-    def open_round(self, round: int) -> None:
-        self._inbox.mailbox.open_round(round)
-
-    def rewind_round(self, round: int) -> None:
-        self._inbox.mailbox.rewind(round)
-
-    def allow_round(self, neighbour: int, round: int) -> None:
-        self._inbox.mailbox.allow(neighbour, round)
 
     def receive(self, envelope: Envelope) -> int:
         """Validate and store an envelope as if it came over the wire; return its wire bytes."""
-        spec = self._inbox.check_header(header_of(envelope))
+        spec = self.inbox.check_header(header_of(envelope))
         wire_bytes = envelope_wire_bytes(envelope)
-        self._inbox.accept(envelope, spec, wire_bytes)
+        self.inbox.accept(envelope, spec, wire_bytes)
         return wire_bytes
 
     def set_hello_handler(self, handler: HelloHandler) -> None:
@@ -200,7 +158,7 @@ class InMemoryTransport:
     ) -> dict[int, HelloAnswer]:
         """Wait until every neighbour is on the hub with the same topology, model and protocol;
         then greet each at `round` (see Transport.connect)."""
-        self._inbox.mailbox.open_round(round)
+        self.inbox.open_round(round)
         deadline = time.monotonic() + timeout
         while True:
             missing = [j for j in self._neighbours if self._hub.lookup(j) is None]
@@ -238,7 +196,7 @@ class InMemoryTransport:
     ) -> ExchangeResult:
         start = time.monotonic()
         deadline = start + timeout
-        self._inbox.mailbox.open_round(round)
+        self.inbox.open_round(round)
         result = ExchangeResult()
         for j, payload in outgoing.items():
             target = self._hub.lookup(j)
@@ -246,7 +204,7 @@ class InMemoryTransport:
             try:
                 if target is None or fault is Fault.LOST:
                     raise PeerUnreachableError("not on the hub" if target is None else "lost")
-                notice = self._notices.get(j)
+                notice = self.inbox.notice_for(j)
                 result.bytes_sent[j] = target.receive(
                     Envelope(self.rank, round, phase, payload, schedule_epoch, notice=notice)
                 )
@@ -258,8 +216,8 @@ class InMemoryTransport:
             except PeerUnreachableError as error:
                 result.failed[j] = f"push failed: {error}"
             if j in result.failed:  # it has moved on or gone: do not wait for its envelope
-                self._inbox.mailbox.abandon(round, phase, j)
-        arrived, mismatched = self._inbox.collect(
+                self.inbox.mailbox.abandon(round, phase, j)
+        arrived, mismatched = self.inbox.collect(
             round, phase, outgoing.keys(), deadline, schedule_epoch
         )
         for j in outgoing:

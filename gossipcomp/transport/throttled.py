@@ -4,6 +4,7 @@
 long as the slowest of its links needs to carry what it sends (bytes / rate, the links sending in
 parallel), so neighbours receive the payload when a link of that rate would have delivered it,
 and reports each link's own transfer time in `send_seconds` (what the rate controller measures).
+It wraps only the sending: its `inbox` is the wrapped transport's, the one object receiving.
 `LinkRates` holds every link's rate per round: a starting rate and changes that take effect at a
 round, the same at both ends (`simulate --link-rate/--link-change`; tests). Real shaped links
 (network namespaces and tc) are benchmarks/shaped_links.py; this is for tests and demos.
@@ -23,10 +24,7 @@ from gossipcomp.transport.base import (
     ExchangeResult,
     HelloAnswer,
     HelloHandler,
-    LevelNotice,
-    NoticeRules,
     Payload,
-    PayloadSpec,
     Transport,
 )
 from gossipcomp.transport.schedules import ScheduleSource, SharesSchedules
@@ -97,6 +95,7 @@ class ThrottledTransport:
         self._inner = inner
         self.rates = rates
         self.rank = inner.rank
+        self.inbox = inner.inbox  # the throttle slows sending only: receiving is the inner's
 
     @property
     def schedule_epoch(self) -> int:
@@ -129,38 +128,6 @@ class ThrottledTransport:
         for j, seconds in result.send_seconds.items():
             result.send_seconds[j] = transfer[j] + seconds
         return result
-
-    def expect(
-        self, phase: str, specs: Mapping[int, PayloadSpec] | PayloadSpec, schedule_epoch: int = 0
-    ) -> None:
-        self._inner.expect(phase, specs, schedule_epoch)
-
-    def forget_epochs_before(self, schedule_epoch: int) -> None:
-        self._inner.forget_epochs_before(schedule_epoch)
-
-    def expect_from(
-        self,
-        sender: int,
-        round: int,
-        specs: Mapping[str, PayloadSpec],
-        schedule_epoch: int = 0,
-    ) -> None:
-        self._inner.expect_from(sender, round, specs, schedule_epoch)
-
-    def accept_notices(self, rules: NoticeRules | None) -> None:
-        self._inner.accept_notices(rules)
-
-    def announce(self, neighbour: int, notice: LevelNotice | None) -> None:
-        self._inner.announce(neighbour, notice)
-
-    def open_round(self, round: int) -> None:
-        self._inner.open_round(round)
-
-    def rewind_round(self, round: int) -> None:
-        self._inner.rewind_round(round)
-
-    def allow_round(self, neighbour: int, round: int) -> None:
-        self._inner.allow_round(neighbour, round)
 
     def connect(
         self,
