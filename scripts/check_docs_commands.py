@@ -1,11 +1,13 @@
-"""The documented check for what the test suite cannot run: the README's commands that start
-several processes (peers, a coordinator, torchrun) or train for minutes, run as printed.
+"""The documented check for what the test suite cannot run: the commands of the README and its
+guides (docs/guides/*.md) that start several processes (peers, a coordinator, torchrun) or train
+for minutes, run as printed.
 
     python scripts/check_docs_commands.py            # every 'check' block, as printed
     python scripts/check_docs_commands.py --quick    # the same with --rounds/--steps 40
 
-scripts/docs_blocks.py says which blocks these are. They run in document order in one new
-folder (so the TLS walk-through's keys serve the coordinator block after it), each under bash
+scripts/docs_blocks.py says which blocks these are. They run in the order of
+docs_blocks.doc_files(), each file's in document order, in one new folder (so the TLS
+walk-through's keys serve the coordinator block after it in the security guide), each under bash
 with a time limit. Two readings of the text: the Python block marked MARKER is saved as
 train_peer.py (the file the launch line after it runs), and a line for one peer of a network
 (`--rank 2`, "on each peer") is run for every rank of ring4 at once. Every background process
@@ -29,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docs_blocks import MARKER, Block, all_blocks, coverage  # noqa: E402
 
-RANKS = 4  # the README's multi-process examples run ring4
+RANKS = 4  # the guides' multi-process examples run ring4
 
 
 def _each_peer(text: str) -> str:
@@ -53,6 +55,11 @@ def _every_job_checked(text: str) -> str:
 def _quick(text: str, rounds: int) -> str:
     text = re.sub(r"gossipcomp (simulate|peer)\b", rf"gossipcomp \1 --rounds {rounds}", text)
     return re.sub(r"gossipcomp allreduce\b", f"gossipcomp allreduce --steps {rounds}", text)
+
+
+def _checked_here(file: str) -> bool:
+    """The README and its guides; docs/benchmarks.md's blocks are the benchmarks' own runs."""
+    return file == "README.md" or file.startswith("docs/guides/")
 
 
 def _run(name: str, script: str, folder: Path, limit: float) -> tuple[int, float, str]:
@@ -82,11 +89,11 @@ def main() -> int:
     blocks: list[Block] = [
         b
         for b in all_blocks()
-        if b.file == "README.md" and (coverage(b) == "check" or "> secure-ring4.yaml" in b.text)
+        if _checked_here(b.file) and (coverage(b) == "check" or "> secure-ring4.yaml" in b.text)
     ]
     folder = Path(tempfile.mkdtemp(prefix="gossipcomp-docs-"))
     env_note = f"in {folder} with {sys.executable}"
-    print(f"checking {len(blocks)} README blocks {env_note}\n", flush=True)
+    print(f"checking {len(blocks)} blocks of the README and its guides {env_note}\n", flush=True)
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     demo = _quick("gossipcomp simulate", 40) if args.quick else "gossipcomp simulate"
     results = [("README.md:3 (demo)", *_run("demo", demo, folder, args.limit))]
@@ -101,9 +108,10 @@ def main() -> int:
         if args.quick:
             script = _quick(script, 40)
         results.append((name, *_run(name, script, folder, args.limit)))
-    print("block                      status  seconds")
+    width = max(len(name) for name, *_ in results)
+    print(f"{'block':{width}} status  seconds")
     for name, code, seconds, _ in results:
-        print(f"{name:26} {code:6}  {seconds:7.0f}")
+        print(f"{name:{width}} {code:6}  {seconds:7.0f}")
     return 1 if any(code for _, code, _, _ in results) else 0
 
 

@@ -1,4 +1,4 @@
-"""The fenced code blocks of README.md and docs/*.md, and who runs each one.
+"""The fenced code blocks of README.md, docs/*.md and docs/guides/*.md, and who runs each one.
 
 Every block is covered somewhere: tests/test_docs_code_blocks.py runs the Python blocks and the
 cheap single-process commands, and fails on a block that nobody covers; what needs several
@@ -38,7 +38,9 @@ class Block:
 
 
 def doc_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    """The README, then docs/*.md, then the guides (docs/guides/*.md), each group by name."""
+    docs = ROOT / "docs"
+    return [ROOT / "README.md", *sorted(docs.glob("*.md")), *sorted(docs.glob("guides/*.md"))]
 
 
 def blocks(path: Path) -> list[Block]:

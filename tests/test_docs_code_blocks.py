@@ -1,6 +1,8 @@
-"""What README.md and docs/*.md print runs as printed: every Python block, the cheap commands,
-the flags of the command synopsis, the install line CI runs; and the public API they use
-(`import gossipcomp`, shipped topology names, help text, a coordinator stopped with `kill`).
+"""What README.md, docs/*.md and the guides (docs/guides/*.md) print runs as printed: every
+Python block, the cheap commands, the flags of the command synopsis, the install line CI runs;
+and the public API they use (`import gossipcomp`, shipped topology names, help text, a
+coordinator stopped with `kill`). No block is dropped silently: the blocks each part of the
+check covers are counted, and the special blocks must be where they are documented to be.
 
 Blocks that need several processes or minutes of training are run by the documented check
 scripts/check_docs_commands.py; scripts/docs_blocks.py says who covers each block, and a block
@@ -54,8 +56,47 @@ def _env() -> dict[str, str]:
     return env
 
 
+# At least as many blocks of each kind as when the manual moved from the README to the guides:
+# a block that disappears (or stops being read) fails here rather than going unchecked.
+FLOOR = {"python suite": 2, "python check": 1, "bash suite": 1, "bash check": 11}
+# The blocks checked elsewhere or by a special rule, and the one file each must be in.
+HOME = {
+    "-c constraints.txt": "README.md",  # the install and test lines: CI runs the second
+    "gossipcomp simulate [--topology": "docs/guides/commands.md",  # the synopsis
+    "> secure-ring4.yaml": "docs/guides/security.md",  # tests/test_tls.py runs it
+    docs_blocks.MARKER: "docs/guides/own-model.md",  # saved as train_peer.py by the check
+}
+
+
+def test_no_block_is_lost_in_the_move_to_the_guides():
+    files = {p.relative_to(ROOT).as_posix() for p in docs_blocks.doc_files()}
+    guides = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs" / "guides").glob("*.md")}
+    assert guides and {"README.md", *guides} <= files  # every guide is read
+    counts: dict[str, int] = {}
+    for block in BLOCKS:
+        if block.file.startswith(("README.md", "docs/guides/")):
+            kind = f"{block.language} {docs_blocks.coverage(block)}"
+            counts[kind] = counts.get(kind, 0) + 1
+    for kind, least in FLOOR.items():
+        assert counts.get(kind, 0) >= least, (kind, counts)
+    for phrase, home in HOME.items():
+        where = [_id(b) for b in BLOCKS if phrase in b.text]
+        assert len(where) == 1 and where[0].startswith(f"{home}:"), (phrase, where)
+
+
+def test_every_block_the_check_script_runs_is_in_a_file_it_reads():
+    spec = importlib.util.spec_from_file_location(
+        "check_docs", ROOT / "scripts" / "check_docs_commands.py"
+    )
+    assert spec is not None and spec.loader is not None
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    manual = [b for b in BLOCKS if docs_blocks.coverage(b) == "check"]
+    assert manual and all(check._checked_here(b.file) for b in manual), [_id(b) for b in manual]
+
+
 def test_every_block_is_covered_and_few_need_the_manual_check():
-    assert len(PYTHON) >= 2 and BASH, "the README lost its runnable blocks"
+    assert len(PYTHON) >= 2 and BASH, "the README and its guides lost their runnable blocks"
     uncovered = [_id(b) for b in BLOCKS if not docs_blocks.coverage(b)]
     assert not uncovered
     marked = [b for b in BLOCKS if b.language == "python" and b.text.startswith("# docs-check")]
@@ -100,7 +141,8 @@ def test_cheap_command_block_runs_as_printed(block, tmp_path):
 
 
 def _synopsis() -> dict[tuple[str, ...], set[str]]:
-    """The README's command synopsis: each command (`simulate`, `keys new`) with its flags."""
+    """The command synopsis (docs/guides/commands.md): each command (`simulate`, `keys new`)
+    with its flags."""
     block = next(b for b in BLOCKS if "gossipcomp simulate [--topology" in b.text)
     commands: dict[tuple[str, ...], set[str]] = {}
     current: tuple[str, ...] = ()
@@ -131,6 +173,7 @@ def test_every_flag_of_the_synopsis_exists():
 
 def test_ci_runs_the_readmes_test_line_in_a_new_virtual_environment():
     install = next(b for b in BLOCKS if "-c constraints.txt" in b.text)
+    assert install.file == "README.md" and install.line == 3, _id(install)  # its first block
     test_line = next(line for line in install.text.splitlines() if "pytest" in line)
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert ci[-1] == test_line

@@ -146,10 +146,10 @@ def test_simulate_over_tls_trains(tmp_path, capsys):
     assert result["bytes_sent_total"] > 0
 
 
-def _readme_secure_ring() -> str:
-    """The bash block of the README's secure-ring section, as written there."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("### A secure ring") :]
+def _guide_secure_ring() -> str:
+    """The first bash block of the security guide's secure-ring section, as written there."""
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "security.md").read_text()
+    section = guide[guide.index("## A secure ring") :]
     start = section.index("```bash\n") + len("```bash\n")
     return section[start : section.index("\n```", start)]
 
@@ -172,10 +172,10 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def test_secure_setup_as_in_the_readme_with_peer_processes(tmp_path):
-    """Runs the README's block in bash, changed only to train 60 rounds quietly and to listen
-    on free ports (a base_port line in the topology it writes)."""
-    script = _readme_secure_ring()
+def test_secure_setup_as_in_the_security_guide_with_peer_processes(tmp_path):
+    """Runs the security guide's block (docs/guides/security.md) in bash, changed only to train
+    60 rounds quietly and to listen on free ports (a base_port line in the topology it writes)."""
+    script = _guide_secure_ring()
     topology_line = "printf 'kind: ring\\nn: 4\\n"
     assert topology_line in script and "--report peer$r.json &" in script
     script = script.replace(topology_line, f"{topology_line}base_port: {_free_port_run(4)}\\n")
