@@ -1,10 +1,11 @@
 """The real transport: one gRPC server per peer, envelopes client-streamed to each neighbour.
 
 Each peer serves `Gossip.Hello` (handshake) and `Gossip.Push` (receive one envelope) plus the
-standard gRPC health service, and pushes its own envelopes to its neighbours. Every call has a
-deadline; message size limits are set on both ends; every envelope is validated (header before
-data, values after) before it reaches the mailbox, so nothing invalid is ever handed to an
-algorithm.
+standard gRPC health service (grpc_service.py, the server side), and pushes its own envelopes
+to its neighbours (this module, the client side: channels, handshakes, exchanges). Every call
+has a deadline; message size limits are set on both ends; every envelope is validated (header
+before data, values after) before it reaches the Inbox, so nothing invalid is ever handed to
+an algorithm. Options and their checks: grpc_options.py.
 
 With `GrpcOptions.tls` set, the server and every channel use mutual TLS (gossipcomp.security):
 only peers holding a certificate from the network's CA can connect. Plaintext is the default.
@@ -16,20 +17,11 @@ authentication without TLS is refused at start.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import math
 import time
 from collections import Counter
-from collections.abc import (
-    AsyncIterator,
-    Collection,
-    Coroutine,
-    Iterable,
-    Iterator,
-    Mapping,
-)
+from collections.abc import Collection, Coroutine, Iterable, Iterator, Mapping
 from concurrent import futures
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -37,14 +29,12 @@ import grpc
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.proto.v1 import gossip_pb2_grpc as pb_grpc
-from gossipcomp.security.signing_keys import PeerKeys
-from gossipcomp.security.tls import TlsFiles, channel_credentials, server_credentials
+from gossipcomp.security.tls import channel_credentials, server_credentials
 from gossipcomp.text import quoted
 from gossipcomp.transport.allocator import keep_heap_warm
-from gossipcomp.transport.authentication import DEFAULT_CLOCK_TOLERANCE, Authenticator
+from gossipcomp.transport.authentication import Authenticator
 from gossipcomp.transport.base import (
     MAX_SCHEDULE_EPOCH,
-    MAX_WIRE_ROUND,
     Envelope,
     EnvelopeRejected,
     ExchangeResult,
@@ -53,335 +43,31 @@ from gossipcomp.transport.base import (
     HelloHandler,
     Identity,
     Payload,
-    PayloadSpec,
-    PeerNotReady,
     PeerUnreachableError,
     RejectCode,
     epoch_mismatch,
-    no_rejoin,
 )
-from gossipcomp.transport.buffers import BufferPool
+from gossipcomp.transport.grpc_options import (  # re-exported: the names' old home
+    WHY_AUTHENTICATION_NEEDS_TLS,
+    WHY_PLAINTEXT_STAYS_ON_LOOPBACK,
+    GrpcOptions,
+    is_loopback,
+)
+from gossipcomp.transport.grpc_service import SERVICE_NAME, GossipService, handlers, serving_limits
 from gossipcomp.transport.inbox import Inbox
 from gossipcomp.transport.mailbox import Mailbox
-from gossipcomp.transport.schedules import (
-    MAX_SHARED_SCHEDULES,
-    SCHEDULE_CALLS_PER_CALLER,
-    ScheduleSource,
-)
-from gossipcomp.transport.serving import (
-    DEFAULT_READ_CHUNK_BYTES,
-    PROCESS_LOOP,
-    AsyncServer,
-    CallerSlots,
-    Method,
-    ServingLimits,
-    bounded_handler,
-    check_read_chunk,
-    read_chunk_options,
-)
-from gossipcomp.transport.wire import (
-    DEFAULT_CHUNK_BYTES,
-    ContentCheck,
-    EnvelopeReader,
-    content_sha256,
-    envelope_chunks,
-    header_of,
-    with_header,
-)
+from gossipcomp.transport.schedules import MAX_SHARED_SCHEDULES, ScheduleSource
+from gossipcomp.transport.serving import PROCESS_LOOP, AsyncServer
+from gossipcomp.transport.wire import content_sha256, envelope_chunks, header_of, with_header
 
-SERVICE_NAME = "gossipcomp.v1.Gossip"
-WHY_AUTHENTICATION_NEEDS_TLS = (
-    "signatures prove who sent a message but hide nothing, and without TLS anyone on the path "
-    "can read the models and capture messages to replay"
-)
-WHY_PLAINTEXT_STAYS_ON_LOOPBACK = (
-    "plaintext trusts everyone who can reach the port: any process that connects can claim to "
-    "be a neighbour, forge envelopes and poison the model"
-)
-
-
-@dataclass(frozen=True)
-class GrpcOptions:
-    """Limits, timings and security of the gRPC transport."""
-
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # data bytes per streamed chunk
-    max_message_bytes: int = 16 << 20  # one gRPC message (a chunk plus its header), both ends
-    max_envelope_bytes: int = 1 << 30  # a whole envelope, checked from its header
-    hello_timeout: float = 2.0  # deadline of one handshake attempt
-    mailbox_window: int = 4  # rounds a neighbour may run ahead
-    tls: TlsFiles | None = None  # mutual TLS with these files; None: plaintext
-    keys: PeerKeys | None = None  # sign and check every message with these keys (needs tls)
-    clock_tolerance: float = DEFAULT_CLOCK_TOLERANCE  # seconds a signed timestamp may be off
-    insecure: bool = False  # allow plaintext on an address other than loopback
-    # seconds a stream has to send its header (never beyond the stream's own deadline): on a
-    # slow link a header waits behind the previous envelope's bytes in the connection's
-    # buffers (10 Mbit/s and 4.5 MB envelopes: over 2 s, so 2 s failed exchanges there)
-    first_chunk_timeout: float = 10.0
-    stream_timeout: float = 30.0  # seconds a stream has to deliver its whole envelope
-    max_streams_per_caller: int = 8  # envelopes in flight per (sender, connection)
-    max_streams_per_connection: int = 64  # HTTP/2 streams one connection may have open
-    # receive buffers (>= 1 MiB) reused once nothing refers to them, at most this many bytes
-    # in all; 0: a fresh buffer per envelope (faulted and zeroed by the kernel every time)
-    receive_pool_bytes: int = 256 << 20
-    # glibc serves gRPC's megabyte buffers from a warm heap instead of fresh pages, for the
-    # whole process (transport/allocator.py); False leaves the C library's defaults
-    warm_heap: bool = True
-    read_chunk_bytes: int = DEFAULT_READ_CHUNK_BYTES  # socket reads, both ends (0: gRPC's own)
-
-    def __post_init__(self) -> None:
-        for name in ("hello_timeout", "first_chunk_timeout", "stream_timeout", "clock_tolerance"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"GrpcOptions.{name}: expected seconds > 0, got {value}")
-        for name in (
-            "chunk_bytes",
-            "max_message_bytes",
-            "max_envelope_bytes",
-            "mailbox_window",
-            "max_streams_per_caller",
-            "max_streams_per_connection",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GrpcOptions.{name}: expected >= 1, got {getattr(self, name)}")
-        check_read_chunk(self.read_chunk_bytes, "GrpcOptions")
-        if self.receive_pool_bytes < 0:
-            raise ValueError(
-                f"GrpcOptions.receive_pool_bytes: expected >= 0, got {self.receive_pool_bytes}"
-            )
-
-    def channel_options(self) -> list[tuple[str, int]]:
-        return [
-            ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            *read_chunk_options(self.read_chunk_bytes),
-        ]
-
-
-_STATUS = {code.name: code for code in grpc.StatusCode}
-
-
-def is_loopback(bind: str) -> bool:
-    """Whether a `host:port` address only accepts connections from this machine."""
-    host = bind.rsplit(":", 1)[0].strip("[]").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost, or 0.0.0.0 / [::] (every interface)
-
-
-class _GossipService:
-    """Server side: handshake checks, rejoin requests and validated delivery into the inbox.
-
-    Runs on the transport's asyncio event loop, so a stream that waits holds no thread: no
-    number of idle or trickling streams can starve the neighbours or the health service. Each
-    stream must deliver its header within `first_chunk_timeout` and its whole envelope within
-    `stream_timeout`, and one caller (claimed sender on one connection) may have at most
-    `max_streams_per_caller` envelopes in flight. Callers that are not authenticated (no TLS)
-    are told nothing of this peer's state in refusals (EnvelopeRejected.public).
-    """
-
-    def __init__(
-        self,
-        identity: Identity,
-        inbox: Inbox,
-        authenticator: Authenticator | None,
-        options: GrpcOptions,
-        callers_verified: bool,
-    ) -> None:
-        self._identity = identity
-        self._inbox = inbox
-        self._auth = authenticator
-        self._options = options
-        self._callers_verified = callers_verified
-        # envelopes in flight per caller (a sender whose header was checked, on one connection)
-        self._envelopes = CallerSlots(options.max_streams_per_caller, "envelopes")
-        self._buffers = BufferPool(options.receive_pool_bytes)
-        self.on_hello: HelloHandler = no_rejoin
-        self.on_schedules: ScheduleSource = lambda sender, epoch: b""  # none until a peer says
-        # Schedules answers in flight per caller (claimed sender on one connection)
-        self._schedule_calls = CallerSlots(SCHEDULE_CALLS_PER_CALLER, "Schedules calls")
-
-    async def _refuse(self, context: grpc.aio.ServicerContext, refused: EnvelopeRejected) -> None:
-        code, details = refused.code.value, str(refused)
-        if not self._callers_verified:  # strangers learn nothing of our state
-            details = refused.public
-            if code == "ALREADY_EXISTS":  # would say which rounds arrived, hence ours
-                code = "FAILED_PRECONDITION"
-        await context.abort(_STATUS[code], details)
-
-    async def Hello(
-        self, request: pb.HelloRequest, context: grpc.aio.ServicerContext
-    ) -> pb.HelloReply:
-        try:
-            answer = self._answer_hello(request)
-        except EnvelopeRejected as refused:
-            await self._refuse(context, refused)
-        except PeerNotReady as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        reply = pb.HelloReply(
-            protocol_version=self._identity.protocol_version,
-            receiver=self._identity.rank,
-            topology_hash=self._identity.topology_hash,
-            model_signature=self._identity.model_signature,
-            round=answer.round,
-            resume_round=answer.resume_round,
-            alone=answer.alone,
-            schedule_epoch=answer.schedule_epoch,
-        )
-        if self._auth is not None:
-            self._auth.prove_reply(reply, request)
-        return reply
-
-    async def Schedules(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> bytes:
-        """The schedules this peer holds past the asking neighbour's epoch: a handshake's
-        checks, then the peer's own serialised list (built when its schedules change, never
-        per request; changes nothing here). One caller has at most SCHEDULE_CALLS_PER_CALLER
-        answers in flight."""
-        try:
-            self._check_hello(request)
-        except EnvelopeRejected as refused:
-            await self._refuse(context, refused)
-        async with self._schedule_calls.hold((request.sender, context.peer()), context):
-            return self.on_schedules(request.sender, request.schedule_epoch)
-
-    def _answer_hello(self, request: pb.HelloRequest) -> HelloAnswer:
-        """Check a handshake and answer it; raises EnvelopeRejected naming the field."""
-        self._check_hello(request)
-        return self.on_hello(
-            request.sender,
-            request.round,
-            request.proposed_resume_round,
-            request.alone,
-            request.schedule_epoch,
-        )
-
-    def _check_hello(self, request: pb.HelloRequest) -> None:
-        """Check a handshake (proof, identity, sender, ranges); raises EnvelopeRejected
-        naming the field."""
-        mine = self._identity
-        if self._auth is not None:  # before anything else: strangers learn nothing
-            self._auth.check_hello(request)
-        for field, ours, theirs in (
-            ("protocol_version", mine.protocol_version, request.protocol_version),
-            ("topology_hash", mine.topology_hash, request.topology_hash),
-            ("model_signature", mine.model_signature, request.model_signature),
-        ):
-            if ours != theirs:
-                raise EnvelopeRejected(
-                    RejectCode.FAILED_PRECONDITION,
-                    f"{field} mismatch: peer {mine.rank} has {ours!r}, "
-                    f"peer {request.sender} sent {quoted(theirs)}",
-                    public=f"{field} mismatch: peer {request.sender} sent {quoted(theirs)}, "
-                    f"which is not peer {mine.rank}'s",
-                )
-        if request.sender not in self._inbox.neighbours:
-            raise EnvelopeRejected(
-                RejectCode.PERMISSION_DENIED,
-                f"sender: peer {request.sender} is not a neighbour of peer {mine.rank} "
-                f"(expected one of {sorted(self._inbox.neighbours)})",
-            )
-        for field, value, limit, shown in (
-            ("round", request.round, MAX_WIRE_ROUND, "2^53"),
-            ("proposed_resume_round", request.proposed_resume_round, MAX_WIRE_ROUND, "2^53"),
-            ("schedule_epoch", request.schedule_epoch, MAX_SCHEDULE_EPOCH + 1, "2^31"),
-        ):
-            if not 0 <= value < limit:
-                raise EnvelopeRejected(
-                    RejectCode.INVALID_ARGUMENT,
-                    f"{field}: expected 0 <= {field} < {shown}, got {value}",
-                )
-        if request.proposed_resume_round and request.proposed_resume_round <= request.round:
-            raise EnvelopeRejected(
-                RejectCode.INVALID_ARGUMENT,
-                f"proposed_resume_round: expected 0 (none) or more than round {request.round}, "
-                f"got {request.proposed_resume_round}",
-            )
-
-    async def Push(
-        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-    ) -> pb.PushReply:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._options.stream_timeout
-        first = await self._next_chunk(
-            request_iterator,
-            context,
-            min(deadline, loop.time() + self._options.first_chunk_timeout),
-        )
-        try:
-            reader = EnvelopeReader(
-                first, self._check_header, self._check_content(), self._buffers.take
-            )
-        except EnvelopeRejected as refused:
-            await self._refuse(context, refused)
-        async with self._envelopes.hold((reader.sender, context.peer()), context):
-            try:
-                await self._read_rest(request_iterator, reader, context, deadline)
-                envelope, spec, wire_bytes = reader.finish()
-                self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
-            except EnvelopeRejected as refused:
-                await self._refuse(context, refused)
-        return pb.PushReply(received_bytes=wire_bytes)
-
-    async def _next_chunk(
-        self,
-        chunks: AsyncIterator[bytes],
-        context: grpc.aio.ServicerContext,
-        deadline: float,
-    ) -> bytes | None:
-        """The stream's next chunk, None at its end; aborts the call with DEADLINE_EXCEEDED
-        if it does not come by `deadline` (the event loop's clock)."""
-        try:
-            async with asyncio.timeout_at(deadline):
-                return await anext(chunks)
-        except StopAsyncIteration:
-            return None
-        except TimeoutError:
-            await self._abort_late(context)
-            raise  # abort raises; this keeps type checkers aware
-
-    async def _read_rest(
-        self,
-        chunks: AsyncIterator[bytes],
-        reader: EnvelopeReader,
-        context: grpc.aio.ServicerContext,
-        deadline: float,
-    ) -> None:
-        """Feed the stream's remaining chunks to `reader`, aborting the call with
-        DEADLINE_EXCEEDED if the stream has not ended by `deadline`: one timer for the whole
-        stream (a timer per chunk cost a task per chunk)."""
-        try:
-            async with asyncio.timeout_at(deadline):
-                async for raw in chunks:
-                    reader.add(raw)
-        except TimeoutError:
-            await self._abort_late(context)
-
-    async def _abort_late(self, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            "stream: header or data not received in time (a stream must send its header "
-            f"within {self._options.first_chunk_timeout:g} s and finish within "
-            f"{self._options.stream_timeout:g} s)",
-        )
-
-    async def PushOne(self, request: bytes, context: grpc.aio.ServicerContext) -> pb.PushReply:
-        try:
-            reader = EnvelopeReader(request, self._check_header, self._check_content())
-            envelope, spec, wire_bytes = reader.finish()
-            self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
-        except EnvelopeRejected as refused:
-            await self._refuse(context, refused)
-        return pb.PushReply(received_bytes=wire_bytes)
-
-    def _check_content(self) -> ContentCheck | None:
-        return self._auth.check_content if self._auth is not None else None
-
-    def _check_header(self, header: pb.EnvelopeHeader) -> PayloadSpec:
-        if self._auth is not None:  # who sent it first; what it holds only then
-            self._auth.check_envelope(header)
-        return self._inbox.check_header(header)
+__all__ = [
+    "SERVICE_NAME",
+    "WHY_AUTHENTICATION_NEEDS_TLS",
+    "WHY_PLAINTEXT_STAYS_ON_LOOPBACK",
+    "GrpcOptions",
+    "GrpcTransport",
+    "is_loopback",
+]
 
 
 class _Pushes:
@@ -427,44 +113,6 @@ def _signed_header(
     return header
 
 
-def _handlers(service: _GossipService, limits: ServingLimits) -> grpc.GenericRpcHandler:
-    """The Gossip service with Push reading serialised chunks (parsed in wire.py, not by gRPC);
-    a malformed HelloRequest is INVALID_ARGUMENT (serving.py parses it), not UNKNOWN."""
-    return bounded_handler(
-        SERVICE_NAME,
-        (
-            Method(
-                "Hello",
-                service.Hello,
-                pb.HelloReply.SerializeToString,
-                request=pb.HelloRequest.FromString,
-            ),
-            Method("Push", service.Push, pb.PushReply.SerializeToString, streaming_request=True),
-            Method("PushOne", service.PushOne, pb.PushReply.SerializeToString),
-            Method(
-                "Schedules",
-                service.Schedules,
-                bytes,  # served already serialised (ScheduleSource)
-                request=pb.HelloRequest.FromString,
-            ),
-        ),
-        limits,
-    )
-
-
-def _serving_limits(options: GrpcOptions) -> ServingLimits:
-    """The server's limits from the transport's options (Push bounds its own stream)."""
-    return ServingLimits(
-        max_message_bytes=options.max_message_bytes,
-        max_streams_per_connection=options.max_streams_per_connection,
-        header_timeout=options.first_chunk_timeout,
-        call_timeout=options.stream_timeout,
-        # every method together, per connection: in-process peers share one connection
-        max_calls_per_caller=options.max_streams_per_connection,
-        read_chunk_bytes=options.read_chunk_bytes,
-    )
-
-
 class GrpcTransport:
     """A peer's gRPC endpoint: serves its neighbours and pushes envelopes to them."""
 
@@ -501,14 +149,14 @@ class GrpcTransport:
         self.inbox = Inbox(
             self.rank, neighbours, self._options.max_envelope_bytes, self._options.mailbox_window
         )
-        self._service = _GossipService(
+        self._service = GossipService(
             identity, self.inbox, self._auth, self._options, callers_verified=tls is not None
         )
-        limits = _serving_limits(self._options)
+        limits = serving_limits(self._options)
         self._server = AsyncServer(
             f"peer {self.rank}",
             bind,
-            (_handlers(self._service, limits),),
+            (handlers(self._service, limits),),
             limits,
             credentials,
             health_services=("", SERVICE_NAME),

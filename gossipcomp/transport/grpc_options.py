@@ -1,0 +1,101 @@
+"""The gRPC transport's settings, checked when made, and why its security rules hold.
+
+Limits, timings, TLS files and signing keys for GrpcTransport (grpc_transport.py, the client
+side) and its server (grpc_service.py): a bad value fails before any socket opens. With them
+the reasons the transport gives when it refuses to start (keys without TLS, plaintext off
+loopback). Kept apart from both sides, which read them, and because the command lines build
+and check options (and test addresses with `is_loopback`) without starting a transport.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+from dataclasses import dataclass
+
+from gossipcomp.security.signing_keys import PeerKeys
+from gossipcomp.security.tls import TlsFiles
+from gossipcomp.transport.authentication import DEFAULT_CLOCK_TOLERANCE
+from gossipcomp.transport.serving import (
+    DEFAULT_READ_CHUNK_BYTES,
+    check_read_chunk,
+    read_chunk_options,
+)
+from gossipcomp.transport.wire import DEFAULT_CHUNK_BYTES
+
+WHY_AUTHENTICATION_NEEDS_TLS = (
+    "signatures prove who sent a message but hide nothing, and without TLS anyone on the path "
+    "can read the models and capture messages to replay"
+)
+WHY_PLAINTEXT_STAYS_ON_LOOPBACK = (
+    "plaintext trusts everyone who can reach the port: any process that connects can claim to "
+    "be a neighbour, forge envelopes and poison the model"
+)
+
+
+@dataclass(frozen=True)
+class GrpcOptions:
+    """Limits, timings and security of the gRPC transport."""
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # data bytes per streamed chunk
+    max_message_bytes: int = 16 << 20  # one gRPC message (a chunk plus its header), both ends
+    max_envelope_bytes: int = 1 << 30  # a whole envelope, checked from its header
+    hello_timeout: float = 2.0  # deadline of one handshake attempt
+    mailbox_window: int = 4  # rounds a neighbour may run ahead
+    tls: TlsFiles | None = None  # mutual TLS with these files; None: plaintext
+    keys: PeerKeys | None = None  # sign and check every message with these keys (needs tls)
+    clock_tolerance: float = DEFAULT_CLOCK_TOLERANCE  # seconds a signed timestamp may be off
+    insecure: bool = False  # allow plaintext on an address other than loopback
+    # seconds a stream has to send its header (never beyond the stream's own deadline): on a
+    # slow link a header waits behind the previous envelope's bytes in the connection's
+    # buffers (10 Mbit/s and 4.5 MB envelopes: over 2 s, so 2 s failed exchanges there)
+    first_chunk_timeout: float = 10.0
+    stream_timeout: float = 30.0  # seconds a stream has to deliver its whole envelope
+    max_streams_per_caller: int = 8  # envelopes in flight per (sender, connection)
+    max_streams_per_connection: int = 64  # HTTP/2 streams one connection may have open
+    # receive buffers (>= 1 MiB) reused once nothing refers to them, at most this many bytes
+    # in all; 0: a fresh buffer per envelope (faulted and zeroed by the kernel every time)
+    receive_pool_bytes: int = 256 << 20
+    # glibc serves gRPC's megabyte buffers from a warm heap instead of fresh pages, for the
+    # whole process (transport/allocator.py); False leaves the C library's defaults
+    warm_heap: bool = True
+    read_chunk_bytes: int = DEFAULT_READ_CHUNK_BYTES  # socket reads, both ends (0: gRPC's own)
+
+    def __post_init__(self) -> None:
+        for name in ("hello_timeout", "first_chunk_timeout", "stream_timeout", "clock_tolerance"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"GrpcOptions.{name}: expected seconds > 0, got {value}")
+        for name in (
+            "chunk_bytes",
+            "max_message_bytes",
+            "max_envelope_bytes",
+            "mailbox_window",
+            "max_streams_per_caller",
+            "max_streams_per_connection",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GrpcOptions.{name}: expected >= 1, got {getattr(self, name)}")
+        check_read_chunk(self.read_chunk_bytes, "GrpcOptions")
+        if self.receive_pool_bytes < 0:
+            raise ValueError(
+                f"GrpcOptions.receive_pool_bytes: expected >= 0, got {self.receive_pool_bytes}"
+            )
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            *read_chunk_options(self.read_chunk_bytes),
+        ]
+
+
+def is_loopback(bind: str) -> bool:
+    """Whether a `host:port` address only accepts connections from this machine."""
+    host = bind.rsplit(":", 1)[0].strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost, or 0.0.0.0 / [::] (every interface)

@@ -1,0 +1,292 @@
+"""The gRPC transport's server side: the Gossip service every peer serves to its neighbours.
+
+Hello (handshake and rejoin requests), Push and PushOne (one envelope, streamed or in one
+message) and Schedules, each checked before anything is used: a signed caller's proof first
+(when peers authenticate), then the handshake's identity and ranges, or the envelope's header
+before its data and its values before the Inbox stores it. Apart from grpc_transport.py (the
+client side: channels, handshakes and pushes) because the two share only the Inbox and the
+options, and a reader auditing what a stranger can make a peer do reads this file alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gossipcomp.proto.v1 import gossip_pb2 as pb
+from gossipcomp.text import quoted
+from gossipcomp.transport.authentication import Authenticator
+from gossipcomp.transport.base import (
+    MAX_SCHEDULE_EPOCH,
+    MAX_WIRE_ROUND,
+    EnvelopeRejected,
+    HelloAnswer,
+    HelloHandler,
+    Identity,
+    PayloadSpec,
+    PeerNotReady,
+    RejectCode,
+    no_rejoin,
+)
+from gossipcomp.transport.buffers import BufferPool
+from gossipcomp.transport.grpc_options import GrpcOptions
+from gossipcomp.transport.inbox import Inbox
+from gossipcomp.transport.schedules import SCHEDULE_CALLS_PER_CALLER, ScheduleSource
+from gossipcomp.transport.serving import CallerSlots, Method, ServingLimits, bounded_handler
+from gossipcomp.transport.wire import ContentCheck, EnvelopeReader
+
+SERVICE_NAME = "gossipcomp.v1.Gossip"
+_STATUS = {code.name: code for code in grpc.StatusCode}
+
+
+class GossipService:
+    """Server side: handshake checks, rejoin requests and validated delivery into the inbox.
+
+    Runs on the transport's asyncio event loop, so a stream that waits holds no thread: no
+    number of idle or trickling streams can starve the neighbours or the health service. Each
+    stream must deliver its header within `first_chunk_timeout` and its whole envelope within
+    `stream_timeout`, and one caller (claimed sender on one connection) may have at most
+    `max_streams_per_caller` envelopes in flight. Callers that are not authenticated (no TLS)
+    are told nothing of this peer's state in refusals (EnvelopeRejected.public).
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        inbox: Inbox,
+        authenticator: Authenticator | None,
+        options: GrpcOptions,
+        callers_verified: bool,
+    ) -> None:
+        self._identity = identity
+        self._inbox = inbox
+        self._auth = authenticator
+        self._options = options
+        self._callers_verified = callers_verified
+        # envelopes in flight per caller (a sender whose header was checked, on one connection)
+        self._envelopes = CallerSlots(options.max_streams_per_caller, "envelopes")
+        self._buffers = BufferPool(options.receive_pool_bytes)
+        self.on_hello: HelloHandler = no_rejoin
+        self.on_schedules: ScheduleSource = lambda sender, epoch: b""  # none until a peer says
+        # Schedules answers in flight per caller (claimed sender on one connection)
+        self._schedule_calls = CallerSlots(SCHEDULE_CALLS_PER_CALLER, "Schedules calls")
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, refused: EnvelopeRejected) -> None:
+        code, details = refused.code.value, str(refused)
+        if not self._callers_verified:  # strangers learn nothing of our state
+            details = refused.public
+            if code == "ALREADY_EXISTS":  # would say which rounds arrived, hence ours
+                code = "FAILED_PRECONDITION"
+        await context.abort(_STATUS[code], details)
+
+    async def Hello(
+        self, request: pb.HelloRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HelloReply:
+        try:
+            answer = self._answer_hello(request)
+        except EnvelopeRejected as refused:
+            await self._refuse(context, refused)
+        except PeerNotReady as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        reply = pb.HelloReply(
+            protocol_version=self._identity.protocol_version,
+            receiver=self._identity.rank,
+            topology_hash=self._identity.topology_hash,
+            model_signature=self._identity.model_signature,
+            round=answer.round,
+            resume_round=answer.resume_round,
+            alone=answer.alone,
+            schedule_epoch=answer.schedule_epoch,
+        )
+        if self._auth is not None:
+            self._auth.prove_reply(reply, request)
+        return reply
+
+    async def Schedules(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> bytes:
+        """The schedules this peer holds past the asking neighbour's epoch: a handshake's
+        checks, then the peer's own serialised list (built when its schedules change, never
+        per request; changes nothing here). One caller has at most SCHEDULE_CALLS_PER_CALLER
+        answers in flight."""
+        try:
+            self._check_hello(request)
+        except EnvelopeRejected as refused:
+            await self._refuse(context, refused)
+        async with self._schedule_calls.hold((request.sender, context.peer()), context):
+            return self.on_schedules(request.sender, request.schedule_epoch)
+
+    def _answer_hello(self, request: pb.HelloRequest) -> HelloAnswer:
+        """Check a handshake and answer it; raises EnvelopeRejected naming the field."""
+        self._check_hello(request)
+        return self.on_hello(
+            request.sender,
+            request.round,
+            request.proposed_resume_round,
+            request.alone,
+            request.schedule_epoch,
+        )
+
+    def _check_hello(self, request: pb.HelloRequest) -> None:
+        """Check a handshake (proof, identity, sender, ranges); raises EnvelopeRejected
+        naming the field."""
+        mine = self._identity
+        if self._auth is not None:  # before anything else: strangers learn nothing
+            self._auth.check_hello(request)
+        for field, ours, theirs in (
+            ("protocol_version", mine.protocol_version, request.protocol_version),
+            ("topology_hash", mine.topology_hash, request.topology_hash),
+            ("model_signature", mine.model_signature, request.model_signature),
+        ):
+            if ours != theirs:
+                raise EnvelopeRejected(
+                    RejectCode.FAILED_PRECONDITION,
+                    f"{field} mismatch: peer {mine.rank} has {ours!r}, "
+                    f"peer {request.sender} sent {quoted(theirs)}",
+                    public=f"{field} mismatch: peer {request.sender} sent {quoted(theirs)}, "
+                    f"which is not peer {mine.rank}'s",
+                )
+        if request.sender not in self._inbox.neighbours:
+            raise EnvelopeRejected(
+                RejectCode.PERMISSION_DENIED,
+                f"sender: peer {request.sender} is not a neighbour of peer {mine.rank} "
+                f"(expected one of {sorted(self._inbox.neighbours)})",
+            )
+        for field, value, limit, shown in (
+            ("round", request.round, MAX_WIRE_ROUND, "2^53"),
+            ("proposed_resume_round", request.proposed_resume_round, MAX_WIRE_ROUND, "2^53"),
+            ("schedule_epoch", request.schedule_epoch, MAX_SCHEDULE_EPOCH + 1, "2^31"),
+        ):
+            if not 0 <= value < limit:
+                raise EnvelopeRejected(
+                    RejectCode.INVALID_ARGUMENT,
+                    f"{field}: expected 0 <= {field} < {shown}, got {value}",
+                )
+        if request.proposed_resume_round and request.proposed_resume_round <= request.round:
+            raise EnvelopeRejected(
+                RejectCode.INVALID_ARGUMENT,
+                f"proposed_resume_round: expected 0 (none) or more than round {request.round}, "
+                f"got {request.proposed_resume_round}",
+            )
+
+    async def Push(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> pb.PushReply:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._options.stream_timeout
+        first = await self._next_chunk(
+            request_iterator,
+            context,
+            min(deadline, loop.time() + self._options.first_chunk_timeout),
+        )
+        try:
+            reader = EnvelopeReader(
+                first, self._check_header, self._check_content(), self._buffers.take
+            )
+        except EnvelopeRejected as refused:
+            await self._refuse(context, refused)
+        async with self._envelopes.hold((reader.sender, context.peer()), context):
+            try:
+                await self._read_rest(request_iterator, reader, context, deadline)
+                envelope, spec, wire_bytes = reader.finish()
+                self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
+            except EnvelopeRejected as refused:
+                await self._refuse(context, refused)
+        return pb.PushReply(received_bytes=wire_bytes)
+
+    async def _next_chunk(
+        self,
+        chunks: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext,
+        deadline: float,
+    ) -> bytes | None:
+        """The stream's next chunk, None at its end; aborts the call with DEADLINE_EXCEEDED
+        if it does not come by `deadline` (the event loop's clock)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await anext(chunks)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            await self._abort_late(context)
+            raise  # abort raises; this keeps type checkers aware
+
+    async def _read_rest(
+        self,
+        chunks: AsyncIterator[bytes],
+        reader: EnvelopeReader,
+        context: grpc.aio.ServicerContext,
+        deadline: float,
+    ) -> None:
+        """Feed the stream's remaining chunks to `reader`, aborting the call with
+        DEADLINE_EXCEEDED if the stream has not ended by `deadline`: one timer for the whole
+        stream (a timer per chunk cost a task per chunk)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for raw in chunks:
+                    reader.add(raw)
+        except TimeoutError:
+            await self._abort_late(context)
+
+    async def _abort_late(self, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "stream: header or data not received in time (a stream must send its header "
+            f"within {self._options.first_chunk_timeout:g} s and finish within "
+            f"{self._options.stream_timeout:g} s)",
+        )
+
+    async def PushOne(self, request: bytes, context: grpc.aio.ServicerContext) -> pb.PushReply:
+        try:
+            reader = EnvelopeReader(request, self._check_header, self._check_content())
+            envelope, spec, wire_bytes = reader.finish()
+            self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
+        except EnvelopeRejected as refused:
+            await self._refuse(context, refused)
+        return pb.PushReply(received_bytes=wire_bytes)
+
+    def _check_content(self) -> ContentCheck | None:
+        return self._auth.check_content if self._auth is not None else None
+
+    def _check_header(self, header: pb.EnvelopeHeader) -> PayloadSpec:
+        if self._auth is not None:  # who sent it first; what it holds only then
+            self._auth.check_envelope(header)
+        return self._inbox.check_header(header)
+
+
+def handlers(service: GossipService, limits: ServingLimits) -> grpc.GenericRpcHandler:
+    """The Gossip service with Push reading serialised chunks (parsed in wire.py, not by gRPC);
+    a malformed HelloRequest is INVALID_ARGUMENT (serving.py parses it), not UNKNOWN."""
+    return bounded_handler(
+        SERVICE_NAME,
+        (
+            Method(
+                "Hello",
+                service.Hello,
+                pb.HelloReply.SerializeToString,
+                request=pb.HelloRequest.FromString,
+            ),
+            Method("Push", service.Push, pb.PushReply.SerializeToString, streaming_request=True),
+            Method("PushOne", service.PushOne, pb.PushReply.SerializeToString),
+            Method(
+                "Schedules",
+                service.Schedules,
+                bytes,  # served already serialised (ScheduleSource)
+                request=pb.HelloRequest.FromString,
+            ),
+        ),
+        limits,
+    )
+
+
+def serving_limits(options: GrpcOptions) -> ServingLimits:
+    """The server's limits from the transport's options (Push bounds its own stream)."""
+    return ServingLimits(
+        max_message_bytes=options.max_message_bytes,
+        max_streams_per_connection=options.max_streams_per_connection,
+        header_timeout=options.first_chunk_timeout,
+        call_timeout=options.stream_timeout,
+        # every method together, per connection: in-process peers share one connection
+        max_calls_per_caller=options.max_streams_per_connection,
+        read_chunk_bytes=options.read_chunk_bytes,
+    )
