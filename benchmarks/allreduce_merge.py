@@ -114,6 +114,18 @@ def _configs(
     }
 
 
+def _run_fields(args: argparse.Namespace, nproc: int) -> dict[str, Any]:
+    """What a result records of the run, on loopback as on shaped links."""
+    return {
+        "nproc": nproc,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "planner": args.planner,
+        "model": args.model,
+        "tensors": len(list(MODELS[args.model](0).parameters())),
+    }
+
+
 def _loopback(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]) -> int:
     groupings = {"per-tensor": "per-tensor", "single": "single", "planned": args.planner}
     configs = _configs(compressors, groupings, args.steps, args.model)
@@ -128,12 +140,7 @@ def _loopback(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]
         }
     result = {
         "links": "loopback",
-        "nproc": nproc,
-        "steps": args.steps,
-        "repeats": args.repeats,
-        "planner": args.planner,
-        "model": args.model,
-        "tensors": len(list(MODELS[args.model](0).parameters())),
+        **_run_fields(args, nproc),
         "methods": table,
         "ratios": ratios,
         "merged_speedup": min(r["merged_speedup"] for r in ratios.values()),
@@ -227,12 +234,7 @@ def _shaped(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]) 
     bound = all(c["network_bound"] for c in per_compressor.values())
     result = {
         "links": "shaped",
-        "nproc": nproc,
-        "steps": args.steps,
-        "repeats": args.repeats,
-        "planner": args.planner,
-        "model": args.model,
-        "tensors": len(list(MODELS[args.model](0).parameters())),
+        **_run_fields(args, nproc),
         "target_comm_over_backward": args.comm_over_backward,
         "launcher_backward_ms": 1e3 * backward_s,
         "namespace_prefix": prefix,

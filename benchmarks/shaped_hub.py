@@ -6,9 +6,9 @@ whose egress (what the rank sends) and whose bridge port's egress (what it recei
 limited to `mbit`: a NIC of `mbit` Mbit/s in each direction, as on a machine whose network card
 (not the path between two machines) is what binds. The rendezvous store is rank 0's, over the
 same shaped links (heartbeats are a few bytes a second). Namespaces are named
-`gch<pid>n<serial>p<rank>` and `...h` for the hub; leaving (or interpreter exit) deletes them
-with every process inside, and a network of this kind whose process is gone (SIGKILL) is
-deleted by the next one built.
+`gch<pid>n<serial>p<rank>` and `...h` for the hub; leaving (or SIGTERM, Ctrl-C, interpreter
+exit) deletes them with every process inside, and a network of this kind whose process is gone
+(SIGKILL) is deleted by the next one built (shaped_links.Namespaces does all of that).
 
 `run_ranks(hub, fn, args)` is `gossipcomp.allreduce.launch.spawn` for ranks in namespaces:
 fn(session, *args) in each rank's namespace (the child enters it with setns(2) before it opens
@@ -19,9 +19,7 @@ Needs root on Linux with iproute2 and tc (shaped_links.check_available says what
 
 from __future__ import annotations
 
-import atexit
 import ctypes
-import itertools
 import multiprocessing
 import os
 import pickle
@@ -35,15 +33,12 @@ from typing import Any
 
 import torch
 from shaped_links import (
+    Namespaces,
     NamespacesUnavailable,
     _command,
     _ip,
-    _pid_alive,
-    _remove_namespace,
     _tbf,
-    check_available,
     check_mbit,
-    namespaces,
 )
 
 from gossipcomp.allreduce.launch import LaunchError, init_from_env
@@ -57,42 +52,22 @@ STORE_PORT = 29500  # rank 0's rendezvous store, inside its own namespace
 MAX_RANKS = 16
 CLONE_NEWNET = 0x40000000
 POLL_S = 0.2
-_serials = itertools.count()
 
 __all__ = ["NamespacesUnavailable", "ShapedHub", "run_ranks"]
 
 
-def stale_hubs() -> list[str]:
-    """Namespaces of this module whose process is gone."""
-    stale = []
-    for name in namespaces():
-        match = NAME_PATTERN.match(name)
-        if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
-            stale.append(name)
-    return stale
-
-
-class ShapedHub:
+class ShapedHub(Namespaces):
     """`n` ranks, each with a NIC of `mbit` Mbit/s each way to a shared bridge (docstring).
-    A context manager: built on entering, torn down on leaving."""
+    A context manager: built on entering, torn down on leaving (shaped_links.Namespaces)."""
+
+    PREFIX = PREFIX
+    NAME_PATTERN = NAME_PATTERN
 
     def __init__(self, n: int, mbit: float) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_RANKS:
             raise ValueError(f"ranks: expected 2 to {MAX_RANKS}, got {n!r}")
-        self.n = n
+        super().__init__(n)
         self.mbit = check_mbit(mbit, "link rate")
-        self._prefix = f"{PREFIX}{os.getpid()}n{next(_serials)}"
-        self._made: list[str] = []
-
-    @property
-    def prefix(self) -> str:
-        """What every namespace of this hub is named with."""
-        return self._prefix
-
-    def namespace(self, rank: int) -> str:
-        if not 0 <= rank < self.n:
-            raise ValueError(f"rank: expected 0 to {self.n - 1}, got {rank}")
-        return f"{self._prefix}p{rank}"
 
     @property
     def hub(self) -> str:
@@ -102,40 +77,13 @@ class ShapedHub:
     def address(rank: int) -> str:
         return f"{SUBNET}.{rank + 1}"
 
-    def __enter__(self) -> ShapedHub:
-        check_available()
-        for name in stale_hubs():
-            _remove_namespace(name)
-        atexit.register(self.teardown)
-        try:
-            self._build()
-        except BaseException:
-            self.teardown()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.teardown()
-
-    def teardown(self) -> None:
-        """Kill what runs in the namespaces and delete them; safe to call again."""
-        for name in reversed(self._made):
-            _remove_namespace(name)
-        self._made.clear()
-        atexit.unregister(self.teardown)
-
-    def _add(self, name: str) -> None:
-        _ip("netns", "add", name)
-        self._made.append(name)
-        _ip("-n", name, "link", "set", "lo", "up")
-
     def _build(self) -> None:
-        self._add(self.hub)
+        self._add_namespace(self.hub)
         _ip("-n", self.hub, "link", "add", BRIDGE, "type", "bridge")
         _ip("-n", self.hub, "link", "set", BRIDGE, "up")
         for rank in range(self.n):
             name, port = self.namespace(rank), f"r{rank}"
-            self._add(name)
+            self._add_namespace(name)
             _ip("link", "add", DEVICE, "netns", name, "type", "veth", "peer", "name", port,
                 "netns", self.hub)  # fmt: skip
             _ip("-n", name, "addr", "add", f"{self.address(rank)}/24", "dev", DEVICE)

@@ -46,7 +46,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Self
 
 PREFIX = "gcl"
 NAME_PATTERN = re.compile(rf"^{PREFIX}(\d+)n\d+(?:p\d+|c)$")  # what `stale_namespaces` may delete
@@ -126,11 +126,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def stale_namespaces() -> list[str]:
-    """Namespaces this module made whose process is gone (it was killed with SIGKILL)."""
+def stale_namespaces(pattern: re.Pattern[str] = NAME_PATTERN) -> list[str]:
+    """Namespaces named by `pattern` (this module's by default: group 1 is the pid that made
+    them) whose process is gone (it was killed with SIGKILL)."""
     stale = []
     for name in namespaces():
-        match = NAME_PATTERN.match(name)
+        match = pattern.match(name)
         if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
             stale.append(name)
     return stale
@@ -177,57 +178,36 @@ def check_mbit(mbit: float, what: str) -> float:
     return float(mbit)
 
 
-class ShapedNetwork:
-    """Peers 0..n-1 in their own namespaces, joined along `edges` by rate-limited veth pairs,
-    plus (with `control`) a control namespace reaching every peer unshaped. A context manager:
-    built on entering, torn down on leaving."""
+class Namespaces:
+    """A set of network namespaces, one per rank 0..n-1 and more as a subclass needs, named
+    `<PREFIX><pid>n<serial>...`. A context manager: `_build` (the subclass's) makes them on
+    entering, and leaving deletes them with every process inside; so do SIGTERM (turned into
+    SystemExit while they are up), Ctrl-C and interpreter exit. Entering first deletes those of
+    the same kind (NAME_PATTERN) whose process is gone."""
 
-    def __init__(
-        self, n: int, edges: Iterable[tuple[int, int]], mbit: float, control: bool = True
-    ) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_PEERS:
-            raise ValueError(f"peers: expected 2 to {MAX_PEERS}, got {n!r}")
-        keys = sorted({edge(a, b) for a, b in edges})
-        for a, b in keys:
-            if a == b or not (0 <= a < n and 0 <= b < n):
-                raise ValueError(f"edge {a}-{b}: expected two distinct ranks in 0..{n - 1}")
-        if not keys or len(keys) > MAX_EDGES:
-            raise ValueError(f"edges: expected 1 to {MAX_EDGES}, got {len(keys)}")
+    PREFIX = PREFIX
+    NAME_PATTERN = NAME_PATTERN
+
+    def __init__(self, n: int) -> None:
         self.n = n
-        self.edges: tuple[Edge, ...] = tuple(keys)
-        self.control = control
-        self._start_mbit = check_mbit(mbit, "link rate")
-        self.rates: dict[Edge, float] = {}
-        self._prefix = f"{PREFIX}{os.getpid()}n{next(_serials)}"
+        self._prefix = f"{self.PREFIX}{os.getpid()}n{next(_serials)}"
         self._made: list[str] = []
         self._previous_sigterm: Any = None
 
-    # names -----------------------------------------------------------------------------------
     @property
     def prefix(self) -> str:
-        """What every namespace of this network is named with."""
+        """What every namespace of this set is named with."""
         return self._prefix
 
     def namespace(self, rank: int) -> str:
-        """Peer `rank`'s namespace."""
+        """Rank `rank`'s namespace."""
         if not 0 <= rank < self.n:
             raise ValueError(f"rank: expected 0 to {self.n - 1}, got {rank}")
         return f"{self._prefix}p{rank}"
 
-    @property
-    def control_namespace(self) -> str:
-        if not self.control:
-            raise ValueError("this network was built without a control namespace")
-        return f"{self._prefix}c"
-
-    def topology_peers(self, port: int) -> dict[int, dict[str, str]]:
-        """The `peers:` block of a topology whose peers listen at `port` in their namespaces."""
-        return {r: {"address": f"{identity_address(r)}:{port}"} for r in range(self.n)}
-
-    # life cycle ------------------------------------------------------------------------------
-    def __enter__(self) -> ShapedNetwork:
+    def __enter__(self) -> Self:
         check_available()
-        for name in stale_namespaces():
+        for name in stale_namespaces(self.NAME_PATTERN):
             _remove_namespace(name)
         atexit.register(self.teardown)
         if _in_main_thread():
@@ -243,8 +223,8 @@ class ShapedNetwork:
         self.teardown()
 
     def teardown(self) -> None:
-        """Kill what runs in this network's namespaces and delete them; safe to call again.
-        SIGINT and SIGTERM wait until it is done."""
+        """Kill what runs in these namespaces and delete them; safe to call again. SIGINT and
+        SIGTERM wait until it is done."""
         if not self._made and self._previous_sigterm is None:
             return
         masked = _in_main_thread()
@@ -270,6 +250,44 @@ class ShapedNetwork:
         self._made.append(name)
         _ip("-n", name, "link", "set", "lo", "up")
 
+    def _build(self) -> None:
+        raise NotImplementedError
+
+
+class ShapedNetwork(Namespaces):
+    """Peers 0..n-1 in their own namespaces, joined along `edges` by rate-limited veth pairs,
+    plus (with `control`) a control namespace reaching every peer unshaped. A context manager:
+    built on entering, torn down on leaving."""
+
+    def __init__(
+        self, n: int, edges: Iterable[tuple[int, int]], mbit: float, control: bool = True
+    ) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_PEERS:
+            raise ValueError(f"peers: expected 2 to {MAX_PEERS}, got {n!r}")
+        keys = sorted({edge(a, b) for a, b in edges})
+        for a, b in keys:
+            if a == b or not (0 <= a < n and 0 <= b < n):
+                raise ValueError(f"edge {a}-{b}: expected two distinct ranks in 0..{n - 1}")
+        if not keys or len(keys) > MAX_EDGES:
+            raise ValueError(f"edges: expected 1 to {MAX_EDGES}, got {len(keys)}")
+        super().__init__(n)
+        self.edges: tuple[Edge, ...] = tuple(keys)
+        self.control = control
+        self._start_mbit = check_mbit(mbit, "link rate")
+        self.rates: dict[Edge, float] = {}
+
+    # names -----------------------------------------------------------------------------------
+    @property
+    def control_namespace(self) -> str:
+        if not self.control:
+            raise ValueError("this network was built without a control namespace")
+        return f"{self._prefix}c"
+
+    def topology_peers(self, port: int) -> dict[int, dict[str, str]]:
+        """The `peers:` block of a topology whose peers listen at `port` in their namespaces."""
+        return {r: {"address": f"{identity_address(r)}:{port}"} for r in range(self.n)}
+
+    # building ----------------------------------------------------------------------------------
     def _build(self) -> None:
         for rank in range(self.n):
             name = self.namespace(rank)
