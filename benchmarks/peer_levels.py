@@ -34,7 +34,7 @@ import torch
 from gossipcomp.cli import resolve_topology
 from gossipcomp.compress import CompressionContext, parse_spec
 from gossipcomp.compress.base import Compressor
-from gossipcomp.schedule.rate import link, peer_levels
+from gossipcomp.levels.rate import link, peer_levels
 from gossipcomp.topology import Topology
 
 Levels = dict[tuple[int, int], str]  # link -> compressor spec

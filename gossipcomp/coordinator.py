@@ -21,7 +21,7 @@ Rate control (`adaptive`): peers also report their last sends to each neighbour 
 seconds until the neighbour had them) and, for an algorithm with per-link levels, the bytes a
 round sends at each level. Every time the furthest round has moved `2 x report_every` rounds
 on, the coordinator estimates every link from both ends' sends and lets the rate controller
-(schedule/rate.py) choose each link's level within the round budget (set, or else the slowest
+(levels/rate.py) choose each link's level within the round budget (set, or else the slowest
 peer's compute time per round); when any level changes it publishes a schedule with the same
 groups and the new levels. With `boost`, the links of a peer that reports a critical learning
 phase (Accordion: a layer's gradient norm changed by half or more between windows of rounds,
@@ -56,6 +56,14 @@ from dataclasses import dataclass, replace
 import grpc
 
 from gossipcomp.compress import parse_spec
+from gossipcomp.levels.rate import (
+    FIRST_DECISION_ROUND,
+    MAX_LEVEL,
+    LevelCosts,
+    Link,
+    RateController,
+)
+from gossipcomp.levels.rate import link as edge_of
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule import (
     CompressorCost,
@@ -68,14 +76,6 @@ from gossipcomp.schedule import (
 from gossipcomp.schedule.costs import check_sample
 from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.messages import schedule_to_proto
-from gossipcomp.schedule.rate import (
-    FIRST_DECISION_ROUND,
-    MAX_LEVEL,
-    LevelCosts,
-    Link,
-    RateController,
-)
-from gossipcomp.schedule.rate import link as edge_of
 from gossipcomp.schedule.schedule import (
     MAX_BUDGET_S,
     MAX_EPOCH,

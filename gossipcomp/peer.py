@@ -6,7 +6,7 @@ serialised per link, the rounds, and the time spent computing (between gossip ca
 communicating (inside exchanges). `apply(schedule)` stages a new schedule (tensor groups and
 their compressors) for the round it takes effect; every peer switches at that round.
 `adapt_levels()` lets the peers set compression levels among themselves, without a coordinator
-(link levels: schedule/announce.py; a broadcasting algorithm's own levels: schedule/own_levels.py).
+(link levels: levels/edges.py; a broadcasting algorithm's own levels: levels/senders.py).
 The peer's side of compression levels, whoever sets them, is `CompressionLevels`
 (peer_levels.py), which the peer calls at a few points of its round.
 
@@ -45,16 +45,16 @@ from gossipcomp.gossip.clipping import total_norm
 from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.state import checked_tensors
 from gossipcomp.gossip.turns import ComputeTurns
+from gossipcomp.levels.edges import EdgeLevels
+from gossipcomp.levels.senders import SenderLevels
 from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
 from gossipcomp.models import constant_tensors, gossiped_tensors, model_signature
 from gossipcomp.peer_levels import LEVELS_LOGGER as LEVELS_LOGGER
 from gossipcomp.peer_levels import LEVELS_PHASE as LEVELS_PHASE
 from gossipcomp.peer_levels import CompressionLevels, LevelBook
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
-from gossipcomp.schedule.announce import EdgeLevels
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.messages import ScheduleReplies, schedule_from_proto
-from gossipcomp.schedule.own_levels import SenderLevels
 from gossipcomp.schedule.schedule import Schedule, ScheduleBook, ScheduleRefused
 from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
@@ -351,10 +351,10 @@ class Peer:
 
     def adapt_levels(self, round_budget: float | None = None) -> None:
         """Set levels with the neighbours, without a coordinator. A link-leveled algorithm
-        (PowerGossip, schedule/announce.py): for each edge to a higher-ranked neighbour, this
+        (PowerGossip, levels/edges.py): for each edge to a higher-ranked neighbour, this
         peer's rate controller picks the level from its own sends over it and announces it in
         its envelopes; lower-ranked neighbours' notices set the other edges. A broadcasting
-        one (Choco, DEF-ATC, schedule/own_levels.py): this peer picks the level it sends at
+        one (Choco, DEF-ATC, levels/senders.py): this peer picks the level it sends at
         from its sends over all its links and announces it; each neighbour's notices set the
         level that neighbour is decoded at. `round_budget`: seconds a round's transfers over
         one link may take (None: this peer's median compute time per round). Call before

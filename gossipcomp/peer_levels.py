@@ -4,10 +4,10 @@ Levels come from one source, never both:
 - a coordinator's schedules: a level per link for a LinkLeveled algorithm (PowerGossip: the
   rank), switched at the schedule's round; for a PeerLeveled one (Choco, DEF-ATC) each peer
   broadcasts at its slowest link's level, which every neighbour computes from the schedule's
-  link table (`peer_levels` in schedule/rate.py);
+  link table (`peer_levels` in levels/rate.py);
 - the peers themselves (`Peer.adapt_levels`): the lower-ranked end of each edge decides that
-  link's level (schedule/announce.py), a broadcasting peer the level it sends at
-  (schedule/own_levels.py); a decision travels as a notice in envelope headers and both ends
+  link's level (levels/edges.py), a broadcasting peer the level it sends at
+  (levels/senders.py); a decision travels as a notice in envelope headers and both ends
   switch at its round. A resumed edge goes back to the algorithm's own level; a broadcasting
   peer states its level in its resume envelope and one more exchange (`LEVELS_PHASE`) carries
   the waiting notices.
@@ -31,11 +31,12 @@ from gossipcomp.gossip.base import (
     Neighbourhood,
     PeerLeveled,
 )
+from gossipcomp.levels.edges import EdgeLevels, LocalRateControl, NoticeConflict
+from gossipcomp.levels.notices import MAX_NOTICE_LEAD
+from gossipcomp.levels.rate import peer_levels
+from gossipcomp.levels.senders import OwnLevelControl, SenderLevels
 from gossipcomp.links import LinkMonitor
-from gossipcomp.schedule.announce import EdgeLevels, LocalRateControl, NoticeConflict
 from gossipcomp.schedule.costs import TransferLog
-from gossipcomp.schedule.own_levels import OwnLevelControl, SenderLevels
-from gossipcomp.schedule.rate import peer_levels
 from gossipcomp.schedule.schedule import Schedule, ScheduleBook, ScheduleRefused
 from gossipcomp.topology import Topology
 from gossipcomp.transport.base import (
@@ -45,7 +46,6 @@ from gossipcomp.transport.base import (
     PayloadSpec,
     Transport,
 )
-from gossipcomp.transport.notices import MAX_NOTICE_LEAD
 
 LEVELS_PHASE = "levels"  # after a resume exchange: waiting level notices, and a barrier
 LEVELS_LOGGER = "gossipcomp.levels"  # link level changes (the command line shows them)
@@ -366,7 +366,7 @@ class CompressionLevels:
         neighbour states in its resume envelope (in force at this round), then exchange the
         waiting notices in one more, empty exchange (`exchange`), which also makes sure both
         ends hold each other's level before either sends this round's gossip
-        (schedule/own_levels.py). Returns the neighbours whose levels did not come through,
+        (levels/senders.py). Returns the neighbours whose levels did not come through,
         with why: their edge does not resume (none when levels are not set so)."""
         book = self.senders
         if book is None:

@@ -17,18 +17,18 @@ from conftest import build_network, gossip_round, run_in_threads, stacked
 from gossipcomp.coordinator import Coordinator, CoordinatorServer, ReportRefused
 from gossipcomp.coordinator_client import CoordinatorClient
 from gossipcomp.gossip import PowerGossip
-from gossipcomp.models import build_mlp, model_signature
-from gossipcomp.peer import Peer
-from gossipcomp.proto.v1 import coordinator_pb2 as cpb
-from gossipcomp.schedule.costs import LinkCost
-from gossipcomp.schedule.critical import CriticalPhase
-from gossipcomp.schedule.rate import (
+from gossipcomp.levels.rate import (
     FIRST_DECISION_ROUND,
     LevelCosts,
     RateController,
     estimate_link,
     rank_ladder,
 )
+from gossipcomp.models import build_mlp, model_signature
+from gossipcomp.peer import Peer
+from gossipcomp.proto.v1 import coordinator_pb2 as cpb
+from gossipcomp.schedule.costs import LinkCost
+from gossipcomp.schedule.critical import CriticalPhase
 from gossipcomp.schedule.schedule import LinkLevel, Schedule, ScheduleRefused
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.base import PROTOCOL_VERSION, Identity

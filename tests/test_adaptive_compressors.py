@@ -20,15 +20,15 @@ import torch
 from conftest import build_network, gossip_round, run_in_threads, stacked
 
 from gossipcomp.compress import parse_spec
-from gossipcomp.compress.ladder import ladder_for
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.coordinator_client import CoordinatorClient
 from gossipcomp.gossip import DEFATC, Choco
 from gossipcomp.gossip.base import PeerLeveled
+from gossipcomp.levels.ladder import ladder_for
+from gossipcomp.levels.rate import peer_levels
 from gossipcomp.models import build_mlp, model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.schedule.costs import LinkCost
-from gossipcomp.schedule.rate import peer_levels
 from gossipcomp.schedule.schedule import LinkLevel, Schedule, ScheduleRefused
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.base import Identity

@@ -1,5 +1,5 @@
 """Choco-SGD and DEF-ATC levels set by the senders themselves, without a coordinator
-(schedule/own_levels.py).
+(levels/senders.py).
 
 Each peer decides the level it broadcasts at and announces (level, effective round) to every
 neighbour. Shown here: a link that slows tenfold lowers its two ends' levels, which rise again
@@ -28,12 +28,13 @@ from gossipcomp.cli import main
 from gossipcomp.compress import parse_spec
 from gossipcomp.gossip import DEFATC, Choco
 from gossipcomp.gossip.base import RESUME_PHASE
+from gossipcomp.levels.edges import MIN_SENDS, NOTICE_LEAD, NoticeConflict
+from gossipcomp.levels.notices import MAX_NOTICE_LEAD
+from gossipcomp.levels.senders import SenderLevels
 from gossipcomp.links import Backoff, LinkState
 from gossipcomp.models import build_mlp, model_signature
 from gossipcomp.peer import Peer
-from gossipcomp.schedule.announce import MIN_SENDS, NOTICE_LEAD, NoticeConflict
 from gossipcomp.schedule.costs import LinkCost
-from gossipcomp.schedule.own_levels import SenderLevels
 from gossipcomp.security import PeerKeys
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.authentication import Authenticator
@@ -46,7 +47,6 @@ from gossipcomp.transport.base import (
 )
 from gossipcomp.transport.codec import encode_raw, tensor_spec
 from gossipcomp.transport.memory import Fault, InMemoryHub, InMemoryTransport
-from gossipcomp.transport.notices import MAX_NOTICE_LEAD
 from gossipcomp.transport.throttled import LinkRates, RateChange, ThrottledTransport
 from gossipcomp.transport.wire import content_sha256, header_of
 

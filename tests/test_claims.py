@@ -72,9 +72,9 @@ def test_level_notices_are_held_to_the_lead_bound():
     """The one bound for claimed rounds also bounds a level notice's effective round, from its
     envelope's round: exactly the lead is taken, one past it refused, near the end of the wire's
     range too (schedules: tests/test_schedule_agreement.py, far schedules refused)."""
+    from gossipcomp.levels.notices import check_notice
     from gossipcomp.proto.v1 import gossip_pb2 as pb
     from gossipcomp.transport.base import EnvelopeRejected, NoticeRules
-    from gossipcomp.transport.notices import check_notice
 
     rules = NoticeRules(frozenset({1, 2}), 64)
     for round in (10, MAX_WIRE_ROUND - 70):

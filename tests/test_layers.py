@@ -45,6 +45,16 @@ LAYERS = {
     # modules that sit above their unit: the all-reduce command line and launcher
     "allreduce.command": 11,
     "allreduce.__main__": 13,
+    # compression levels: one package whose modules sit at the layers of what they use (its
+    # __init__ imports nothing)
+    "levels": 0,
+    "levels.ladder": 1,
+    "levels.notices": 3,
+    "levels.rate": 4,
+    "levels.edges": 4,
+    "levels.senders": 4,
+    "levels.codecs": 5,
+    "levels.peer": 7,
 }
 
 
@@ -108,3 +118,25 @@ def test_a_peer_loads_no_coordinator_service():
     code = "import sys, gossipcomp.peer\nprint('gossipcomp.coordinator' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_each_levels_module_imports_alone_and_loads_nothing_above_its_layer():
+    """gossipcomp/levels/ spans layers 1 to 7 with an __init__ that imports nothing: importing
+    one of its modules first (the transport importing `notices`) works, with no import cycle
+    through the units it uses, and loads no module of a higher layer."""
+    modules = sorted(p.stem for p in (PACKAGE / "levels").glob("*.py") if p.stem != "__init__")
+    code = (
+        "import importlib, sys\n"
+        "importlib.import_module('gossipcomp.levels.' + sys.argv[1])\n"
+        "print(' '.join(m.removeprefix('gossipcomp.') for m in sys.modules "
+        "if m.startswith('gossipcomp.') and not m.startswith('gossipcomp.proto')))"
+    )
+    above = {}
+    for name in modules:
+        module = f"levels.{name}"
+        out = subprocess.run(
+            [sys.executable, "-c", code, name], capture_output=True, text=True, check=True
+        )
+        above[module] = [m for m in out.stdout.split() if _layer(m) > _layer(module)]
+    assert set(above) >= {"levels.ladder", "levels.notices", "levels.codecs"}
+    assert not any(above.values()), above

@@ -1,4 +1,4 @@
-"""Link levels set by the peers themselves, without a coordinator (schedule/announce.py).
+"""Link levels set by the peers themselves, without a coordinator (levels/edges.py).
 
 The lower-ranked end of each edge decides and announces (level, effective round) in its
 envelopes. Shown here: a link that slows tenfold is lowered within a few rounds and its transfers
@@ -24,10 +24,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gossipcomp.cli import main
 from gossipcomp.gossip import DPSGD, PowerGossip
+from gossipcomp.levels.edges import MIN_SENDS, NOTICE_LEAD, EdgeLevels
+from gossipcomp.levels.notices import MAX_NOTICE_LEAD
 from gossipcomp.links import Backoff, LinkState
 from gossipcomp.models import build_mlp, model_signature
 from gossipcomp.peer import Peer
-from gossipcomp.schedule.announce import MIN_SENDS, NOTICE_LEAD, EdgeLevels
 from gossipcomp.schedule.costs import LinkCost
 from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.schedule import LinkLevel, Schedule, ScheduleRefused
@@ -43,7 +44,6 @@ from gossipcomp.transport.base import (
 )
 from gossipcomp.transport.codec import encode_raw, tensor_spec
 from gossipcomp.transport.memory import Fault, InMemoryHub, InMemoryTransport
-from gossipcomp.transport.notices import MAX_NOTICE_LEAD
 from gossipcomp.transport.throttled import LinkRates, RateChange, ThrottledTransport
 from gossipcomp.transport.wire import content_sha256, header_of
 

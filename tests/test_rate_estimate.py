@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
+from gossipcomp.levels.rate import LevelCosts, RateController, estimate_link
 from gossipcomp.schedule.costs import LinkCost
-from gossipcomp.schedule.rate import LevelCosts, RateController, estimate_link
 
 # bytes per round of Choco's top-k ladder on the wide MLP (1e-4 ... 0.5, identity), one exchange
 LADDER = LevelCosts(

@@ -1,4 +1,4 @@
-"""The rate controller's budget on a network slower than compute (schedule/rate.py
+"""The rate controller's budget on a network slower than compute (levels/rate.py
 `round_budget`): a round waits for its slowest link, so the budget is at least what that link
 takes at the lowest level, and faster links rise to what fits beside it instead of all sinking
 to the lowest level (what a budget of a few ms of compute did on links of a few Mbit/s)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gossipcomp.schedule.rate import LevelCosts, RateController
+from gossipcomp.levels.rate import LevelCosts, RateController
 
 KB = 1000
 COSTS = LevelCosts({1: 10 * KB, 2: 20 * KB, 4: 40 * KB, 8: 80 * KB, 16: 160 * KB}, 1)

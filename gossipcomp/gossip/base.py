@@ -15,9 +15,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from gossipcomp.gossip.turns import ComputeTurns
+from gossipcomp.levels.rate import LevelCosts
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.groups import TensorGroup
-from gossipcomp.schedule.rate import LevelCosts
 from gossipcomp.transport.base import (
     RAW_CODEC,
     Envelope,
@@ -222,10 +222,10 @@ class LinkLeveled(Protocol):
 class PeerLeveled(Protocol):
     """An algorithm that broadcasts one compressed payload per step to every neighbour
     (Choco-SGD, DEF-ATC), so its compression level belongs to the sender, not to a link: each
-    peer compresses at the lowest level among its links (schedule/rate.py `peer_levels`, from
+    peer compresses at the lowest level among its links (levels/rate.py `peer_levels`, from
     a schedule's link table), and each neighbour, holding the same table and topology, decodes
     at that level. All switch at the round a schedule takes effect (without a coordinator, at
-    the round a peer's notice of its own level names: schedule/own_levels.py). (A level per link would
+    the round a peer's notice of its own level names: levels/senders.py). (A level per link would
     need one public copy per edge: docs/design.md, "Bandwidth-adaptive levels".)"""
 
     def level_costs(self, params: NamedParams) -> LevelCosts:

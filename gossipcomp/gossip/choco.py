@@ -17,9 +17,9 @@ its output by 1 / (1 + beta), as the Choco paper does; both ends scale the same 
 factor, so the public copies stay identical. gamma is the consensus step; by default the
 compressor's `consensus_step`, measured on ring8 digits (docs/benchmarks.md).
 
-Bandwidth-adaptive levels (`PeerLeveled`, gossip/levels.py): a peer compresses at its own
+Bandwidth-adaptive levels (`PeerLeveled`, levels/codecs.py): a peer compresses at its own
 level (the lowest among its links in a coordinator's schedule, or the one it decides and
-announces without a coordinator: schedule/own_levels.py) and decodes each neighbour at that
+announces without a coordinator: levels/senders.py) and decodes each neighbour at that
 neighbour's, computed from the same schedule or announced by it; both ends of an edge hold the
 same two levels at every round. The 1 / (1 + beta) scale of a payload is its
 sender's level's, at both ends. The consensus step of edge (i, j) is the smaller of the two
@@ -43,7 +43,6 @@ from gossipcomp.compress.base import Compressor
 from gossipcomp.gossip.base import RESUME_PHASE, NamedParams, Neighbourhood
 from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
 from gossipcomp.gossip.grouping import Grouping
-from gossipcomp.gossip.levels import BroadcastLevels
 from gossipcomp.gossip.merged import MergedCodec
 from gossipcomp.gossip.specs import AUTO, BuildContext, Option, check_steps
 from gossipcomp.gossip.state import (
@@ -55,8 +54,9 @@ from gossipcomp.gossip.state import (
     restored_tensors,
     save_edge_tensors,
 )
+from gossipcomp.levels.codecs import BroadcastLevels
+from gossipcomp.levels.rate import LevelCosts
 from gossipcomp.schedule.groups import TensorGroup
-from gossipcomp.schedule.rate import LevelCosts
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
 
 PHASE = "choco"

@@ -12,9 +12,9 @@ that fails a round keeps its last reference in the combine; a neighbour left out
 gives its weight to the peer, and when the edge comes back both ends send their own reference
 exactly once (`resume_payload`), so each end's copy of the other's reference is exact again.
 
-Bandwidth-adaptive levels (`PeerLeveled`, gossip/levels.py): a peer compresses at its own
+Bandwidth-adaptive levels (`PeerLeveled`, levels/codecs.py): a peer compresses at its own
 level (the lowest among its links in a coordinator's schedule, or the one it decides and
-announces without a coordinator: schedule/own_levels.py) and decodes each neighbour at that
+announces without a coordinator: levels/senders.py) and decodes each neighbour at that
 neighbour's, computed from the same schedule or announced by it. zeta and gamma stay those of the configured
 compressor at every level: zeta must be the sender's at every end that tracks its reference,
 and one pair for all keeps that true without a table of pairs.
@@ -36,7 +36,6 @@ from gossipcomp.compress import parse_spec
 from gossipcomp.compress.base import Compressor
 from gossipcomp.gossip.base import RESUME_PHASE, NamedParams, Neighbourhood
 from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
-from gossipcomp.gossip.levels import BroadcastLevels
 from gossipcomp.gossip.merged import MergedCodec
 from gossipcomp.gossip.specs import BuildContext, Option
 from gossipcomp.gossip.state import (
@@ -48,8 +47,9 @@ from gossipcomp.gossip.state import (
     restored_tensors,
     save_edge_tensors,
 )
+from gossipcomp.levels.codecs import BroadcastLevels
+from gossipcomp.levels.rate import LevelCosts
 from gossipcomp.schedule.groups import TensorGroup
-from gossipcomp.schedule.rate import LevelCosts
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
 
 PHASE = "def"

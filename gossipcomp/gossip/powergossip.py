@@ -20,7 +20,7 @@ A round sends r*m or r*n floats per matrix per edge instead of m*n; r is capped 
 matrix, and with r = n one step averages two peers' matrices exactly. No matrix uses a rank above
 `largest_useful_rank` (the longest short side): the command line refuses one.
 
-A schedule may set a rank per link (`set_levels`, the rate controller's level: schedule/rate.py).
+A schedule may set a rank per link (`set_levels`, the rate controller's level: levels/rate.py).
 Both ends switch at the same round; a link's vectors keep their first columns when its rank
 falls, and gain columns drawn from a seed of (edge, matrix, side, round) when it rises, so both
 ends still hold the same vectors without sending any. Each neighbour's envelopes then have
@@ -60,8 +60,8 @@ from gossipcomp.gossip.grouping import group_name
 from gossipcomp.gossip.linalg import hashed_seed, orthonormal_basis
 from gossipcomp.gossip.specs import AUTO, BuildContext, Option, check_steps
 from gossipcomp.gossip.state import checked_tensors, require_keys
+from gossipcomp.levels.rate import LevelCosts, rank_ladder
 from gossipcomp.schedule.groups import TensorGroup, check_cover
-from gossipcomp.schedule.rate import LevelCosts, rank_ladder
 from gossipcomp.text import quoted
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec, TensorSpec
 from gossipcomp.transport.codec import decode_raw, encode_raw, raw_nbytes

@@ -2,7 +2,7 @@
 
 A `Schedule` is a plan with a version (`epoch`) and the round from which it holds
 (`effective_round`): tensor groups with a compressor each, and a compression level per link
-(schedule/rate.py chooses them; a link it does not list keeps the algorithm's own level). Every peer applies the same schedule at the same round, so both ends of an
+(levels/rate.py chooses them; a link it does not list keeps the algorithm's own level). Every peer applies the same schedule at the same round, so both ends of an
 edge always lay out and decode envelopes alike; envelopes carry the epoch and a receiver uses
 only those sent under the epoch it is in (transport/inbox.py).
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gossipcomp.compress import parse_spec
+from gossipcomp.levels.rate import MAX_LEVEL
 from gossipcomp.schedule.groups import TensorGroup, check_cover
-from gossipcomp.schedule.rate import MAX_LEVEL
 from gossipcomp.text import quoted
 from gossipcomp.transport.claims import lead_bound
 

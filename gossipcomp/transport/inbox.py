@@ -10,7 +10,7 @@ envelopes laid out by it as soon as a neighbour switches, and `collect` hands an
 the envelopes sent under the epoch the exchange itself uses, so no exchange ever mixes two.
 A sender's link level may change at a round within an epoch (levels set by peers without a
 coordinator): `expect_from` declares what its envelopes hold from that round on, chosen by the
-header's round. Level notices in headers are checked with the header (transport/notices.py).
+header's round. Level notices in headers are checked with the header (levels/notices.py).
 
 Every transport holds one Inbox and exposes it (`transport.inbox`; a throttle hands through the
 one it wraps), and the peer talks to it directly: a transport only moves bytes. The inbox also
@@ -25,11 +25,11 @@ import dataclasses
 import threading
 from collections.abc import Collection, Iterable, Mapping
 
+from gossipcomp.levels.notices import check_notice
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.transport.base import Envelope, LevelNotice, NoticeRules, PayloadSpec
 from gossipcomp.transport.codec import check_finite, decode_payloads, validate_header
 from gossipcomp.transport.mailbox import Mailbox
-from gossipcomp.transport.notices import check_notice
 
 SpecTable = Mapping[tuple[int, str], Mapping[int, PayloadSpec]]
 

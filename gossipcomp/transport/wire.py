@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy
 from google.protobuf.message import DecodeError
 
+from gossipcomp.levels.notices import notice_message, notice_of
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.transport.base import (
     Envelope,
@@ -25,7 +26,6 @@ from gossipcomp.transport.base import (
     WireTensor,
 )
 from gossipcomp.transport.codec import FiniteScanner
-from gossipcomp.transport.notices import notice_message, notice_of
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 _HEADER_TAG = b"\x0a"  # EnvelopeChunk field 1 (header), length-delimited

@@ -2,7 +2,7 @@
 
 Without a coordinator, the lower-ranked end of an edge sets the edge's compression level and
 announces (level, effective round) in every envelope it sends the other end until that round
-(schedule/announce.py decides and keeps the levels, peer_levels.py applies them). The notice comes from
+(levels/edges.py decides and keeps the levels, peer_levels.py applies them). The notice comes from
 the network, so the receiver checks it with the rest of the header, before any data is read
 and before anything can change:
 
@@ -17,7 +17,7 @@ A notice carries no edge: it can only ever name the edge between its sender and 
 so a neighbour cannot change any level but its own edge's. Signed headers cover it
 (transport/authentication.py).
 
-Broadcasting algorithms (Choco-SGD, DEF-ATC: `NoticeRules.own_levels`, schedule/own_levels.py)
+Broadcasting algorithms (Choco-SGD, DEF-ATC: `NoticeRules.own_levels`, levels/senders.py)
 give a level to a sender, not to an edge: the notice sets the level its sender compresses at,
 so any neighbour may announce (the rank rule is dropped) and still only its own level. In an
 envelope of the rules' `in_force_phase` (the resume exchange) a notice states the level the

@@ -1,6 +1,6 @@
 """Level ladders: a compressor family's settings from most compressed to none.
 
-Bandwidth-adaptive gossip (schedule/rate.py) moves a sender up and down a ladder: level 1 is the
+Bandwidth-adaptive gossip (levels/rate.py) moves a sender up and down a ladder: level 1 is the
 cheapest setting, each level above sends more bytes, and the top sends the model uncompressed
 (`identity`), so a fast link is never held back by compression. A level is a position on the
 ladder (1-based), so schedules carry small integers whatever the family.

@@ -1,9 +1,9 @@
 """One compression level per peer for the algorithms that broadcast a payload (Choco, DEF-ATC).
 
 A sender compresses once for all its neighbours, so its level is its own: the lowest level
-among its links in a coordinator's schedule (schedule/rate.py `peer_levels`), or, without a
-coordinator, the level it decides and announces (schedule/own_levels.py). A level is a position on the
-ladder of the algorithm's compressor (compress/ladder.py); it applies to every group the
+among its links in a coordinator's schedule (levels/rate.py `peer_levels`), or, without a
+coordinator, the level it decides and announces (levels/senders.py). A level is a position on the
+ladder of the algorithm's compressor (levels/ladder.py); it applies to every group the
 schedule compresses with the algorithm's own compressor (the default one-group-per-parameter
 layout included), while a group a planner gave another compressor keeps it. Levels change
 compressors, never the groups, so the per-group buffers (public copies, references) keep
@@ -16,16 +16,19 @@ level in use, and the transport decodes each envelope with its sender's spec at 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from gossipcomp.compress import parse_spec
 from gossipcomp.compress.base import Compressor
-from gossipcomp.compress.ladder import Ladder, ladder_for
-from gossipcomp.gossip.base import NamedParams
-from gossipcomp.gossip.grouping import Grouping
-from gossipcomp.gossip.merged import MergedCodec
+from gossipcomp.levels.ladder import Ladder, ladder_for
+from gossipcomp.levels.rate import LevelCosts
 from gossipcomp.schedule.groups import TensorGroup
-from gossipcomp.schedule.rate import LevelCosts
 from gossipcomp.transport.base import PayloadSpec
+
+if TYPE_CHECKING:  # gossip/ loads Choco and DEF-ATC, which import this module (see `grouping`)
+    from gossipcomp.gossip.base import NamedParams
+    from gossipcomp.gossip.grouping import Grouping
+    from gossipcomp.gossip.merged import MergedCodec
 
 
 class BroadcastLevels:
@@ -68,6 +71,10 @@ class BroadcastLevels:
     ) -> Grouping:
         """`groups` (None or empty: one per parameter) with the algorithm's compressor replaced
         by the one of `level`."""
+        # imported here: gossip/'s __init__ imports Choco and DEF-ATC, which import this
+        # module, so importing it first must not import gossip/ (it is loaded by now)
+        from gossipcomp.gossip.grouping import Grouping
+
         spec = self.ladder.spec(level)
         leveled = None
         if groups:

@@ -1,7 +1,7 @@
 """Link levels that peers set among themselves, without a coordinator.
 
 The lower-ranked end of each edge decides the edge's level: its own rate controller
-(schedule/rate.py) estimates the link from this peer's sends over it and picks the highest
+(levels/rate.py) estimates the link from this peer's sends over it and picks the highest
 level whose transfers fit the round budget (given, or this peer's median compute time per
 round). A decision becomes a notice (level, effective round `NOTICE_LEAD` rounds ahead) that
 the lower end carries in every envelope it sends the other end until that round; both ends put
@@ -19,7 +19,7 @@ any waiting notice. Nothing on the wire is needed to agree then, so a lost notic
 leave the two ends at different levels while the edge carries gossip.
 
 An edge's first decision (and the first after a resume) jumps straight to the level that fits,
-so it prices the link as if every second of its sends were bytes (no latency: rate.py
+so it prices the link as if every second of its sends were bytes (no latency: levels/rate.py
 `RateController.update`): the sends so far are few, at one level and start-up ones among them,
 and a latency read from them could take a slow link for a fast one. This never overshoots;
 later decisions climb one level at a time as usual, with the latency the edge's sizes show.
@@ -35,8 +35,8 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from gossipcomp.levels.rate import DEFAULT_WINDOW, MAX_LEVEL, LevelCosts, RateController, link
 from gossipcomp.schedule.costs import TransferLog
-from gossipcomp.schedule.rate import DEFAULT_WINDOW, MAX_LEVEL, LevelCosts, RateController, link
 from gossipcomp.schedule.schedule import MAX_ROUND
 from gossipcomp.text import quoted
 from gossipcomp.transport.base import LevelNotice
@@ -113,7 +113,7 @@ class EdgeLevels:
         return notice
 
     def hear(self, neighbour: int, notice: LevelNotice, round: int) -> bool:
-        """Take in a lower-ranked neighbour's notice (checked at receipt: transport/notices.py)
+        """Take in a lower-ranked neighbour's notice (checked at receipt: levels/notices.py)
         during `round`; True when it is new. NoticeConflict when another change from it still
         waits, or the notice's round has passed (it cannot be honoured as announced)."""
         if neighbour not in self.neighbours or neighbour > self.rank:

@@ -44,7 +44,7 @@ raised to the time the slowest link being decided takes at the lowest level when
 (`round_budget`): no round can be shorter, so the other links may carry that much at no cost.
 Pure arithmetic: no clock, no networking; the coordinator feeds it what peers report (its
 first decision waits for round `FIRST_DECISION_ROUND`: start-up sends are slow), or without
-one each edge's lower end its own sends (schedule/announce.py).
+one each edge's lower end its own sends (levels/edges.py).
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
 A broadcasting peer compresses one payload per step for all its neighbours, so its level is its
 own, not a link's: each peer decides the level it sends at (the highest whose transfers fit the
-round budget over its slowest live link, with the rate controller of schedule/rate.py fed by its
+round budget over its slowest live link, with the rate controller of levels/rate.py fed by its
 own sends) and announces (level, effective round `NOTICE_LEAD` ahead) in every envelope it sends
 until that round. Every neighbour takes it in and decodes that peer at the new level from that
 round on; the sender switches there too. The end that sends decides: nobody else's links enter
 the decision, so no peer needs to see links it is not on.
 
-The lead is the one of schedule/announce.py and for the same reason: a notice heard two rounds
+The lead is the one of levels/edges.py and for the same reason: a notice heard two rounds
 before its round is in time, and a neighbour that did not hear it by then had its exchange with
 the sender fail, so the edge is down at that neighbour. Unlike a link level, a sender's level
 cannot go back to a default when one edge resumes (its other neighbours decode it at its level),
@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from gossipcomp.schedule.announce import (
+from gossipcomp.levels.edges import (
     MIN_SENDS,
     NOTICE_LEAD,
     LocalRateControl,
@@ -36,8 +36,8 @@ from gossipcomp.schedule.announce import (
     checked_level_rows,
     take_notice,
 )
+from gossipcomp.levels.rate import LevelCosts, link
 from gossipcomp.schedule.costs import TransferLog
-from gossipcomp.schedule.rate import LevelCosts, link
 from gossipcomp.text import quoted
 from gossipcomp.transport.base import LevelNotice
 
@@ -82,7 +82,7 @@ class SenderLevels:
 
     def hear(self, neighbour: int, notice: LevelNotice, round: int) -> bool:
         """Take in a neighbour's notice of its own level (checked at receipt:
-        transport/notices.py) during `round`; True when it is new. NoticeConflict when
+        levels/notices.py) during `round`; True when it is new. NoticeConflict when
         another change from it still waits, or the notice's round has passed."""
         if neighbour not in self.neighbours:
             raise NoticeConflict(f"peer {self.rank}: level notice from non-neighbour {neighbour}")
@@ -138,7 +138,7 @@ class SenderLevels:
 
 class OwnLevelControl:
     """Decides a broadcasting peer's own level from its sends over its live links, with the
-    rate controller of schedule/rate.py: each link is estimated from its own sends, and the
+    rate controller of levels/rate.py: each link is estimated from its own sends, and the
     peer's payload is priced at the slowest estimate (its latency and its seconds per byte
     each the largest among the links), so what it sends fits its slowest link. One decision
     per peer, so the controller's patience counts one proposal stream, not one per link.
@@ -148,7 +148,7 @@ class OwnLevelControl:
         """`budget_s`: seconds a round's transfers over one link may take; None: this peer's
         median compute time per round (as LocalRateControl measures it)."""
         self.local = LocalRateControl(costs, budget_s)  # the budget and the controller
-        self._decided = False  # the first decision jumps, as an edge's does (announce.py)
+        self._decided = False  # the first decision jumps, as an edge's does (levels/edges.py)
 
     def note_compute(self, seconds: float) -> None:
         self.local.note_compute(seconds)
