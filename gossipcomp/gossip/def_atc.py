@@ -27,30 +27,17 @@ rest (gossip/clipping.py); the references themselves are tracked unclipped.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
 from gossipcomp.compress import parse_spec
 from gossipcomp.compress.base import Compressor
-from gossipcomp.gossip.base import RESUME_PHASE, NamedParams, Neighbourhood
-from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
-from gossipcomp.gossip.merged import MergedCodec
+from gossipcomp.gossip.base import NamedParams, Neighbourhood
+from gossipcomp.gossip.broadcast import BroadcastGossip, KeyOfRound
+from gossipcomp.gossip.clipping import ClipRadius
 from gossipcomp.gossip.specs import BuildContext, Option
-from gossipcomp.gossip.state import (
-    checked_tensors,
-    load_edge_tensors,
-    raw_copy_payload,
-    raw_copy_spec,
-    require_keys,
-    restored_tensors,
-    save_edge_tensors,
-)
-from gossipcomp.levels.codecs import BroadcastLevels
-from gossipcomp.levels.rate import LevelCosts
-from gossipcomp.schedule.groups import TensorGroup
-from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
 
 PHASE = "def"
 
@@ -64,7 +51,7 @@ def default_def_steps(compressor: Compressor) -> tuple[float, float]:
     return (0.5, 0.2) if compressor.sparsifying else (1.0, 1.0)
 
 
-class DEFATC:
+class DEFATC(BroadcastGossip):
     """Differential error feedback (DEF-ATC) with any compressor.
 
     The parameters travel in the groups of the current schedule (gossip/grouping.py; one group
@@ -74,6 +61,10 @@ class DEFATC:
     """
 
     name = "def"
+    label = "DEF-ATC"
+    OWN_COPY = ("reference", "reference")
+    NEIGHBOUR_COPIES = ("neighbour_references", "neighbour references")
+    MEMORIES = (("error", "error memory"),)
     OPTIONS: ClassVar[dict[str, Option]] = {
         "compressor": Option(str, required=True, flag="compressor"),
         "zeta": Option(float, None, flag="zeta"),  # unset: default_def_steps
@@ -104,97 +95,37 @@ class DEFATC:
         for label, value in (("zeta", zeta), ("gamma", gamma)):
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{label} must lie in (0, 1], got {value}")
-        self.compressor = compressor
+        super().__init__(compressor, seed, clipping)
         self.zeta = zeta
         self.gamma = gamma
-        self.seed = seed
-        self.clipping = clipping
-        self._codec: MergedCodec | None = None
-        self._levels: BroadcastLevels | None = None
-        self._groups: tuple[TensorGroup, ...] | None = None  # the schedule's (None: default)
-        self.reference: list[torch.Tensor] = []  # phi_k, one flat buffer per group
-        self.neighbour_references: dict[int, list[torch.Tensor]] = {}  # phi_l
-        self.error: list[torch.Tensor] = []  # z
 
-    def setup(
-        self, params: NamedParams, rank: int, neighbours: Sequence[int]
-    ) -> dict[str, PayloadSpec]:
-        self._codec = MergedCodec(params, self.compressor, self.seed, rank)
-        self._levels = BroadcastLevels(params, self.compressor, rank, neighbours)
-        self._groups = None
-        initial = self._codec.flats([p for _, p in params])
-        self.reference = [t.clone() for t in initial]
-        self.neighbour_references = {j: [t.clone() for t in initial] for j in neighbours}
-        self.error = self._codec.zeros()
-        return self.specs(params, None)
+    @property
+    def reference(self) -> list[torch.Tensor]:
+        """phi_k, one flat buffer per group."""
+        return self.own_copy
 
-    def specs(
-        self, params: NamedParams, groups: Sequence[TensorGroup] | None
-    ) -> dict[str, PayloadSpec]:
-        """Per phase, what a neighbour's envelope holds under `groups` (None or empty: one
-        group per parameter with this algorithm's compressor), without changing anything."""
-        codec = self._require_codec()
-        grouping = codec.regrouped(params, groups)
-        return {
-            PHASE: codec.spec(lambda round: round, grouping),
-            RESUME_PHASE: raw_copy_spec(params),
-        }
+    @property
+    def neighbour_references(self) -> dict[int, list[torch.Tensor]]:
+        """phi_l as tracked here, per neighbour."""
+        return self.tracked
 
-    def regroup(self, params: NamedParams, groups: Sequence[TensorGroup] | None) -> None:
-        """Switch to `groups` (a schedule taking effect): state moves to the new buffers."""
-        codec = self._require_codec()
-        reference, error = codec.per_parameter(self.reference), codec.per_parameter(self.error)
-        tracked = {j: codec.per_parameter(t) for j, t in self.neighbour_references.items()}
-        self._groups = tuple(groups) if groups else None
-        levels = self._require_levels()
-        levels.switch(params, self._groups, levels.levels, codec)
-        self.reference, self.error = codec.flats(reference), codec.flats(error)
-        self.neighbour_references = {j: codec.flats(t) for j, t in tracked.items()}
+    @property
+    def error(self) -> list[torch.Tensor]:
+        """z, one flat buffer per group."""
+        return self.memories["error"]
 
-    def level_costs(self, params: NamedParams) -> LevelCosts:
-        """The ladder of its compressor, with the bytes a round sends each neighbour."""
-        return self._require_levels().costs(1)
+    def _phases(self) -> dict[str, KeyOfRound]:
+        return {PHASE: lambda round: round}
 
-    def level_label(self, level: int) -> str:
-        return self._require_levels().ladder.spec(level)
-
-    def default_level(self) -> int:
-        return self._require_levels().ladder.default
-
-    def peer_specs(
-        self,
-        params: NamedParams,
-        groups: Sequence[TensorGroup] | None,
-        levels: Mapping[int, int],
-    ) -> dict[str, Mapping[int, PayloadSpec] | PayloadSpec]:
-        """Per phase, each neighbour's envelope under `groups`, compressed at its level."""
-        codec, ladder = self._require_codec(), self._require_levels()
-        return {
-            PHASE: ladder.specs_for(params, groups, levels, codec, lambda round: round),
-            RESUME_PHASE: raw_copy_spec(params),
-        }
-
-    def set_peer_levels(self, params: NamedParams, levels: Mapping[int, int], round: int) -> None:
-        """Compress at this peer's level in `levels` from now on (neighbours' payloads are
-        decoded at theirs by the transport, from `peer_specs`)."""
-        self._require_levels().switch(params, self._groups, levels, self._require_codec())
-
-    def _require_levels(self) -> BroadcastLevels:
-        if self._levels is None:
-            raise RuntimeError("DEF-ATC used before setup")
-        return self._levels
-
-    def _require_codec(self) -> MergedCodec:
-        if self._codec is None:
-            raise RuntimeError("DEF-ATC used before setup")
-        return self._codec
+    def _initial_copy(self, params: NamedParams) -> list[torch.Tensor]:
+        return self._require_codec().flats([p for _, p in params])  # the identical initial model
 
     def step(self, params: NamedParams, hood: Neighbourhood) -> None:
         codec = self._require_codec()
         with torch.no_grad():
             model = codec.flats([p for _, p in params])
             sent, own = [], []
-            for g, (delta, reference) in enumerate(zip(model, self.reference, strict=True)):
+            for g, (delta, reference) in enumerate(zip(model, self.own_copy, strict=True)):
                 delta.sub_(reference).add_(self.error[g])
                 compressed = codec.compress(delta, hood.round, g)
                 decoded = codec.decompress_own(compressed, hood.round, g)
@@ -202,66 +133,14 @@ class DEFATC:
                 sent.append(compressed)
                 own.append(decoded)
             result = hood.exchange(PHASE, codec.payload(sent))
-            for g, reference in enumerate(self.reference):
-                reference.add_(own[g], alpha=self.zeta)
-                for j, envelope in result.received.items():
-                    self.neighbour_references[j][g].add_(
-                        codec.decoded(envelope, g), alpha=self.zeta
-                    )
+            self._add_to_copies(own.__getitem__, result.received, lambda peer, g: self.zeta)
             # every live neighbour combines, with its last reference when it failed this round
-            weights, self_weight = hood.weights, hood.self_weight
-            if self.clipping is not None:
-                distances = {
-                    j: difference_norm(self.neighbour_references[j], self.reference)
-                    for j in weights
-                }
-                weights = clipped_weights(weights, distances, self.clipping)
-                self_weight = 1.0 - sum(weights.values())
+            weights = self._clipped(hood.weights)
+            self_weight = hood.self_weight if self.clipping is None else 1.0 - sum(weights.values())
             mixed = []
-            for g, reference in enumerate(self.reference):
+            for g, reference in enumerate(self.own_copy):
                 combined = reference * self_weight
                 for j, w in weights.items():
-                    combined.add_(self.neighbour_references[j][g], alpha=w)
+                    combined.add_(self.tracked[j][g], alpha=w)
                 mixed.append(combined.mul_(self.gamma).add_(reference, alpha=1.0 - self.gamma))
             codec.copy_into(params, mixed)
-
-    def resume_payload(self, params: NamedParams) -> Payload | None:
-        """This peer's reference phi_k, exactly: the neighbour replaces its copy with it."""
-        return raw_copy_payload(params, self._require_codec().per_parameter(self.reference))
-
-    def resume_edge(self, neighbour: int, envelope: Envelope | None, round: int) -> None:
-        codec = self._require_codec()
-        current = codec.per_parameter(self.neighbour_references[neighbour])
-        restored = restored_tensors(current, envelope, f"{self.name} resume")
-        self.neighbour_references[neighbour] = codec.flats(restored)
-
-    def state_dict(self) -> dict[str, Any]:
-        codec = self._require_codec()
-        return {
-            "reference": [t.clone() for t in codec.per_parameter(self.reference)],
-            "neighbour_references": save_edge_tensors(
-                {j: codec.per_parameter(t) for j, t in self.neighbour_references.items()}
-            ),
-            "error": [t.clone() for t in codec.per_parameter(self.error)],
-            "feedback": codec.feedback_memories(),  # ef+... compressors' memories
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        codec = self._require_codec()
-        if isinstance(state, dict):  # older checkpoints saved no feedback memories
-            state = {"feedback": {}, **state}
-        require_keys(state, {"reference", "neighbour_references", "error", "feedback"}, self.name)
-        reference = checked_tensors(
-            f"{self.name} reference", codec.per_parameter(self.reference), state["reference"]
-        )
-        error = checked_tensors(
-            f"{self.name} error memory", codec.per_parameter(self.error), state["error"]
-        )
-        neighbours = load_edge_tensors(
-            f"{self.name} neighbour references",
-            {j: codec.per_parameter(t) for j, t in self.neighbour_references.items()},
-            state["neighbour_references"],
-        )
-        codec.load_feedback_memories(state["feedback"])  # checks all, then assigns
-        self.reference, self.error = codec.flats(reference), codec.flats(error)
-        self.neighbour_references = {j: codec.flats(t) for j, t in neighbours.items()}
