@@ -354,13 +354,16 @@ def _scatter(numel: int, indices: torch.Tensor, values: torch.Tensor) -> torch.T
     return out.index_add_(0, indices.to(torch.int64), values)
 
 
-def _decode_topk(
+def _decode_slots(
     codec: Codec, payload: torch.Tensor, numel: int, ctx: CompressionContext
 ) -> torch.Tensor:
-    assert isinstance(codec, TopK)
-    k = codec.k(numel)
+    """Top-k's and DGC's k value slots then k index slots (DGC's after its int32 count)."""
+    assert isinstance(codec, TopK | DGC)
+    k, start = codec.k(numel), 4 if isinstance(codec, DGC) else 0
     return _scatter(
-        numel, _section(payload, 4 * k, torch.int32, k), _section(payload, 0, torch.float32, k)
+        numel,
+        _section(payload, start + 4 * k, torch.int32, k),
+        _section(payload, start, torch.float32, k),
     )
 
 
@@ -371,16 +374,6 @@ def _decode_randomk(
     k = codec.k(numel)
     indices = _shared(ctx, numel, k, payload.device)
     return _scatter(numel, indices, _section(payload, 0, torch.float32, k))
-
-
-def _decode_dgc(
-    codec: Codec, payload: torch.Tensor, numel: int, ctx: CompressionContext
-) -> torch.Tensor:
-    assert isinstance(codec, DGC)
-    k = codec.k(numel)
-    return _scatter(
-        numel, _section(payload, 4 + 4 * k, torch.int32, k), _section(payload, 4, torch.float32, k)
-    )
 
 
 def _decode_levels(
@@ -421,9 +414,9 @@ _DECODERS: dict[str, Decoder] = {
     BFloat16.name: _decode_half,
     Sign.name: _decode_sign,
     OneBit.name: _decode_onebit,
-    TopK.name: _decode_topk,
+    TopK.name: _decode_slots,
     RandomK.name: _decode_randomk,
-    DGC.name: _decode_dgc,
+    DGC.name: _decode_slots,
     QSGD.name: _decode_levels,
     TernGrad.name: _decode_levels,
 }

@@ -14,12 +14,14 @@ import torch
 
 from gossipcomp.compress import kernels
 from gossipcomp.compress.base import Compressed, CompressionContext, Compressor
+from gossipcomp.compress.wrapper import Wrapper
 
 MemoryKey = tuple[int, int]  # (receiver, tensor_index)
 
 
-class ErrorFeedback:
-    """Wraps any compressor in error feedback (spec "ef+SPEC"); biased whatever the inner one."""
+class ErrorFeedback(Wrapper):
+    """Wraps any compressor in error feedback (spec "ef+SPEC"); biased whatever the inner one.
+    Its codec, payloads and other traits are the inner compressor's."""
 
     unbiased = False
     contractive = True  # what was not sent is sent later: no error accumulates
@@ -27,7 +29,7 @@ class ErrorFeedback:
     def __init__(self, inner: Compressor) -> None:
         if isinstance(inner, ErrorFeedback):
             raise ValueError("error feedback cannot wrap error feedback (ef+ef+...)")
-        self.inner = inner
+        super().__init__(inner)
         self._memory: dict[MemoryKey, torch.Tensor] = {}
 
     @property
@@ -35,24 +37,8 @@ class ErrorFeedback:
         return f"ef+{self.inner.name}"
 
     @property
-    def codec(self) -> str:
-        return self.inner.codec
-
-    @property
     def spec(self) -> str:
         return f"ef+{self.inner.spec}"
-
-    @property
-    def summable(self) -> bool:
-        return self.inner.summable
-
-    @property
-    def sparsifying(self) -> bool:
-        return self.inner.sparsifying
-
-    @property
-    def consensus_step(self) -> float:
-        return self.inner.consensus_step
 
     def variance_bound(self, numel: int) -> float:
         return 0.0

@@ -67,38 +67,61 @@ class _StochasticLevels(Codec):
     def wire_bytes(self, numel: int) -> int:
         return 4 + (1 + self._level_bits) * bitpack.plane_bytes(numel)
 
+    def _sections(
+        self, out: PayloadWriter, scales: int, numel: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots of `scales` float32 scales, then the 1 + b bit-planes (a row each)."""
+        slots = out.section(torch.float32, scales)
+        planes = out.section(torch.uint8, (1 + self._level_bits) * bitpack.plane_bytes(numel))
+        return slots, planes.view(1 + self._level_bits, -1)
+
+    @staticmethod
+    def _uniforms(flat: torch.Tensor, ctx: CompressionContext) -> int | torch.Generator:
+        """Where the rounding draws its uniforms: numpy's stream on the CPU, torch's elsewhere."""
+        return ctx.shared_seed() if flat.device.type == "cpu" else ctx.generator(flat.device)
+
+    def _read_planes(self, payload: PayloadReader, numel: int, codec: str) -> torch.Tensor:
+        """The sign plane and the level planes, their padding bits checked clear."""
+        bits = self._level_bits
+        packed = payload.section(torch.uint8, (1 + bits) * bitpack.plane_bytes(numel))
+        if not bitpack.padding_is_clear(packed, 1 + bits, numel):
+            raise PayloadError(f"{codec} payload bit-planes: expected zero padding bits")
+        return packed
+
+    def _times_levels(
+        self, values: torch.Tensor, packed: torch.Tensor, numel: int, codec: str
+    ) -> torch.Tensor:
+        """`values` (+-scale / s by the sign plane) times each element's level; a level above
+        s is refused."""
+        bits, levels = self._level_bits, self._levels
+        plane = bitpack.plane_bytes(numel)
+        largest = kernels.multiply_levels(values, packed[plane:].view(bits, -1), bits)
+        if largest > levels:
+            raise PayloadError(f"{codec} payload levels: expected at most {levels}, got {largest}")
+        return values
+
     def _encode(self, flat: torch.Tensor, ctx: CompressionContext, out: PayloadWriter) -> None:
-        numel, bits, levels = flat.numel(), self._level_bits, self._levels
-        scale_slot = out.section(torch.float32, 1)
-        planes = out.section(torch.uint8, (1 + bits) * bitpack.plane_bytes(numel))
-        planes = planes.view(1 + bits, -1)
+        levels = self._levels
+        scale_slot, planes = self._sections(out, 1, flat.numel())
         scale = as_float32(self._scale(flat))  # the value the receiver will use
         scale_slot.fill_(scale)
         if not (scale > 0 and scale < float("inf")):  # zero, or a non-finite input
             planes.zero_()
             return
-        seed = ctx.shared_seed() if flat.device.type == "cpu" else ctx.generator(flat.device)
-        kernels.stochastic_levels(flat, levels / scale, levels, seed, planes)
+        kernels.stochastic_levels(flat, levels / scale, levels, self._uniforms(flat, ctx), planes)
 
     def _decode(
         self, payload: PayloadReader, numel: int, ctx: CompressionContext, device: torch.device
     ) -> torch.Tensor:
-        bits, levels = self._level_bits, self._levels
+        levels = self._levels
         (scale,) = payload.scalars(1)
         check_scale(scale, self.codec, "scale")
+        packed = self._read_planes(payload, numel, self.codec)
         plane = bitpack.plane_bytes(numel)
-        packed = payload.section(torch.uint8, (1 + bits) * plane)
-        if not bitpack.padding_is_clear(packed, 1 + bits, numel):
-            raise PayloadError(f"{self.codec} payload bit-planes: expected zero padding bits")
         values = kernels.expand_plane(
             packed[:plane], numel, scale / levels, -scale / levels, device
         )
-        largest = kernels.multiply_levels(values, packed[plane:].view(bits, -1), bits)
-        if largest > levels:
-            raise PayloadError(
-                f"{self.codec} payload levels: expected at most {levels}, got {largest}"
-            )
-        return values
+        return self._times_levels(values, packed, numel, self.codec)
 
     def _encode_segments(
         self,
@@ -107,10 +130,8 @@ class _StochasticLevels(Codec):
         ctx: CompressionContext,
         out: PayloadWriter,
     ) -> None:
-        numel, bits, levels = flat.numel(), self._level_bits, self._levels
-        scale_slots = out.section(torch.float32, len(segments))
-        planes = out.section(torch.uint8, (1 + bits) * bitpack.plane_bytes(numel))
-        planes = planes.view(1 + bits, -1)
+        levels = self._levels
+        scale_slots, planes = self._sections(out, len(segments), flat.numel())
         # each segment's scale as `_encode` takes it of that tensor alone: what receivers use
         scales = numpy.array(
             [as_float32(self._scale(view)) for view in segments.views(flat)], dtype=numpy.float32
@@ -122,8 +143,13 @@ class _StochasticLevels(Codec):
         factors = numpy.divide(
             float(levels), scales, out=numpy.zeros_like(scales), where=scales > 0
         )  # a segment of zeros: factor 0, level 0 everywhere
-        seed = ctx.shared_seed() if flat.device.type == "cpu" else ctx.generator(flat.device)
-        kernels.stochastic_levels(flat, kernels.PerSegment(segments, factors), levels, seed, planes)
+        kernels.stochastic_levels(
+            flat,
+            kernels.PerSegment(segments, factors),
+            levels,
+            self._uniforms(flat, ctx),
+            planes,
+        )
 
     def _decode_segments(
         self,
@@ -133,19 +159,13 @@ class _StochasticLevels(Codec):
         device: torch.device,
     ) -> torch.Tensor:
         codec, numel = segmented_codec(self.codec), segments.numel
-        bits, levels = self._level_bits, self._levels
         scales = payload.section(torch.float32, len(segments)).numpy().copy()
         check_scales(scales, codec, "scale")
+        packed = self._read_planes(payload, numel, codec)
+        steps = scales / numpy.float32(self._levels)
         plane = bitpack.plane_bytes(numel)
-        packed = payload.section(torch.uint8, (1 + bits) * plane)
-        if not bitpack.padding_is_clear(packed, 1 + bits, numel):
-            raise PayloadError(f"{codec} payload bit-planes: expected zero padding bits")
-        steps = scales / numpy.float32(levels)
         values = kernels.expand_plane_segments(packed[:plane], segments, steps, -steps, device)
-        largest = kernels.multiply_levels(values, packed[plane:].view(bits, -1), bits)
-        if largest > levels:
-            raise PayloadError(f"{codec} payload levels: expected at most {levels}, got {largest}")
-        return values
+        return self._times_levels(values, packed, numel, codec)
 
 
 @dataclass(frozen=True)

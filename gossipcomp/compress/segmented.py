@@ -42,19 +42,22 @@ from gossipcomp.compress import kernels
 from gossipcomp.compress.base import Compressed, CompressionContext, Compressor
 from gossipcomp.compress.codec import Codec, Device, segmented_codec
 from gossipcomp.compress.feedback import ErrorFeedback
+from gossipcomp.compress.wrapper import Wrapper
 
 
-class Segmented:
+class Segmented(Wrapper):
     """`inner` on a merged buffer of segments of `numels` elements, its statistics (scales,
     means) taken per segment. Wire codec "INNER/segments"; payload: the statistics of each
     segment in order, then the inner codec's element data over the whole buffer, exactly
     `wire_bytes(sum(numels))` bytes. Built from a schedule's group, not from a spec: its
     `spec` is the inner codec's (what the schedule names)."""
 
+    inner: Codec
+
     def __init__(self, inner: Codec, numels: Sequence[int]) -> None:
         if not inner.segment_scalars:
             raise ValueError(f"{inner.name} keeps no statistics to take per segment")
-        self.inner = inner
+        super().__init__(inner)
         self.segments = kernels.Segments(numels)
 
     @property
@@ -62,36 +65,12 @@ class Segmented:
         return tuple(int(n) for n in self.segments.numels)
 
     @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
     def codec(self) -> str:
         return segmented_codec(self.inner.codec)
 
     @property
-    def spec(self) -> str:
-        return self.inner.spec
-
-    @property
-    def unbiased(self) -> bool:
-        return self.inner.unbiased
-
-    @property
-    def contractive(self) -> bool:
-        return self.inner.contractive
-
-    @property
     def summable(self) -> bool:
         return False  # every segment's own scale: payloads do not add up
-
-    @property
-    def sparsifying(self) -> bool:
-        return self.inner.sparsifying
-
-    @property
-    def consensus_step(self) -> float:
-        return self.inner.consensus_step
 
     def variance_bound(self, numel: int) -> float:
         """The largest of the segments' bounds: the error of each segment is bounded by its own

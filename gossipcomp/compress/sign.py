@@ -14,6 +14,7 @@ buffer: 4 S + P bytes for sign, 8 S + P for onebit (the pair of means of each se
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -42,36 +43,50 @@ def _read_sign_plane(payload: PayloadReader, numel: int, codec: str) -> torch.Te
 
 
 @dataclass(frozen=True)
-class Sign(Codec):
-    """Scaled sign: ||x||_1 / d * sign(x), 1 bit per element and one float (biased)."""
+class _SignPlane(Codec):
+    """Shared wire format of the one-bit codecs: `segment_scalars` float32 statistics (once
+    per segment of a merged buffer), then the sign plane; an entry decodes to the value of its
+    side, computed from the statistics by `_sides`."""
 
-    name: ClassVar[str] = "sign"
     unbiased: ClassVar[bool] = False
-    segment_scalars: ClassVar[int] = 1
+    # per statistic: what errors call it, and whether it is checked negated (>= 0 either way)
+    STATISTICS: ClassVar[tuple[tuple[str, bool], ...]] = ()
 
     @property
     def consensus_step(self) -> float:
         return SIGN_CONSENSUS_STEP
 
     def wire_bytes(self, numel: int) -> int:
-        return 4 + bitpack.plane_bytes(numel)
-
-    def _encode(self, flat: torch.Tensor, ctx: CompressionContext, out: PayloadWriter) -> None:
-        scale = out.section(torch.float32, 1)
-        sums = kernels.sign_pass(flat, out.section(torch.uint8, bitpack.plane_bytes(flat.numel())))
-        scale.fill_(self._scale(sums, flat.numel()))
+        return 4 * self.segment_scalars + bitpack.plane_bytes(numel)
 
     @staticmethod
-    def _scale(sums: kernels.SignSums, numel: int) -> float:
-        return as_float32(sums.abs_sum / max(1, numel))
+    def _statistics(sums: kernels.SignSums, numel: int) -> tuple[float, ...]:
+        """The statistics of one tensor, each rounded to float32 as the receiver reads it."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _sides(statistics: Sequence) -> tuple:
+        """(value of a clear bit, value of a set bit) from the statistics (floats or arrays)."""
+        raise NotImplementedError
+
+    def _checked(self, statistics: Sequence, codec: str, check: Callable) -> None:
+        """Every statistic checked (`check_scale` or `check_scales`) before it is used."""
+        for value, (what, negated) in zip(statistics, self.STATISTICS, strict=True):
+            check(-value if negated else value, codec, what)
+
+    def _encode(self, flat: torch.Tensor, ctx: CompressionContext, out: PayloadWriter) -> None:
+        statistics = out.section(torch.float32, self.segment_scalars)
+        numel = flat.numel()
+        sums = kernels.sign_pass(flat, out.section(torch.uint8, bitpack.plane_bytes(numel)))
+        statistics.copy_(torch.tensor(self._statistics(sums, numel), dtype=torch.float32))
 
     def _decode(
         self, payload: PayloadReader, numel: int, ctx: CompressionContext, device: torch.device
     ) -> torch.Tensor:
-        (scale,) = payload.scalars(1)
-        check_scale(scale, self.codec, "scale")
+        statistics = payload.scalars(self.segment_scalars)
+        self._checked(statistics, self.codec, check_scale)
         plane = _read_sign_plane(payload, numel, self.codec)
-        return kernels.expand_plane(plane, numel, scale, -scale, device)
+        return kernels.expand_plane(plane, numel, *self._sides(statistics), device)
 
     def _encode_segments(
         self,
@@ -80,11 +95,13 @@ class Sign(Codec):
         ctx: CompressionContext,
         out: PayloadWriter,
     ) -> None:
-        scales = out.section(torch.float32, len(segments))
+        statistics = out.section(torch.float32, self.segment_scalars * len(segments))
         kernels.sign_pass(flat, out.section(torch.uint8, bitpack.plane_bytes(flat.numel())))
-        # each segment's scale as `_encode` takes it of that tensor alone, bit for bit
-        values = [self._scale(kernels.sign_pass(v, None), v.numel()) for v in segments.views(flat)]
-        scales.copy_(torch.tensor(values, dtype=torch.float32))
+        # each segment's statistics as `_encode` takes them of that tensor alone, bit for bit
+        values = [
+            self._statistics(kernels.sign_pass(v, None), v.numel()) for v in segments.views(flat)
+        ]
+        statistics.copy_(torch.tensor(values, dtype=torch.float32).view(-1))
 
     def _decode_segments(
         self,
@@ -93,73 +110,53 @@ class Sign(Codec):
         ctx: CompressionContext,
         device: torch.device,
     ) -> torch.Tensor:
-        scales = payload.section(torch.float32, len(segments)).numpy().copy()
-        check_scales(scales, segmented_codec(self.codec), "scale")
-        plane = _read_sign_plane(payload, segments.numel, segmented_codec(self.codec))
-        return kernels.expand_plane_segments(plane, segments, scales, -scales, device)
+        codec, count = segmented_codec(self.codec), self.segment_scalars
+        table = payload.section(torch.float32, count * len(segments)).numpy()
+        table = table.reshape(-1, count).copy()  # a row per segment
+        statistics = [table[:, i] for i in range(count)]
+        self._checked(statistics, codec, check_scales)
+        plane = _read_sign_plane(payload, segments.numel, codec)
+        return kernels.expand_plane_segments(plane, segments, *self._sides(statistics), device)
 
 
 @dataclass(frozen=True)
-class OneBit(Codec):
+class Sign(_SignPlane):
+    """Scaled sign: ||x||_1 / d * sign(x), 1 bit per element and one float (biased)."""
+
+    name: ClassVar[str] = "sign"
+    segment_scalars: ClassVar[int] = 1
+    STATISTICS: ClassVar[tuple[tuple[str, bool], ...]] = (("scale", False),)
+
+    @staticmethod
+    def _statistics(sums: kernels.SignSums, numel: int) -> tuple[float, ...]:
+        return (as_float32(sums.abs_sum / max(1, numel)),)
+
+    @staticmethod
+    def _sides(statistics: Sequence) -> tuple:
+        (scale,) = statistics
+        return scale, -scale
+
+
+@dataclass(frozen=True)
+class OneBit(_SignPlane):
     """Two means: each entry becomes the mean of the non-negative or of the negative entries."""
 
     name: ClassVar[str] = "onebit"
-    unbiased: ClassVar[bool] = False
     segment_scalars: ClassVar[int] = 2
-
-    @property
-    def consensus_step(self) -> float:
-        return SIGN_CONSENSUS_STEP
-
-    def wire_bytes(self, numel: int) -> int:
-        return 8 + bitpack.plane_bytes(numel)
-
-    def _encode(self, flat: torch.Tensor, ctx: CompressionContext, out: PayloadWriter) -> None:
-        means = out.section(torch.float32, 2)
-        numel = flat.numel()
-        sums = kernels.sign_pass(flat, out.section(torch.uint8, bitpack.plane_bytes(numel)))
-        means.copy_(torch.tensor(self._means(sums, numel), dtype=torch.float32))
+    STATISTICS: ClassVar[tuple[tuple[str, bool], ...]] = (
+        ("mean of the non-negative entries", False),
+        ("negated mean of the negative entries", True),
+    )
 
     @staticmethod
-    def _means(sums: kernels.SignSums, numel: int) -> tuple[float, float]:
+    def _statistics(sums: kernels.SignSums, numel: int) -> tuple[float, ...]:
         positives = numel - sums.negatives  # zeros count here: they add nothing to the sum
         return (
             as_float32(sums.positive_sum / positives if positives else 0.0),
             as_float32(sums.negative_sum / sums.negatives if sums.negatives else 0.0),
         )
 
-    def _decode(
-        self, payload: PayloadReader, numel: int, ctx: CompressionContext, device: torch.device
-    ) -> torch.Tensor:
-        positive, negative = payload.scalars(2)
-        check_scale(positive, self.codec, "mean of the non-negative entries")
-        check_scale(-negative, self.codec, "negated mean of the negative entries")
-        plane = _read_sign_plane(payload, numel, self.codec)
-        return kernels.expand_plane(plane, numel, positive, negative, device)
-
-    def _encode_segments(
-        self,
-        flat: torch.Tensor,
-        segments: kernels.Segments,
-        ctx: CompressionContext,
-        out: PayloadWriter,
-    ) -> None:
-        means = out.section(torch.float32, 2 * len(segments))
-        kernels.sign_pass(flat, out.section(torch.uint8, bitpack.plane_bytes(flat.numel())))
-        # each segment's means as `_encode` takes them of that tensor alone, bit for bit
-        values = [self._means(kernels.sign_pass(v, None), v.numel()) for v in segments.views(flat)]
-        means.copy_(torch.tensor(values, dtype=torch.float32).view(-1))
-
-    def _decode_segments(
-        self,
-        payload: PayloadReader,
-        segments: kernels.Segments,
-        ctx: CompressionContext,
-        device: torch.device,
-    ) -> torch.Tensor:
-        codec = segmented_codec(self.codec)
-        means = payload.section(torch.float32, 2 * len(segments)).numpy().reshape(-1, 2).copy()
-        check_scales(means[:, 0], codec, "mean of the non-negative entries")
-        check_scales(-means[:, 1], codec, "negated mean of the negative entries")
-        plane = _read_sign_plane(payload, segments.numel, codec)
-        return kernels.expand_plane_segments(plane, segments, means[:, 0], means[:, 1], device)
+    @staticmethod
+    def _sides(statistics: Sequence) -> tuple:
+        positive, negative = statistics
+        return positive, negative

@@ -44,11 +44,6 @@ DGC_SAMPLE_FRACTION = 0.01
 DGC_MIN_SAMPLE = 1000
 
 
-def _check_ratio(name: str, ratio: float) -> None:
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"{name} ratio must be in (0, 1], got {ratio}")
-
-
 def largest(
     flat: torch.Tensor,
     k: int,
@@ -172,23 +167,30 @@ def largest_first_step(ratio: float) -> float:
 
 
 @dataclass(frozen=True)
-class TopK(Codec):
+class _Sparsifier(Codec):
+    """A codec that sends k = max(1, ceil(ratio * d)) entries (clamped to d) of d."""
+
+    ratio: float = 0.01
+    sparsifying: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.ratio <= 1.0:
+            raise ValueError(f"{self.name} ratio must be in (0, 1], got {self.ratio}")
+
+    def k(self, numel: int) -> int:
+        return float_ratio_count(self.ratio, numel)
+
+
+@dataclass(frozen=True)
+class TopK(_Sparsifier):
     """Exact top-k by magnitude: k values and k indices (biased)."""
 
     name: ClassVar[str] = "topk"
     unbiased: ClassVar[bool] = False
-    ratio: float = 0.01
-    sparsifying: ClassVar[bool] = True
 
     @property
     def consensus_step(self) -> float:
         return largest_first_step(self.ratio)
-
-    def __post_init__(self) -> None:
-        _check_ratio(self.name, self.ratio)
-
-    def k(self, numel: int) -> int:
-        return float_ratio_count(self.ratio, numel)
 
     def wire_bytes(self, numel: int) -> int:
         return 8 * self.k(numel)
@@ -252,13 +254,11 @@ def shared_indices(ctx: CompressionContext, numel: int, k: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class RandomK(Codec):
+class RandomK(_Sparsifier):
     """Random-k: only the values of k shared random indices travel (unbiased when scaled)."""
 
     name: ClassVar[str] = "randomk"
-    ratio: float = 0.01
     unbiased: bool = False  # scale the values by d / k so that E[decoded] = x
-    sparsifying: ClassVar[bool] = True
     summable: ClassVar[bool] = True  # both ends draw the same indices: values add up
 
     @property
@@ -276,12 +276,6 @@ class RandomK(Codec):
         """d / k - 1 when unbiased (values scaled by d / k), else 0."""
         k = self.k(numel)
         return numel / k - 1.0 if self.unbiased and k else 0.0
-
-    def __post_init__(self) -> None:
-        _check_ratio(self.name, self.ratio)
-
-    def k(self, numel: int) -> int:
-        return float_ratio_count(self.ratio, numel)
 
     def wire_bytes(self, numel: int) -> int:
         return 4 * self.k(numel)
@@ -306,23 +300,16 @@ class RandomK(Codec):
 
 
 @dataclass(frozen=True)
-class DGC(Codec):
+class DGC(_Sparsifier):
     """Deep Gradient Compression's sampled-threshold sparsification, in k fixed slots."""
 
     name: ClassVar[str] = "dgc"
     unbiased: ClassVar[bool] = False
     ratio: float = 0.001
-    sparsifying: ClassVar[bool] = True
 
     @property
     def consensus_step(self) -> float:
         return largest_first_step(self.ratio)
-
-    def __post_init__(self) -> None:
-        _check_ratio(self.name, self.ratio)
-
-    def k(self, numel: int) -> int:
-        return float_ratio_count(self.ratio, numel)
 
     def wire_bytes(self, numel: int) -> int:
         return 4 + 8 * self.k(numel)
