@@ -85,8 +85,3 @@ def restored_tensors(
     if envelope is None:
         raise ValueError(f"{what}: needs the neighbour's copy, got nothing")
     return checked_tensors(what, current, [decode_raw(wire) for wire in envelope.tensors])
-
-
-def restore_from_envelope(target: list[torch.Tensor], envelope: Envelope | None, what: str) -> None:
-    """Replace `target`'s tensors with a neighbour's exact copy (validated by the transport)."""
-    target[:] = restored_tensors(target, envelope, what)
