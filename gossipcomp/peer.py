@@ -61,6 +61,7 @@ from gossipcomp.topology import Topology
 from gossipcomp.transport.base import (
     MAX_WIRE_ROUND,
     ExchangeResult,
+    Greeting,
     HelloAnswer,
     Identity,
     Payload,
@@ -534,9 +535,7 @@ class Peer:
         answers = self.transport.connect(
             {j: book[j] for j in self.topology.neighbors(self.rank)},
             timeout,
-            round=self.round,
-            proposals=proposals,
-            alone=restored,
+            Greeting(self.round, proposals, alone=restored),
         )
         for j, answer in answers.items():
             if answer.schedule_epoch > self.schedules.newest.epoch:

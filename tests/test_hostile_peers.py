@@ -34,7 +34,13 @@ from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.security import PeerKeys, throwaway_certificates
 from gossipcomp.simulation import run_simulation
 from gossipcomp.topology import Topology, load_topology, topology_from_dict
-from gossipcomp.transport.base import MAX_WIRE_ROUND, Envelope, Identity, PeerUnreachableError
+from gossipcomp.transport.base import (
+    MAX_WIRE_ROUND,
+    Envelope,
+    Greeting,
+    Identity,
+    PeerUnreachableError,
+)
 from gossipcomp.transport.codec import encode_raw
 from gossipcomp.transport.grpc_transport import SERVICE_NAME, GrpcOptions, GrpcTransport
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
@@ -148,7 +154,7 @@ def test_a_neighbour_claiming_round_a_million_cannot_throw_a_peer_ahead(how):
         # refused while peer 1's edge to peer 0 exchanges (issue 23, finding 7); believed only
         # up to where peer 0 can be if the liar's retries land while it is down
         with contextlib.suppress(PeerUnreachableError):
-            liar.connect({1: peers[1].address}, timeout=5, round=1_000_000)
+            liar.connect({1: peers[1].address}, timeout=5, greeting=Greeting(round=1_000_000))
         after = [p.round for p in peers]
         running.join(60)
         # believed only up to where peer 0 could be: their last common round plus the margin,

@@ -38,6 +38,7 @@ class WireTensor:
 
 
 Payload = tuple[WireTensor, ...]
+Outgoing = Mapping[int, Payload]  # what one exchange sends: a payload per neighbour
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,17 @@ class HelloAnswer:
     schedule_epoch: int = 0  # the newest schedule epoch the answering peer has
 
 
+@dataclass(frozen=True)
+class Greeting:
+    """What a peer tells each neighbour when it connects: its `round` (non-zero when restored
+    from a checkpoint), `proposals` (neighbour -> the round at which it asks to resume their
+    edge), and `alone`: it has no live edge (restored), so its round is not to be followed."""
+
+    round: int = 0
+    proposals: Mapping[int, int] = field(default_factory=dict)
+    alone: bool = False
+
+
 HelloHandler = Callable[[int, int, int, bool, int], HelloAnswer]
 """Answers an incoming handshake: (sender, sender's round, proposed resume round, whether the
 sender is alone, the sender's newest schedule epoch) -> answer."""
@@ -216,19 +228,13 @@ class Transport(Protocol):
     inbox: Inbox  # expectations, notices and the mailbox, checked before anything is stored
 
     def connect(
-        self,
-        addresses: Mapping[int, str],
-        timeout: float,
-        round: int = 0,
-        proposals: Mapping[int, int] | None = None,
-        alone: bool = False,
+        self, addresses: Mapping[int, str], timeout: float, greeting: Greeting | None = None
     ) -> dict[int, HelloAnswer]:
         """Handshake with every neighbour (rank -> address) within `timeout` seconds, or raise
-        PeerUnreachableError naming the missing ones (HandshakeError on a mismatch). `round` is
-        the peer's round (non-zero when restored from a checkpoint): envelopes are accepted
-        from that round on, and a neighbour at another round answers with a resume round, as
-        does one asked to resume by `proposals` (neighbour -> proposed resume round). `alone`: this
-        peer has no live edge (restored from a checkpoint), so its round is not to be followed."""
+        PeerUnreachableError naming the missing ones (HandshakeError on a mismatch), telling each
+        `greeting` (default: a fresh peer at round 0). Envelopes are accepted from the
+        greeting's round on, and a neighbour at another round answers with a resume round, as
+        does one asked to resume by its proposals."""
         ...
 
     def set_hello_handler(self, handler: HelloHandler) -> None:
@@ -240,12 +246,7 @@ class Transport(Protocol):
         ...
 
     def exchange(
-        self,
-        round: int,
-        phase: str,
-        outgoing: Mapping[int, Payload],
-        timeout: float,
-        schedule_epoch: int = 0,
+        self, round: int, phase: str, outgoing: Outgoing, timeout: float, schedule_epoch: int = 0
     ) -> ExchangeResult:
         """Send outgoing[j] to each neighbour j and wait, until the deadline, for j's payload.
         Envelopes carry `schedule_epoch`; one a neighbour sent under another epoch fails that

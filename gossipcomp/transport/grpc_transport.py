@@ -38,14 +38,15 @@ from gossipcomp.transport.base import (
     Envelope,
     EnvelopeRejected,
     ExchangeResult,
+    Greeting,
     HandshakeError,
     HelloAnswer,
     HelloHandler,
     Identity,
+    Outgoing,
     Payload,
     PeerUnreachableError,
     RejectCode,
-    epoch_mismatch,
 )
 from gossipcomp.transport.grpc_options import (  # re-exported: the names' old home
     WHY_AUTHENTICATION_NEEDS_TLS,
@@ -196,29 +197,23 @@ class GrpcTransport:
         return self._loop.submit(fetch())  # refused, unanswered, too many: the future fails
 
     def connect(
-        self,
-        addresses: Mapping[int, str],
-        timeout: float,
-        round: int = 0,
-        proposals: Mapping[int, int] | None = None,
-        alone: bool = False,
+        self, addresses: Mapping[int, str], timeout: float, greeting: Greeting | None = None
     ) -> dict[int, HelloAnswer]:
         """Open channels to every neighbour and handshake, retrying until `timeout` seconds.
 
         Neighbours may start in any order: unreachable ones are retried with backoff. A
         mismatching neighbour raises HandshakeError at once; still unreachable ones at the end
-        raise PeerUnreachableError naming them and their addresses. `round` is this peer's
-        round (non-zero when restored from a checkpoint): the mailbox opens at it before anyone
-        is greeted; `proposals` asks given neighbours to resume their edge at (at least) a round.
-        Returns each neighbour's answer (its round, and a resume round if the edge must be
-        resynchronised).
+        raise PeerUnreachableError naming them and their addresses. The mailbox opens at the
+        `greeting`'s round before anyone is greeted; its proposals ask given neighbours to
+        resume their edge at (at least) a round. Returns each neighbour's answer (its round,
+        and a resume round if the edge must be resynchronised).
         """
         missing = [j for j in self._neighbours if j not in addresses]
         if missing:
             raise ValueError(f"peer {self.rank}: no address for neighbours {missing}")
         self._loop.run(self._open_channels(addresses))
-        self.inbox.open_round(round)
-        proposals = proposals or {}
+        greeting = greeting or Greeting()
+        self.inbox.open_round(greeting.round)
         answers: dict[int, HelloAnswer] = {}
         deadline = time.monotonic() + timeout
         pending = set(self._neighbours)
@@ -228,7 +223,9 @@ class GrpcTransport:
             for j in sorted(pending):
                 attempt = min(self._options.hello_timeout, max(0.05, deadline - time.monotonic()))
                 try:
-                    request = self._hello_request(j, round, proposals.get(j, 0), alone)
+                    request = self._hello_request(
+                        j, greeting.round, greeting.proposals.get(j, 0), greeting.alone
+                    )
                     reply = self._loop.run(_unary(self._stubs[j].Hello, request, attempt))
                     answers[j] = self._answer(j, request, reply)
                     pending.discard(j)
@@ -366,12 +363,7 @@ class GrpcTransport:
         return len(chunk)
 
     def exchange(
-        self,
-        round: int,
-        phase: str,
-        outgoing: Mapping[int, Payload],
-        timeout: float,
-        schedule_epoch: int = 0,
+        self, round: int, phase: str, outgoing: Outgoing, timeout: float, schedule_epoch: int = 0
     ) -> ExchangeResult:
         if not self._stubs:
             raise RuntimeError(f"peer {self.rank}: exchange before connect()")
@@ -414,9 +406,7 @@ class GrpcTransport:
         # a refused push means the neighbour has moved on or gone: stop waiting for it
         pushed = _Pushes(self.inbox.mailbox, round, phase, start)
         batch = self._loop.submit(pushed.run(pushes))
-        arrived, mismatched = self.inbox.collect(
-            round, phase, outgoing.keys(), deadline, schedule_epoch
-        )
+        arrivals = self.inbox.collect(round, phase, outgoing.keys(), deadline, schedule_epoch)
         try:
             batch.result(timeout=max(0.0, deadline - time.monotonic()))
         except futures.TimeoutError:
@@ -433,19 +423,7 @@ class GrpcTransport:
             else:
                 result.bytes_sent[j] = sizes.get(j, outcome)
                 result.send_seconds[j] = pushed.delivered[j]
-        for j in outgoing:
-            if j in result.failed:
-                continue
-            if j in mismatched:
-                result.failed[j] = epoch_mismatch(round, mismatched[j], schedule_epoch)
-                result.epoch_mismatches.append(j)
-                continue
-            if j not in arrived:
-                result.failed[j] = f"no envelope for round {round} phase {phase!r} in {timeout:g} s"
-                continue
-            envelope, wire_bytes = arrived[j]
-            result.received[j] = envelope
-            result.bytes_received[j] = wire_bytes
+        arrivals.report(result, outgoing, timeout)
         return result
 
     def close(self) -> None:

@@ -27,11 +27,49 @@ from collections.abc import Collection, Iterable, Mapping
 
 from gossipcomp.levels.notices import check_notice
 from gossipcomp.proto.v1 import gossip_pb2 as pb
-from gossipcomp.transport.base import Envelope, LevelNotice, NoticeRules, PayloadSpec
+from gossipcomp.transport.base import (
+    Envelope,
+    ExchangeResult,
+    LevelNotice,
+    NoticeRules,
+    PayloadSpec,
+    epoch_mismatch,
+)
 from gossipcomp.transport.codec import check_finite, decode_payloads, validate_header
 from gossipcomp.transport.mailbox import Mailbox
 
 SpecTable = Mapping[tuple[int, str], Mapping[int, PayloadSpec]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrivals:
+    """What one exchange collected: by sender, the envelope (and its wire bytes) sent under the
+    exchange's schedule epoch, and the epoch of each one that was not (never used)."""
+
+    round: int
+    phase: str
+    schedule_epoch: int
+    envelopes: dict[int, tuple[Envelope, int]]
+    mismatched: dict[int, int]
+
+    def report(self, result: ExchangeResult, senders: Iterable[int], timeout: float) -> None:
+        """Enter in `result` each sender's envelope, or why the exchange failed for it (sent
+        under another epoch, or nothing within `timeout` seconds); senders whose push already
+        failed are left as they are."""
+        for j in senders:
+            if j in result.failed:
+                continue
+            if j in self.mismatched:
+                result.failed[j] = epoch_mismatch(
+                    self.round, self.mismatched[j], self.schedule_epoch
+                )
+                result.epoch_mismatches.append(j)
+            elif j not in self.envelopes:
+                result.failed[j] = (
+                    f"no envelope for round {self.round} phase {self.phase!r} in {timeout:g} s"
+                )
+            else:
+                result.received[j], result.bytes_received[j] = self.envelopes[j]
 
 
 class Inbox:
@@ -136,7 +174,7 @@ class Inbox:
         senders: Iterable[int],
         deadline: float,
         schedule_epoch: int,
-    ) -> tuple[dict[int, tuple[Envelope, int]], dict[int, int]]:
+    ) -> Arrivals:
         """The envelopes of (round, phase) from `senders` that arrive before `deadline`
         (time.monotonic), split into those sent under `schedule_epoch` and, by sender, the
         epoch of those that were not (never used: the exchange fails for that neighbour)."""
@@ -146,7 +184,8 @@ class Inbox:
             for j, (envelope, _) in arrived.items()
             if envelope.schedule_epoch != schedule_epoch
         }
-        return {j: v for j, v in arrived.items() if j not in mismatched}, mismatched
+        kept = {j: v for j, v in arrived.items() if j not in mismatched}
+        return Arrivals(round, phase, schedule_epoch, kept, mismatched)
 
     def check_header(self, header: pb.EnvelopeHeader) -> PayloadSpec:
         """Validate a header (its level notice included) before any data is read; return the

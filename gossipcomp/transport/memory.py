@@ -20,14 +20,14 @@ from gossipcomp.transport.base import (
     Envelope,
     EnvelopeRejected,
     ExchangeResult,
+    Greeting,
     HandshakeError,
     HelloAnswer,
     HelloHandler,
     Identity,
-    Payload,
+    Outgoing,
     PeerNotReady,
     PeerUnreachableError,
-    epoch_mismatch,
     no_rejoin,
 )
 from gossipcomp.transport.inbox import Inbox
@@ -149,16 +149,12 @@ class InMemoryTransport:
         return answer
 
     def connect(
-        self,
-        addresses: Mapping[int, str],
-        timeout: float,
-        round: int = 0,
-        proposals: Mapping[int, int] | None = None,
-        alone: bool = False,
+        self, addresses: Mapping[int, str], timeout: float, greeting: Greeting | None = None
     ) -> dict[int, HelloAnswer]:
         """Wait until every neighbour is on the hub with the same topology, model and protocol;
-        then greet each at `round` (see Transport.connect)."""
-        self.inbox.open_round(round)
+        then greet each (see Transport.connect)."""
+        greeting = greeting or Greeting()
+        self.inbox.open_round(greeting.round)
         deadline = time.monotonic() + timeout
         while True:
             missing = [j for j in self._neighbours if self._hub.lookup(j) is None]
@@ -182,17 +178,14 @@ class InMemoryTransport:
         for j in self._neighbours:
             other = self._hub.lookup(j)
             if other is not None:
-                proposed = (proposals or {}).get(j, 0)
-                answers[j] = other.hello(self.rank, round, proposed, alone, self.schedule_epoch)
+                proposed = greeting.proposals.get(j, 0)
+                answers[j] = other.hello(
+                    self.rank, greeting.round, proposed, greeting.alone, self.schedule_epoch
+                )
         return answers
 
     def exchange(
-        self,
-        round: int,
-        phase: str,
-        outgoing: Mapping[int, Payload],
-        timeout: float,
-        schedule_epoch: int = 0,
+        self, round: int, phase: str, outgoing: Outgoing, timeout: float, schedule_epoch: int = 0
     ) -> ExchangeResult:
         start = time.monotonic()
         deadline = start + timeout
@@ -217,20 +210,8 @@ class InMemoryTransport:
                 result.failed[j] = f"push failed: {error}"
             if j in result.failed:  # it has moved on or gone: do not wait for its envelope
                 self.inbox.mailbox.abandon(round, phase, j)
-        arrived, mismatched = self.inbox.collect(
-            round, phase, outgoing.keys(), deadline, schedule_epoch
-        )
-        for j in outgoing:
-            if j in result.failed:
-                continue
-            if j in mismatched:
-                result.failed[j] = epoch_mismatch(round, mismatched[j], schedule_epoch)
-                result.epoch_mismatches.append(j)
-                continue
-            if j not in arrived:
-                result.failed[j] = f"no envelope for round {round} phase {phase!r} in {timeout:g} s"
-                continue
-            result.received[j], result.bytes_received[j] = arrived[j]
+        arrivals = self.inbox.collect(round, phase, outgoing.keys(), deadline, schedule_epoch)
+        arrivals.report(result, outgoing, timeout)
         return result
 
     def close(self) -> None:

@@ -14,19 +14,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.text import quoted
-from gossipcomp.transport.base import (
-    ExchangeResult,
-    HelloAnswer,
-    HelloHandler,
-    Payload,
-    Transport,
-)
+from gossipcomp.transport.base import ExchangeResult, Outgoing, Transport
 from gossipcomp.transport.schedules import ScheduleSource, SharesSchedules
 
 MAX_MBIT = 1e6  # a terabit link: beyond, the throttle is pointless
@@ -95,7 +89,12 @@ class ThrottledTransport:
         self._inner = inner
         self.rates = rates
         self.rank = inner.rank
-        self.inbox = inner.inbox  # the throttle slows sending only: receiving is the inner's
+        # the throttle slows sending only: receiving and handshakes are the inner's
+        self.inbox = inner.inbox
+        self.connect = inner.connect
+        self.set_hello_handler = inner.set_hello_handler
+        self.probe = inner.probe
+        self.close = inner.close
 
     @property
     def schedule_epoch(self) -> int:
@@ -110,12 +109,7 @@ class ThrottledTransport:
         return getattr(self._inner, "address", None)
 
     def exchange(
-        self,
-        round: int,
-        phase: str,
-        outgoing: Mapping[int, Payload],
-        timeout: float,
-        schedule_epoch: int = 0,
+        self, round: int, phase: str, outgoing: Outgoing, timeout: float, schedule_epoch: int = 0
     ) -> ExchangeResult:
         transfer = {
             j: sum(wire.nbytes for wire in payload)
@@ -129,22 +123,6 @@ class ThrottledTransport:
             result.send_seconds[j] = transfer[j] + seconds
         return result
 
-    def connect(
-        self,
-        addresses: Mapping[int, str],
-        timeout: float,
-        round: int = 0,
-        proposals: Mapping[int, int] | None = None,
-        alone: bool = False,
-    ) -> dict[int, HelloAnswer]:
-        return self._inner.connect(addresses, timeout, round, proposals, alone)
-
-    def set_hello_handler(self, handler: HelloHandler) -> None:
-        self._inner.set_hello_handler(handler)
-
-    def probe(self, neighbour: int, round: int, proposed: int, alone: bool) -> Future[HelloAnswer]:
-        return self._inner.probe(neighbour, round, proposed, alone)
-
     def set_schedule_source(self, source: ScheduleSource) -> None:
         """Neighbours' schedules (transport/schedules.py) pass unthrottled, like handshakes."""
         if isinstance(self._inner, SharesSchedules):
@@ -156,6 +134,3 @@ class ThrottledTransport:
         unanswered: Future[list[cpb.Schedule]] = Future()  # the peer logs it and trains on
         unanswered.set_exception(RuntimeError("the inner transport shares no schedules"))
         return unanswered
-
-    def close(self) -> None:
-        self._inner.close()
