@@ -1,15 +1,22 @@
-"""Argument types for the command lines (`gossipcomp ...` and `gossipcomp allreduce`).
+"""What the command lines (`gossipcomp ...` and `python -m gossipcomp.allreduce`) share.
 
-Each returns an argparse type that turns a flag's text into a checked number, or raises
+The argument types: each turns a flag's text into a checked number, or raises
 ArgumentTypeError naming the flag's meaning, what was expected and (shortened) what was given,
-so every command line words its errors alike.
+so every command line words its errors alike. The parser and help formatter both use, the
+one-line error they write, and the flags several commands take (the optimizer and data split of
+a training run, its report), declared here once with what each command sets apart: its
+defaults, limits and words.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
 
 from gossipcomp.text import quoted
 
@@ -62,3 +69,81 @@ def number(
         return value
 
     return parse
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line (the flag, what is wrong, what was expected) and status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows '(default: X)' where there is a value to show; None and flags say it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        flag = action.nargs == 0  # takes no value (store_true/false): its help says what it does
+        if flag or action.default is None or action.default == argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def write_error(prog: str, message: object) -> None:
+    """One line on stderr, as argparse writes its own errors."""
+    text = " ".join(str(message).split())  # a message with line breaks still takes one line
+    sys.stderr.write(f"{prog}: error: {text}\n")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One command's default, upper limit (None: none) and help of a flag others take too."""
+
+    default: object
+    high: float | None = None
+    help: str | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerFlags:
+    """What a training command sets for the shared flags --lr, --momentum, --batch-size,
+    --partition and --seed; `momentum_below_high`: --momentum must stay below its limit."""
+
+    lr: Setting
+    momentum: Setting
+    batch_size: Setting
+    partition: Setting
+    seed: Setting
+    momentum_below_high: bool = False
+
+
+def add_optimizer_flags(group: argparse._ActionsContainer, flags: OptimizerFlags) -> None:
+    """--lr, --momentum, --batch-size, --partition and --seed, in that order."""
+    lr, momentum, batch, seed = flags.lr, flags.momentum, flags.batch_size, flags.seed
+    group.add_argument(
+        "--lr",
+        type=number("learning rate", 0.0, math.inf if lr.high is None else lr.high),
+        default=lr.default,
+        help=lr.help,
+    )
+    momentum_type = number(
+        "momentum",
+        0.0,
+        math.inf if momentum.high is None else momentum.high,
+        low_closed=True,
+        high_closed=not flags.momentum_below_high,
+    )
+    group.add_argument(
+        "--momentum", type=momentum_type, default=momentum.default, help=momentum.help
+    )
+    batch_type = integer("batch size", 1, None if batch.high is None else int(batch.high))
+    group.add_argument("--batch-size", type=batch_type, default=batch.default, help=batch.help)
+    partition = flags.partition
+    group.add_argument("--partition", default=partition.default, help=partition.help)
+    seed_type = integer("seed", 0, None if seed.high is None else int(seed.high))
+    group.add_argument("--seed", type=seed_type, default=seed.default, help=seed.help)
+
+
+def add_report_flags(parser: argparse.ArgumentParser, report_help: str, quiet_help: str) -> None:
+    """--report FILE (the JSON report) and --quiet, which every training command takes."""
+    parser.add_argument("--report", type=Path, help=report_help)
+    parser.add_argument("--quiet", action="store_true", help=quiet_help)

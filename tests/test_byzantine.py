@@ -15,7 +15,8 @@ import torch
 from conftest import build_network, gossip_round, in_memory_trainers, run_in_threads
 from torch import nn
 
-from gossipcomp.cli import _config, build_parser, main
+from gossipcomp.cli import build_parser, main
+from gossipcomp.cli.training_flags import config as config_of
 from gossipcomp.compress import parse_spec
 from gossipcomp.experiment import TrainConfig, build_algorithm
 from gossipcomp.gossip import DPSGD, Attack, Byzantine, Choco, make_attack
@@ -145,14 +146,14 @@ def test_cli_flags_reach_the_config_and_bad_values_are_refused(tmp_path, capsys)
             *("--attack", "scale", "--attack-scale", "2.5"),
         ]
     )
-    config = _config(args)
+    config = config_of(args)
     assert (config.clip, config.byzantine, config.attack, config.attack_scale) == (
         "adaptive:2",
         (3, 5),
         "scale",
         2.5,
     )
-    defaults = _config(build_parser().parse_args(["simulate"]))
+    defaults = config_of(build_parser().parse_args(["simulate"]))
     assert (defaults.clip, defaults.byzantine, defaults.attack) == (None, (), "sign_flip")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["simulate", "--clip", "median"])

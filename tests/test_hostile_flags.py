@@ -193,7 +193,7 @@ def test_internal_errors_keep_their_traceback(capsys, monkeypatch):
     def broken(*args: object, **kwargs: object) -> Report:
         raise KeyError("a bug")
 
-    monkeypatch.setattr(cli, "run_simulation", broken)
+    monkeypatch.setattr(cli.simulate, "run_simulation", broken)
     assert cli.main([*SIMULATE, "--rounds", "1"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "KeyError" in err

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gossipcomp.cli import _fill_rank_in_paths, build_parser
+from gossipcomp.cli import build_parser
+from gossipcomp.cli.training import fill_rank_in_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +46,7 @@ def _filled(arguments: list[str], rank: int, world: str | None) -> Path:
             os.environ.pop("WORLD_SIZE", None)
         else:
             os.environ["WORLD_SIZE"] = world
-        _fill_rank_in_paths(args, rank)
+        fill_rank_in_paths(args, rank)
     finally:
         if saved is None:
             os.environ.pop("WORLD_SIZE", None)

@@ -14,18 +14,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 
 import torch.distributed as dist
 
 from gossipcomp.allreduce.launch import LaunchError, Session, init_from_env, spawn
 from gossipcomp.allreduce.liveness import RankFailure
 from gossipcomp.allreduce.train import MODELS, SYNCS, AllreduceConfig, RankResult, train_rank
-from gossipcomp.arguments import integer, number
+from gossipcomp.arguments import (
+    OptimizerFlags,
+    Setting,
+    add_optimizer_flags,
+    add_report_flags,
+    integer,
+    number,
+    write_error,
+)
 from gossipcomp.report import HistoryPoint, PeerReport, Report
 from gossipcomp.text import quoted
 
@@ -55,15 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="merged: per-tensor, single, mgwfbp, mergecomp, strategy[:candidates=...], threshold",
     )
     parser.add_argument("--steps", type=integer("steps", 1, MAX_STEPS), default=d.steps)
-    parser.add_argument("--lr", type=number("learning rate", 0.0, 10.0), default=d.lr)
-    parser.add_argument(
-        "--momentum", type=number("momentum", 0.0, 0.999, low_closed=True), default=d.momentum
+    optimizer = OptimizerFlags(
+        lr=Setting(d.lr, 10.0),
+        momentum=Setting(d.momentum, 0.999),
+        batch_size=Setting(d.batch_size, 1 << 16),
+        partition=Setting(d.partition, None, "iid | by-label | dirichlet:ALPHA"),
+        seed=Setting(d.seed, 2**62),
     )
-    parser.add_argument(
-        "--batch-size", type=integer("batch size", 1, 1 << 16), default=d.batch_size
-    )
-    parser.add_argument("--partition", default=d.partition, help="iid | by-label | dirichlet:ALPHA")
-    parser.add_argument("--seed", type=integer("seed", 0, 2**62), default=d.seed)
+    add_optimizer_flags(parser, optimizer)
     parser.add_argument(
         "--eval-every",
         type=integer("eval every", 0, MAX_STEPS),
@@ -100,8 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="ddp-hook, merged: send the compressed gradient without memory",
     )
-    parser.add_argument("--report", type=Path, help="write the JSON report here")
-    parser.add_argument("--quiet", action="store_true", help="no summary table")
+    add_report_flags(parser, "write the JSON report here", "no summary table")
 
 
 def config_of(args: argparse.Namespace) -> AllreduceConfig:
@@ -241,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
                 "every rank (rank 0 writes it); expected a path without {rank}"
             )
     except ValueError as error:
-        _error(prog, error)
+        write_error(prog, error)
         return 2
     start = time.perf_counter()
     session = None
@@ -257,10 +261,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             session, results = _torchrun_rank(config)
     except ValueError as error:
-        _error(prog, error)
+        write_error(prog, error)
         return 2
     except (LaunchError, RankFailure) as error:
-        _error(prog, error)
+        write_error(prog, error)
         return 1
     try:
         if session is not None and session.rank != 0:
@@ -276,8 +280,3 @@ def run(args: argparse.Namespace) -> int:
         if session is not None:
             session.close()
     return 0
-
-
-def _error(prog: str, message: object) -> None:
-    text = " ".join(str(message).split())
-    sys.stderr.write(f"{prog}: error: {text}\n")

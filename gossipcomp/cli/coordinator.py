@@ -1,0 +1,127 @@
+"""`gossipcomp coordinator`: serve a coordinator that plans schedules from the peers'
+measurements; its flags, which `simulate` shares for the coordinator it runs in-process."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+
+from rich.console import Console
+
+from gossipcomp.arguments import HelpWithDefaults, integer, number
+from gossipcomp.cli.common import add_tls_flags, planner_spec, resolve_topology, tls_files
+from gossipcomp.coordinator import Coordinator, CoordinatorServer
+from gossipcomp.schedule import PLANNERS
+from gossipcomp.topology import Topology
+from gossipcomp.transport.grpc_transport import is_loopback
+
+
+def add_coordinator_flags(group: argparse._ActionsContainer) -> None:
+    """The coordinator's flags, which `simulate` takes too (its coordinator runs in-process)."""
+    group.add_argument(
+        "--planner",
+        type=planner_spec,
+        default="mergecomp",
+        help=f"the coordinator's planner: {', '.join(sorted(PLANNERS))}",
+    )
+    group.add_argument(
+        "--report-every",
+        type=integer("report interval (rounds)", 1, 10**6),
+        default=10,
+        help="rounds between each peer's reports to the coordinator",
+    )
+    group.add_argument(
+        "--replan-every",
+        type=integer("replanning interval (rounds)", 1, 10**6),
+        default=200,
+        help="rounds between the coordinator's plans (it publishes only a plan that differs)",
+    )
+    group.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="bandwidth-adaptive compression (powergossip: a rank per link; choco, def: a "
+        "level of the compressor's ladder per peer, its slowest link's): measure every link "
+        "from the transfers training makes and set its level to the highest whose transfers "
+        "fit the round budget; peers should report every round or two (--report-every)",
+    )
+    group.add_argument(
+        "--round-budget",
+        type=number("round budget (seconds)", 0.0, 86_400.0),
+        metavar="SECONDS",
+        help="with --adaptive: seconds a round's transfers over one link may take (default: "
+        "the slowest peer's measured compute time per round, so communication hides behind it)",
+    )
+    group.add_argument(
+        "--boost",
+        action="store_true",
+        help="with --adaptive: a peer in a critical learning phase (a layer's gradient norm "
+        "changed by half or more between windows of 10 rounds: Accordion) gets its links one "
+        "level higher while it lasts",
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`gossipcomp coordinator` and its flags."""
+    coordinator = sub.add_parser(
+        "coordinator",
+        help="plan merged compression from the peers' measurements and publish schedules",
+        formatter_class=HelpWithDefaults,
+    )
+    coordinator.add_argument(
+        "--topology", required=True, help="topology YAML file (or shipped name)"
+    )
+    coordinator.add_argument(
+        "--address", default="127.0.0.1:50099", help="address to listen on (HOST:PORT)"
+    )
+    add_coordinator_flags(coordinator)
+    add_tls_flags(coordinator, "coordinator")
+
+
+def make_coordinator(args: argparse.Namespace, topology: Topology) -> Coordinator:
+    """The coordinator the flags describe; ValueError for --round-budget/--boost without
+    --adaptive."""
+    for flag, given in (("--round-budget", args.round_budget is not None), ("--boost", args.boost)):
+        if given and not args.adaptive:
+            raise ValueError(f"{flag}: expected --adaptive with it (it changes link levels)")
+    return Coordinator(
+        topology,
+        planner=args.planner,
+        report_every=args.report_every,
+        replan_every=args.replan_every,
+        adaptive=args.adaptive,
+        round_budget=args.round_budget,
+        boost=args.boost,
+    )
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    """Serve until interrupted (Ctrl-C: status 130) or terminated (SIGTERM: status 0)."""
+    tls = tls_files(args)
+    if tls is None and not args.insecure and not is_loopback(args.address):
+        raise ValueError(
+            f"--address {args.address}: plaintext on an address other than loopback lets anyone "
+            "who reaches it pose as a peer; expected --tls-cert/--tls-key/--tls-ca, or --insecure"
+        )
+    topology = resolve_topology(args.topology)
+    server = CoordinatorServer(make_coordinator(args, topology), args.address, tls)
+    console.print(
+        f"coordinator for {topology.name} ({topology.n} peers) at {server.address}, "
+        f"planner {args.planner}; peers join with --coordinator {server.address}"
+    )
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        server.wait()
+    except _Terminated:
+        console.print("coordinator: terminated (SIGTERM); stopped serving")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server.stop()
+    return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM (`kill PID`) reached a serving coordinator: a requested stop, status 0."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated

@@ -1,0 +1,143 @@
+"""`gossipcomp peer`: one peer in this process, at its address in the topology (as torchrun or
+a shell script starts one per machine); its rank from --rank or the RANK variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from rich.console import Console
+
+from gossipcomp.arguments import HelpWithDefaults, integer, number
+from gossipcomp.cli.common import add_tls_flags, tls_files
+from gossipcomp.cli.training import ProgressDisplay, finish, prepare
+from gossipcomp.cli.training_flags import add_training_flags
+from gossipcomp.simulation import PeerLevels, run_peer
+from gossipcomp.text import quoted
+from gossipcomp.topology import Topology
+
+MAX_STARTUP_TIMEOUT = 86400.0  # seconds: waiting a day for neighbours is a typing mistake
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`gossipcomp peer` and its flags."""
+    peer = sub.add_parser(
+        "peer",
+        help="one peer in this process, at its address in the topology",
+        formatter_class=HelpWithDefaults,
+    )
+    peer.add_argument("--topology", required=True, help="topology YAML file (or shipped name)")
+    peer.add_argument(
+        "--rank",
+        type=integer("rank", 0),
+        default=None,
+        help="this peer's rank (default: the RANK environment variable, as set by torchrun)",
+    )
+    peer.add_argument("--bind", help="address to listen on (default: the topology's address)")
+    peer.add_argument(
+        "--startup-timeout",
+        type=number("startup timeout (seconds)", 0.0, MAX_STARTUP_TIMEOUT),
+        default=120.0,
+        help="seconds to wait for neighbours to come up before giving up",
+    )
+    add_tls_flags(peer, "peer")
+    peer.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="report measurements to the coordinator there and take its schedules (over the "
+        "peer's TLS when given); without one the peer runs its static --schedule",
+    )
+    peer.add_argument(
+        "--report-every",
+        type=integer("report interval (rounds)", 1, 10**6),
+        default=10,
+        help="rounds between reports to the coordinator",
+    )
+    peer.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="bandwidth-adaptive compression without a coordinator: for each edge to a "
+        "higher-ranked neighbour this peer sets the rank from its own sends (powergossip), or "
+        "the level it sends at from its sends over its slowest link (choco, def), and announces "
+        "it in its envelopes; start every peer with it (with a coordinator, start the "
+        "coordinator with --adaptive instead)",
+    )
+    peer.add_argument(
+        "--round-budget",
+        type=number("round budget (seconds)", 0.0, 86_400.0),
+        metavar="SECONDS",
+        help="with --adaptive: seconds a round's transfers over one link may take (default: this "
+        "peer's median compute time per round)",
+    )
+    peer.add_argument(
+        "--key",
+        type=Path,
+        metavar="FILE",
+        help="this peer's signing key: sign every message, accept only messages signed by the "
+        "keys the topology lists (needs TLS; required when the topology lists public keys)",
+    )
+    add_training_flags(peer, rank_is_low_rank=False)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    """Every check first, then this peer's training, then its report."""
+    tls = tls_files(args)
+    checked, rank = prepare(args, _peer_rank, "--low-rank")
+    assert rank is not None  # prepare asked _peer_rank for it
+    peer_levels = _peer_levels(args)
+    config, topology = checked.config, checked.topology
+    label = f"peer {rank}: {config.algorithm} on {topology.name}"
+    with ProgressDisplay(console, config.gossip_rounds, label, args.quiet) as bar:
+        report = run_peer(
+            config,
+            topology,
+            rank,
+            bind=args.bind,
+            progress=bar.advance,
+            startup_timeout=args.startup_timeout,
+            checkpoints=checked.checkpoints,
+            tls=tls,
+            signing_key=args.key,
+            insecure=args.insecure,
+            coordinator=args.coordinator,
+            report_every=args.report_every,
+            peer_levels=peer_levels,
+        )
+    finish(report, args, console)
+    return 0
+
+
+def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:
+    """Link levels set by the peers themselves, without a coordinator (`--adaptive`, no
+    --coordinator); ValueError for flags that contradict it."""
+    if args.round_budget is not None and not args.adaptive:
+        raise ValueError("--round-budget: expected --adaptive with it (it changes link levels)")
+    if args.adaptive and args.coordinator:
+        raise ValueError(
+            "--adaptive with --coordinator: a coordinator started with --adaptive sets the "
+            "levels; expected one of them (--adaptive alone: the peers set levels)"
+        )
+    return PeerLevels(args.round_budget) if args.adaptive else None
+
+
+def _peer_rank(args: argparse.Namespace, topology: Topology) -> int:
+    """This peer's rank (--rank, or RANK from the environment), one of the topology's."""
+    rank = args.rank if args.rank is not None else rank_from_env()
+    if not 0 <= rank < topology.n:
+        given = f"--rank {rank}" if args.rank is not None else f"RANK={rank} (environment)"
+        raise ValueError(f"{given}: topology {topology.name} has ranks 0 to {topology.n - 1}")
+    return rank
+
+
+def rank_from_env() -> int:
+    """RANK from the environment, as torchrun sets it."""
+    value = os.environ.get("RANK")
+    if value is None:
+        raise ValueError("no --rank given and no RANK environment variable set")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"RANK environment variable must be an integer, got {quoted(value)}"
+        ) from None

@@ -1,0 +1,185 @@
+"""`gossipcomp simulate`: every peer of a topology in this process (or a few), talking real
+gRPC on loopback, with an in-process coordinator and throttled links when asked."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+
+from gossipcomp.arguments import HelpWithDefaults, integer, number
+from gossipcomp.cli.coordinator import add_coordinator_flags, make_coordinator
+from gossipcomp.cli.training import ProgressDisplay, finish, prepare
+from gossipcomp.cli.training_flags import add_training_flags
+from gossipcomp.simulation import MAX_WORKERS, PeerLevels, run_simulation, usable_cores
+from gossipcomp.topology import Topology
+from gossipcomp.transport.throttled import MAX_MBIT, LinkRates, RateChange
+
+DEFAULT_TOPOLOGY = "ring8"
+# bytes of the smallest round a link carries (an envelope of one rank-1 message of the digits
+# MLP is ~4 KB): a slower link cannot finish even that within the round's deadline
+MIN_ROUND_BYTES = 1024
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`gossipcomp simulate` and its flags."""
+    sim = sub.add_parser(
+        "simulate",
+        formatter_class=HelpWithDefaults,
+        help="every peer of a topology in this process, real gRPC on loopback, digits data",
+    )
+    sim.add_argument(
+        "--topology",
+        default=DEFAULT_TOPOLOGY,
+        help="topology YAML file, or a shipped name",
+    )
+    sim.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS between the peers, with a throwaway CA and certificates",
+    )
+    sim.add_argument(
+        "--authenticate",
+        action="store_true",
+        help="peers sign every message with throwaway keys and check each other's (needs --tls)",
+    )
+    sim.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="draw this run (accuracy against steps, bytes and time; consensus distance) here",
+    )
+    sim.add_argument(
+        "--workers",
+        type=_workers,
+        default="auto",
+        help="spread the peers over this many processes (blocks of ranks; they talk gRPC on "
+        "loopback): one interpreter per core instead of one for all peers; auto: one per "
+        "usable core, at least 4 peers each (1 with --authenticate)",
+    )
+    coord = sim.add_argument_group("coordinator")
+    coord.add_argument(
+        "--coordinator",
+        action="store_true",
+        help="run a coordinator in this process: peers report measurements to it and switch to "
+        "the schedules it plans (choco, def)",
+    )
+    add_coordinator_flags(coord)
+    coord.add_argument(
+        "--no-coordinator",
+        action="store_true",
+        help="with --adaptive: no coordinator; the lower-ranked end of each edge sets the "
+        "edge's rank from its own sends (powergossip), each peer the level it sends at from its "
+        "sends over its slowest link (choco, def), and announces it in its envelopes",
+    )
+    links = sim.add_argument_group("throttled links (in this process; real ones: benchmarks/)")
+    links.add_argument(
+        "--link-rate",
+        type=number("link rate (Mbit/s)", 0.0, MAX_MBIT),
+        metavar="MBIT",
+        help="every link carries at most this many megabits per second",
+    )
+    links.add_argument(
+        "--link-change",
+        type=_link_change,
+        action="append",
+        default=[],
+        metavar="I-J:MBIT@ROUND",
+        help="from ROUND on, link I-J carries MBIT megabits per second (repeatable; needs "
+        "--link-rate), e.g. 0-1:10@30",
+    )
+    add_training_flags(sim, rank_is_low_rank=True)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    """Every check first, then every peer's training, then the report."""
+    checked, _ = prepare(args, None, "--rank")
+    peer_levels = _peer_levels(args)
+    config, topology = checked.config, checked.topology
+    label = f"{config.algorithm} on {topology.name}"
+    with ProgressDisplay(console, config.gossip_rounds * topology.n, label, args.quiet) as bar:
+        report = run_simulation(
+            config,
+            topology,
+            progress=bar.advance,
+            checkpoints=checked.checkpoints,
+            tls=args.tls,
+            authenticate=args.authenticate,
+            workers=_worker_count(args.workers, topology.n, args.authenticate),
+            coordinator=(
+                make_coordinator(args, topology)
+                if (args.coordinator or args.adaptive) and peer_levels is None
+                else None
+            ),
+            report_every=args.report_every,
+            link_rates=_link_rates(args, topology),
+            peer_levels=peer_levels,
+        )
+    finish(report, args, console)
+    return 0
+
+
+def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:
+    """Link levels set by the peers themselves, without a coordinator (`--adaptive
+    --no-coordinator`); ValueError for flags that contradict it."""
+    if not args.no_coordinator:
+        return None
+    if not args.adaptive:
+        raise ValueError(
+            "--no-coordinator: expected --adaptive with it (the peers set link levels)"
+        )
+    for flag, given in (("--coordinator", args.coordinator), ("--boost", args.boost)):
+        if given:
+            raise ValueError(
+                f"--no-coordinator with {flag}: {flag} works through a coordinator; expected one of them"
+            )
+    return PeerLevels(args.round_budget)
+
+
+def _workers(text: str) -> str | int:
+    return text if text == "auto" else integer("worker processes", 1, MAX_WORKERS)(text)
+
+
+def _worker_count(workers: str | int, peers: int, authenticate: bool) -> int:
+    """`--workers`, with auto resolved: a process per usable core while each gets at least
+    four peers (fewer peers gain less than a process costs to start), and one when messages
+    are signed (the throwaway keys live in one process)."""
+    if workers != "auto":
+        return int(workers)
+    if authenticate:
+        return 1
+    return max(1, min(usable_cores(), peers // 4, MAX_WORKERS))
+
+
+def _link_change(text: str) -> RateChange:
+    try:
+        return RateChange.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _link_rates(args: argparse.Namespace, topology: Topology) -> LinkRates | None:
+    """The throttle `--link-rate/--link-change` ask for; ValueError naming a change of a
+    link the topology does not have."""
+    if args.link_rate is None:
+        if args.link_change:
+            raise ValueError("--link-change: expected --link-rate too (the rate before it)")
+        return None
+    for change in args.link_change:
+        if not topology.graph.has_edge(change.a, change.b):
+            raise ValueError(
+                f"--link-change {change.a}-{change.b}: not an edge of {topology.name}; "
+                f"expected one of its {topology.graph.number_of_edges()} edges"
+            )
+    floor = MIN_ROUND_BYTES * 8 / 1e6 / args.round_timeout
+    rates = [("--link-rate", args.link_rate)]
+    rates += [(f"--link-change {c.a}-{c.b}", c.mbit) for c in args.link_change]
+    for flag, mbit in rates:
+        if mbit < floor:
+            raise ValueError(
+                f"{flag} {mbit:g} Mbit/s: below the floor of {floor:.3g} Mbit/s, at which a "
+                f"round of {MIN_ROUND_BYTES} bytes still crosses a link within --round-timeout "
+                f"{args.round_timeout:g} s; expected at least {floor:.3g} Mbit/s"
+            )
+    return LinkRates(args.link_rate, args.link_change)
