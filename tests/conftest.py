@@ -72,15 +72,7 @@ def build_network(
 ) -> list[Peer]:
     """One connected Peer per rank, over in-memory or real gRPC transports."""
     if transport == "grpc":
-        peers = [
-            Peer.over_grpc(
-                m, topology, r, algorithm(), bind="127.0.0.1:0", round_timeout=round_timeout
-            )
-            for r, m in enumerate(models)
-        ]
-        addresses = {p.rank: p.address for p in peers}
-        run_in_threads([lambda p=p: p.start(10, addresses) for p in peers])
-        return peers
+        return grpc_network(topology, models, algorithm, round_timeout=round_timeout)
     hub = InMemoryHub()
     peers = []
     for r, m in enumerate(models):
@@ -89,6 +81,27 @@ def build_network(
         peers.append(Peer(m, topology, r, algorithm(), t, round_timeout=round_timeout))
     for p in peers:
         p.start(5, {})
+    return peers
+
+
+def grpc_network(
+    topology: Topology,
+    models: Sequence[torch.nn.Module],
+    algorithm: Callable[[], GossipAlgorithm],
+    grpc_options: Sequence[GrpcOptions | None] | None = None,
+    **options: Any,
+) -> list[Peer]:
+    """One Peer per rank over real gRPC on loopback (ports from 0), all started and connected;
+    `grpc_options` per rank, `options` (round_timeout, backoff, ...) for every peer."""
+    per_rank = grpc_options if grpc_options is not None else [None] * len(models)
+    peers = [
+        Peer.over_grpc(
+            m, topology, r, algorithm(), bind="127.0.0.1:0", options=per_rank[r], **options
+        )
+        for r, m in enumerate(models)
+    ]
+    addresses = {p.rank: p.address for p in peers}
+    run_in_threads([lambda p=p: p.start(10, addresses) for p in peers])
     return peers
 
 

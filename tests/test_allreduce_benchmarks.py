@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
+from helpers import needs_namespaces
 
 from gossipcomp.compress import parse_spec
 from gossipcomp.models import build_resmlp
@@ -90,18 +90,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import shaped_links  # noqa: E402
 
 
-def _namespaces_unavailable() -> str | None:
-    try:
-        shaped_links.check_available()
-    except shaped_links.NamespacesUnavailable as why:
-        return str(why)
-    return None
-
-
-UNAVAILABLE = _namespaces_unavailable()
-
-
-@pytest.mark.skipif(UNAVAILABLE is not None, reason=f"network namespaces: {UNAVAILABLE}")
+@needs_namespaces()
 def test_allreduce_merge_on_shaped_links_writes_the_network_bound_figures(tmp_path: Path) -> None:
     """2 gloo ranks behind tbf-limited NICs, sign only, a few steps: every planner's plan and
     prediction is reported, the link really limits the collective, the check is consistent."""

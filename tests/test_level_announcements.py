@@ -15,19 +15,20 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from functools import partial
 
 import grpc
+import helpers
 import pytest
 import torch
-from conftest import build_network, gossip_round, run_in_threads, stacked
+from conftest import build_network, gossip_round, run_in_threads
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gossipcomp.cli import main
 from gossipcomp.gossip import DPSGD, PowerGossip
 from gossipcomp.levels.edges import MIN_SENDS, NOTICE_LEAD, EdgeLevels
 from gossipcomp.levels.notices import MAX_NOTICE_LEAD
-from gossipcomp.links import Backoff, LinkState
-from gossipcomp.models import build_mlp, model_signature
+from gossipcomp.links import LinkState
 from gossipcomp.peer import Peer
 from gossipcomp.schedule.costs import LinkCost
 from gossipcomp.schedule.groups import TensorGroup
@@ -35,26 +36,14 @@ from gossipcomp.schedule.schedule import LinkLevel, Schedule, ScheduleRefused
 from gossipcomp.security import PeerKeys
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.authentication import Authenticator
-from gossipcomp.transport.base import (
-    Envelope,
-    EnvelopeRejected,
-    Identity,
-    LevelNotice,
-    NoticeRules,
-)
+from gossipcomp.transport.base import Envelope, LevelNotice, NoticeRules
 from gossipcomp.transport.codec import encode_raw, tensor_spec
-from gossipcomp.transport.memory import Fault, InMemoryHub, InMemoryTransport
-from gossipcomp.transport.throttled import LinkRates, RateChange, ThrottledTransport
+from gossipcomp.transport.memory import InMemoryHub
+from gossipcomp.transport.throttled import LinkRates, RateChange
 from gossipcomp.transport.wire import content_sha256, header_of
 
 RING4 = build_topology("ring", n=4)
 EDGES = ((0, 1), (1, 2), (2, 3), (0, 3))
-
-
-def _models(n: int, hidden: int = 32) -> list[torch.nn.Module]:
-    return [
-        build_mlp(seed, input_dim=16, hidden=(hidden, hidden), num_classes=4) for seed in range(n)
-    ]
 
 
 def _rank(peer: Peer, neighbour: int) -> int:
@@ -72,11 +61,6 @@ def _assert_ends_agree(peers: Sequence[Peer]) -> None:
                     torch.testing.assert_close(vector, theirs[(a, i, side)], rtol=0, atol=0)
 
 
-def _close(peers: Sequence[Peer]) -> None:
-    for peer in peers:
-        peer.close()
-
-
 @pytest.mark.parametrize("transport", ["memory", "grpc"])
 @pytest.mark.parametrize(("budget", "expected"), [(1e3, "top"), (1e-9, "bottom")])
 def test_a_very_high_budget_takes_links_to_the_top_and_a_very_low_one_to_the_lowest(
@@ -85,13 +69,15 @@ def test_a_very_high_budget_takes_links_to_the_top_and_a_very_low_one_to_the_low
     """PowerGossip at rank 2 on a ring: within a few rounds every link is at the ladder's top
     (no compression) or its lowest level (rank 1), both ends switching at the same round;
     nothing fails and the network sum is kept."""
-    peers = build_network(RING4, _models(4), lambda: PowerGossip(rank=2), transport=transport)
+    peers = build_network(
+        RING4, helpers.mlp_models(4), lambda: PowerGossip(rank=2), transport=transport
+    )
     try:
         for peer in peers:
             peer.adapt_levels(budget)
         ladder = peers[0].algorithm.level_costs(peers[0].gossiped).levels
         target = ladder[-1] if expected == "top" else ladder[0]
-        before = [x.sum(0) for x in stacked(peers)]
+        before = helpers.network_sum(peers)
         for _ in range(MIN_SENDS + NOTICE_LEAD + 4):
             gossip_round(peers)
             _assert_ends_agree(peers)
@@ -110,27 +96,10 @@ def test_a_very_high_budget_takes_links_to_the_top_and_a_very_low_one_to_the_low
             assert ends[0] == ends[1] and len(ends[0]) == 1, ends
             assert ends[0][0][1] == f"rank={target}"
             assert MIN_SENDS + NOTICE_LEAD <= ends[0][0][0] <= MIN_SENDS + NOTICE_LEAD + 2
-        for peer in peers:
-            assert peer.stats.failed_exchanges == {}
-            assert peer.stats.mismatched_epoch_exchanges == 0
-        for a, b in zip(before, [x.sum(0) for x in stacked(peers)], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        helpers.assert_clean(peers)
+        helpers.assert_sum_kept(before, peers, 1e-4)
     finally:
-        _close(peers)
-
-
-def _throttled_ring(rates: LinkRates, budget: float) -> list[Peer]:
-    hub = InMemoryHub()
-    peers = []
-    for rank, model in enumerate(_models(4, hidden=256)):
-        identity = Identity(rank, RING4.hash, model_signature(model))
-        inner = InMemoryTransport(identity, RING4.neighbors(rank), hub)
-        transport = ThrottledTransport(inner, rates)
-        peers.append(Peer(model, RING4, rank, PowerGossip(rank=1), transport))
-        peers[-1].adapt_levels(budget)
-    for peer in peers:
-        peer.start(5, {})
-    return peers
+        helpers.close_all(peers)
 
 
 def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_when_it_recovers(
@@ -143,7 +112,9 @@ def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_whe
     change levels at the same rounds; no exchange fails or mismatches; the sum is kept."""
     budget, rounds, drop, back = 0.06, 64, 16, 40
     rates = LinkRates(16, [RateChange(0, 1, 1.6, drop), RateChange(0, 1, 16, back)])
-    peers = _throttled_ring(rates, budget)
+    peers = helpers.throttled_ring(
+        RING4, helpers.mlp_models(4, hidden=256), rates, lambda: PowerGossip(rank=1), budget
+    )
     slow_sends: list[float] = []  # link 0-1's last sends before it recovers
 
     def train(peer: Peer) -> None:
@@ -153,7 +124,7 @@ def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_whe
                 slow_sends.extend(s for _, s in peer.sends.samples(1)[-2:])
 
     try:
-        before = [x.sum(0) for x in stacked(peers)]
+        before = helpers.network_sum(peers)
         run_in_threads([lambda p=p: train(p) for p in peers], 120)
         costs = peers[0].algorithm.level_costs(peers[0].gossiped)
         fits_slow = max(
@@ -162,28 +133,16 @@ def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_whe
         for a, b in EDGES:
             ends = [[c for c in peers[r].stats.link_levels if c["link"] == [a, b]] for r in (a, b)]
             assert ends[0] == ends[1], (a, b)
-        level = {}  # link 0-1's level by round, from peer 0's changes
-        current = 1
-        changes = {
-            c["round"]: int(c["level"].split("=")[1])
-            for c in peers[0].stats.link_levels
-            if c["link"] == [0, 1]
-        }
-        for r in range(rounds + 1):
-            current = changes.get(r, current)
-            level[r] = current
+        level = helpers.link_level_by_round(peers[0], (0, 1), rounds)
         assert level[drop - 1] > fits_slow, (level, fits_slow)  # above what the slow link allows
         assert level[drop + 12] <= fits_slow, (level, fits_slow)  # lowered within 12 rounds
         assert level[rounds] > level[back - 1], level  # raised again after the recovery
         # a round's transfers (the mean of a right and a left step) fit the budget again
         assert len(slow_sends) == 2 and sum(slow_sends) / 2 <= budget, slow_sends
-        for peer in peers:
-            assert peer.stats.failed_exchanges == {}
-            assert peer.stats.mismatched_epoch_exchanges == 0
-        for a, b in zip(before, [x.sum(0) for x in stacked(peers)], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+        helpers.assert_clean(peers)
+        helpers.assert_sum_kept(before, peers, 1e-3)
     finally:
-        _close(peers)
+        helpers.close_all(peers)
 
 
 def _memory_ring(
@@ -191,14 +150,21 @@ def _memory_ring(
 ) -> tuple[list[Peer], InMemoryHub]:
     """ring4 in this process, PowerGossip at rank 2 (or `algorithm`), lost neighbours probed at
     once (rounds take milliseconds here)."""
-    hub = InMemoryHub()
-    peers = []
-    for r, model in enumerate(models):
-        identity = Identity(r, RING4.hash, model_signature(model))
-        transport = InMemoryTransport(identity, RING4.neighbors(r), hub)
-        made = PowerGossip(rank=2) if algorithm is PowerGossip else algorithm()
-        backoff = Backoff(0.001, 0.01)
-        peers.append(Peer(model, RING4, r, made, transport, round_timeout=0.5, backoff=backoff))
+    made = partial(PowerGossip, rank=2) if algorithm is PowerGossip else algorithm
+    return helpers.memory_ring(RING4, models, made)
+
+
+def _adapting_ring() -> tuple[list[Peer], InMemoryHub]:
+    """_memory_ring's peers all setting their levels within a budget no link can exceed, and
+    started."""
+    peers, hub = _memory_ring(helpers.mlp_models(4))
+    try:
+        for peer in peers:
+            peer.adapt_levels(1e3)
+            peer.start(5, {})
+    except BaseException:
+        helpers.close_all(peers)
+        raise
     return peers, hub
 
 
@@ -210,20 +176,13 @@ def test_a_lost_announcement_takes_the_edge_down_and_both_ends_resume_at_the_own
     at both ends; peer 0 alone passes the effective round (the edge is down); at the resume
     round both ends go back to rank 2 and the controller raises the link again by a new notice.
     At no round do the two ends of a live edge differ, and the sum is kept."""
-    peers, hub = _memory_ring(_models(4))
+    peers, hub = _adapting_ring()
     try:
-        for peer in peers:
-            peer.adapt_levels(1e3)
-            peer.start(5, {})
-        before = [x.sum(0) for x in stacked(peers)]
-        for r in range(40):
-            if r == MIN_SENDS:
-                hub.inject(0, 1, Fault.LOST)
-            gossip_round(peers)
+        before = helpers.network_sum(peers)
+        for r in helpers.gossip_losing_round(peers, hub, MIN_SENDS, 40):
             if r == MIN_SENDS:
                 assert peers[0]._edge_levels.waiting()[1].level == 32
                 assert 0 not in peers[1]._edge_levels.waiting()
-                hub.heal()
             _assert_ends_agree(peers)
         assert peers[1].stats.failed_exchanges == {0: 1}
         assert peers[0].stats.failed_exchanges == {1: 1}
@@ -235,10 +194,9 @@ def test_a_lost_announcement_takes_the_edge_down_and_both_ends_resume_at_the_own
         # peer 0 switched alone while the edge was down, then went back at the resume round
         assert link01[0][:2] == [(MIN_SENDS + NOTICE_LEAD, "rank=32"), (link01[0][1][0], "default")]
         assert link01[0][2:] == link01[1]  # from the resume on, the same changes at both ends
-        for a, b in zip(before, [x.sum(0) for x in stacked(peers)], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        helpers.assert_sum_kept(before, peers, 1e-4)
     finally:
-        _close(peers)
+        helpers.close_all(peers)
 
 
 def test_a_neighbour_moves_only_its_own_edge_and_a_contradiction_costs_it_that_edge(one_thread):
@@ -246,7 +204,7 @@ def test_a_neighbour_moves_only_its_own_edge_and_a_contradiction_costs_it_that_e
     takes it for edge 0-1 only (its edge to 2 keeps its level and never fails); peer 0 does not
     switch, so edge 0-1 fails at that round and later resumes at rank 2 at both ends. A second,
     contradicting notice while the first waits takes the edge down at once."""
-    peers, _ = _memory_ring(_models(4))
+    peers, _ = _memory_ring(helpers.mlp_models(4))
     try:
         for peer in peers[1:]:
             peer.adapt_levels(1e-9)  # the lowest level everywhere peers decide: rank 1
@@ -275,11 +233,11 @@ def test_a_neighbour_moves_only_its_own_edge_and_a_contradiction_costs_it_that_e
         assert peers[1].links.state(0) is not LinkState.UP  # contradicted: edge taken down
         assert peers[1]._edge_levels.waiting() == {0: LevelNotice(4, r + 3)}
     finally:
-        _close(peers)
+        helpers.close_all(peers)
 
 
 def test_levels_come_from_a_coordinator_or_from_the_peers_never_both():
-    peers, _ = _memory_ring(_models(4))
+    peers, _ = _memory_ring(helpers.mlp_models(4))
     try:
         peers[1].adapt_levels()
         schedule = Schedule(1, 3, links=(LinkLevel(0, 1, 4),), budget_s=0.1)
@@ -289,21 +247,18 @@ def test_levels_come_from_a_coordinator_or_from_the_peers_never_both():
         with pytest.raises(ValueError, match="holds a schedule with link levels"):
             peers[2].adapt_levels()
     finally:
-        _close(peers)
-    plain, _ = _memory_ring(_models(4), DPSGD)
+        helpers.close_all(peers)
+    plain, _ = _memory_ring(helpers.mlp_models(4), DPSGD)
     try:
         with pytest.raises(ValueError, match="no level per link"):
             plain[0].adapt_levels()
     finally:
-        _close(plain)
+        helpers.close_all(plain)
 
 
 def test_levels_set_by_peers_survive_a_checkpoint_and_a_stranger_checkpoint_is_refused():
-    peers, _ = _memory_ring(_models(4))
+    peers, _ = _adapting_ring()
     try:
-        for peer in peers:
-            peer.adapt_levels(1e3)
-            peer.start(5, {})
         for _ in range(MIN_SENDS + 2):
             gossip_round(peers)
         state = peers[0].state_dict()
@@ -311,7 +266,7 @@ def test_levels_set_by_peers_survive_a_checkpoint_and_a_stranger_checkpoint_is_r
             [1, 32, MIN_SENDS + NOTICE_LEAD],
             [3, 32, MIN_SENDS + NOTICE_LEAD],
         ]
-        fresh, _ = _memory_ring(_models(4))
+        fresh, _ = _memory_ring(helpers.mlp_models(4))
         try:
             fresh[0].adapt_levels(1e3)
             fresh[0].load_state_dict(state)
@@ -324,9 +279,9 @@ def test_levels_set_by_peers_survive_a_checkpoint_and_a_stranger_checkpoint_is_r
             with pytest.raises(ValueError, match="distinct neighbours"):
                 fresh[1].load_state_dict(bad)
         finally:
-            _close(fresh)
+            helpers.close_all(fresh)
     finally:
-        _close(peers)
+        helpers.close_all(peers)
 
 
 # -- hostile notices, over real gRPC ------------------------------------------------------------
@@ -372,17 +327,11 @@ def test_hostile_notices_are_refused_at_the_door_naming_the_field(
     receiving.inbox.open_round(10)
     if takes:
         receiving.inbox.accept_notices(NoticeRules(frozenset({1, 2, 4}), MAX_NOTICE_LEAD))
-    with pytest.raises(grpc.RpcError) as refused:
-        sending.send(receiving.rank, _envelope(sender, 10, notice), deadline=_soon())
-    assert refused.value.code() == code
-    assert field in refused.value.details() and len(refused.value.details()) < 300
-    assert receiving.inbox.mailbox.pending() == 0
-    sending.send(receiving.rank, _envelope(sender, 10, None), deadline=_soon())
+    helpers.assert_refused_at_the_door(
+        sending, receiving, _envelope(sender, 10, notice), code, field
+    )
+    sending.send(receiving.rank, _envelope(sender, 10, None), deadline=time.monotonic() + 5.0)
     assert receiving.inbox.mailbox.pending() == 1
-
-
-def _soon() -> float:
-    return time.monotonic() + 5.0
 
 
 def test_the_notice_travels_to_the_receiver_and_its_signature_covers_it():
@@ -396,16 +345,9 @@ def test_the_notice_travels_to_the_receiver_and_its_signature_covers_it():
     header = header_of(envelope)
     signer.prove_envelope(header, 1, content_sha256(envelope))
     checker.check_envelope(header)  # as signed: accepted
-    for change in (
-        lambda h: setattr(h.level_notice, "level", 2),
-        lambda h: setattr(h.level_notice, "effective_round", 15),
-        lambda h: h.ClearField("level_notice"),
-    ):
-        altered = type(header)()
-        altered.CopyFrom(header)
-        change(altered)
-        with pytest.raises(EnvelopeRejected, match="signature"):
-            Authenticator(1, PeerKeys(private[1], public)).check_envelope(altered)
+    helpers.assert_notice_is_signed(
+        header, lambda: Authenticator(1, PeerKeys(private[1], public)), 2, 15
+    )
 
 
 def test_edge_levels_refuse_a_notice_from_the_wrong_end_or_for_a_passed_round():
@@ -462,11 +404,8 @@ def test_a_schedule_staged_while_a_notice_waits_takes_the_new_level_at_its_round
     """Peers set levels and gossip merged (a static schedule, as `--schedule single` without a
     coordinator, staged after the first notices and in force before their round): the level
     still changes at the notice's round at both ends, under the new epoch, without a failure."""
-    peers, _ = _memory_ring(_models(4))
+    peers, _ = _adapting_ring()
     try:
-        for peer in peers:
-            peer.adapt_levels(1e3)
-            peer.start(5, {})
         for _ in range(MIN_SENDS + 1):
             gossip_round(peers)
         assert peers[0]._edge_levels.waiting()[1].effective_round == MIN_SENDS + NOTICE_LEAD
@@ -482,24 +421,21 @@ def test_a_schedule_staged_while_a_notice_waits_takes_the_new_level_at_its_round
             assert peer.schedules.current.epoch == 1
         assert _rank(peers[0], 1) == _rank(peers[1], 0) == 32
     finally:
-        _close(peers)
+        helpers.close_all(peers)
 
 
 def test_a_network_restored_while_notices_wait_switches_at_their_round(one_thread):
     """Every peer checkpointed two rounds after the first notices (they wait for round 8) and
     restored into fresh peers: the edges need no resynchronisation, both ends of every edge
     switch at round 8 as announced, and nothing fails."""
-    peers, _ = _memory_ring(_models(4))
+    peers, _ = _adapting_ring()
     try:
-        for peer in peers:
-            peer.adapt_levels(1e3)
-            peer.start(5, {})
         for _ in range(MIN_SENDS + 2):
             gossip_round(peers)
         states = [peer.state_dict() for peer in peers]
     finally:
-        _close(peers)
-    restored, _ = _memory_ring(_models(4))
+        helpers.close_all(peers)
+    restored, _ = _memory_ring(helpers.mlp_models(4))
     try:
         for peer, state in zip(restored, states, strict=True):
             peer.adapt_levels(1e3)
@@ -517,4 +453,4 @@ def test_a_network_restored_while_notices_wait_switches_at_their_round(one_threa
         for peer in restored:
             assert peer.stats.failed_exchanges == {}
     finally:
-        _close(restored)
+        helpers.close_all(restored)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import helpers
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,19 +26,7 @@ SCRIPT = ROOT / "benchmarks" / "shaped_links.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import shaped_links  # noqa: E402
 
-
-def _available() -> str | None:
-    try:
-        shaped_links.check_available()
-    except shaped_links.NamespacesUnavailable as why:
-        return str(why)
-    return None
-
-
-UNAVAILABLE = _available()
-needs_namespaces = pytest.mark.skipif(
-    UNAVAILABLE is not None, reason=f"network namespaces: {UNAVAILABLE}"
-)
+needs_namespaces = helpers.needs_namespaces()
 
 
 def _ours(pid: int) -> list[str]:
