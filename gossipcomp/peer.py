@@ -8,7 +8,7 @@ their compressors) for the round it takes effect; every peer switches at that ro
 `adapt_levels()` lets the peers set compression levels among themselves, without a coordinator
 (link levels: levels/edges.py; a broadcasting algorithm's own levels: levels/senders.py).
 The peer's side of compression levels, whoever sets them, is `CompressionLevels`
-(peer_levels.py), which the peer calls at a few points of its round.
+(levels/peer.py), which the peer calls at a few points of its round.
 
     model = build_mlp(seed=0)
     with Peer.over_grpc(model, topology, rank, DPSGD()) as peer:
@@ -46,12 +46,12 @@ from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.state import checked_tensors
 from gossipcomp.gossip.turns import ComputeTurns
 from gossipcomp.levels.edges import EdgeLevels
+from gossipcomp.levels.peer import LEVELS_LOGGER as LEVELS_LOGGER
+from gossipcomp.levels.peer import LEVELS_PHASE as LEVELS_PHASE
+from gossipcomp.levels.peer import CompressionLevels, LevelBook
 from gossipcomp.levels.senders import SenderLevels
 from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
 from gossipcomp.models import constant_tensors, gossiped_tensors, model_signature
-from gossipcomp.peer_levels import LEVELS_LOGGER as LEVELS_LOGGER
-from gossipcomp.peer_levels import LEVELS_PHASE as LEVELS_PHASE
-from gossipcomp.peer_levels import CompressionLevels, LevelBook
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.messages import ScheduleReplies, schedule_from_proto

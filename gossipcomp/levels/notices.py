@@ -2,7 +2,7 @@
 
 Without a coordinator, the lower-ranked end of an edge sets the edge's compression level and
 announces (level, effective round) in every envelope it sends the other end until that round
-(levels/edges.py decides and keeps the levels, peer_levels.py applies them). The notice comes from
+(levels/edges.py decides and keeps the levels, levels/peer.py applies them). The notice comes from
 the network, so the receiver checks it with the rest of the header, before any data is read
 and before anything can change:
 

@@ -15,7 +15,7 @@ cannot go back to a default when one edge resumes (its other neighbours decode i
 so the resume tells it instead: at the resume round each end's resume envelope states the level
 it sends at in that round (a notice whose round is the envelope's own), and a second, empty
 exchange carries each end's waiting notice and makes sure both ends have taken the levels in
-before either sends the round's gossip (peer_levels.py). So a lost notice never leaves two ends of an
+before either sends the round's gossip (levels/peer.py). So a lost notice never leaves two ends of an
 edge that carries gossip disagreeing on what either sends.
 
 `SenderLevels` keeps one peer's view (its own level and each neighbour's, with the changes
