@@ -13,6 +13,16 @@ import grpc
 import pytest
 import torch
 from conftest import build_network, gossip_round, run_in_threads, stacked
+from helpers import (
+    assert_clean,
+    assert_sum_kept,
+    close_all,
+    levels_schedule,
+    link_level_by_round,
+    mlp_models,
+    stop_all,
+    throttled_ring,
+)
 
 from gossipcomp.coordinator import Coordinator, CoordinatorServer, ReportRefused
 from gossipcomp.coordinator_client import CoordinatorClient
@@ -24,16 +34,14 @@ from gossipcomp.levels.rate import (
     estimate_link,
     rank_ladder,
 )
-from gossipcomp.models import build_mlp, model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.costs import LinkCost
 from gossipcomp.schedule.critical import CriticalPhase
 from gossipcomp.schedule.schedule import LinkLevel, Schedule, ScheduleRefused
 from gossipcomp.topology import build_topology
-from gossipcomp.transport.base import PROTOCOL_VERSION, Identity
-from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
-from gossipcomp.transport.throttled import LinkRates, RateChange, ThrottledTransport
+from gossipcomp.transport.base import PROTOCOL_VERSION
+from gossipcomp.transport.throttled import LinkRates, RateChange
 
 RING4 = build_topology("ring", n=4)
 LADDER = LevelCosts({1: 1_000, 2: 2_000, 4: 4_000, 8: 8_000, 16: 16_000}, exchanges_per_round=1)
@@ -107,26 +115,15 @@ def test_the_estimate_recovers_latency_and_bandwidth_from_recent_sends():
         estimate_link([])
 
 
-def _models(n: int, hidden: int = 32) -> list[torch.nn.Module]:
-    return [
-        build_mlp(seed, input_dim=16, hidden=(hidden, hidden), num_classes=4) for seed in range(n)
-    ]
-
-
-def _levels_schedule(epoch: int, at: int, levels: dict[tuple[int, int], int]) -> Schedule:
-    links = tuple(LinkLevel(a, b, level) for (a, b), level in sorted(levels.items()))
-    return Schedule(epoch, at, planner="adaptive", links=links, budget_s=0.1)
-
-
 def test_powergossip_with_a_rank_per_link_keeps_the_average_and_both_ends_agree():
     """Ranks 1, 4, 16 and the default on the four edges of a ring, then changed mid-run (some
     cut, some grown): the network sum of every parameter is kept, each edge's power vectors are
     identical at both ends, and what is sent over each edge has that edge's rank's size."""
-    peers = build_network(RING4, _models(4), lambda: PowerGossip(rank=2))
+    peers = build_network(RING4, mlp_models(4), lambda: PowerGossip(rank=2))
     try:
         before = [x.sum(0) for x in stacked(peers)]
-        first = _levels_schedule(1, 2, {(0, 1): 1, (1, 2): 4, (2, 3): 16})
-        second = _levels_schedule(2, 5, {(0, 1): 8, (1, 2): 2, (0, 3): 3})
+        first = levels_schedule(1, 2, {(0, 1): 1, (1, 2): 4, (2, 3): 16})
+        second = levels_schedule(2, 5, {(0, 1): 8, (1, 2): 2, (0, 3): 3})
         for peer in peers:
             peer.apply(first)
             peer.apply(second)
@@ -140,12 +137,8 @@ def test_powergossip_with_a_rank_per_link_keeps_the_average_and_both_ends_agree(
                     for p in peers
                 }
             )
-        for peer in peers:
-            assert peer.stats.failed_exchanges == {}
-            assert peer.stats.mismatched_epoch_exchanges == 0
-        after = [x.sum(0) for x in stacked(peers)]
-        for a, b in zip(before, after, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        assert_clean(peers)
+        assert_sum_kept(before, peers, 1e-4)
         for a, b in ((0, 1), (1, 2), (2, 3), (0, 3)):
             mine, theirs = peers[a].algorithm._state, peers[b].algorithm._state
             for (j, i, side), vector in mine.items():
@@ -157,8 +150,7 @@ def test_powergossip_with_a_rank_per_link_keeps_the_average_and_both_ends_agree(
         # both ends of an edge send alike (headers differ by a varint or two: sender ids)
         assert abs(sent[6][1][0] - sent[6][0][1]) <= 8
     finally:
-        for peer in peers:
-            peer.close()
+        close_all(peers)
 
 
 @pytest.mark.parametrize(
@@ -169,28 +161,26 @@ def test_powergossip_with_a_rank_per_link_keeps_the_average_and_both_ends_agree(
     ],
 )
 def test_a_link_level_the_peer_cannot_use_is_refused_and_nothing_changes(levels, message):
-    peers = build_network(RING4, _models(4), lambda: PowerGossip(rank=2))
+    peers = build_network(RING4, mlp_models(4), lambda: PowerGossip(rank=2))
     try:
         with pytest.raises(ScheduleRefused, match=message):
-            peers[0].apply(_levels_schedule(1, 5, levels))
+            peers[0].apply(levels_schedule(1, 5, levels))
         assert peers[0].schedules.newest.epoch == 0
         gossip_round(peers)
         assert all(p.stats.failed_exchanges == {} for p in peers)
     finally:
-        for peer in peers:
-            peer.close()
+        close_all(peers)
 
 
 def test_levels_for_an_algorithm_without_them_are_refused():
     from gossipcomp.gossip import DPSGD
 
-    peers = build_network(RING4, _models(4), DPSGD)
+    peers = build_network(RING4, mlp_models(4), DPSGD)
     try:
         with pytest.raises(ScheduleRefused, match="no per-link level"):
-            peers[0].apply(_levels_schedule(1, 5, {(0, 1): 1}))
+            peers[0].apply(levels_schedule(1, 5, {(0, 1): 1}))
     finally:
-        for peer in peers:
-            peer.close()
+        close_all(peers)
 
 
 @pytest.mark.parametrize(
@@ -241,19 +231,6 @@ def test_link_changes_are_parsed_and_bad_ones_named():
             RateChange.parse(text)
 
 
-def _throttled_ring(rates: LinkRates) -> list[Peer]:
-    hub = InMemoryHub()
-    peers = []
-    for rank, model in enumerate(_models(4, hidden=256)):
-        identity = Identity(rank, RING4.hash, model_signature(model))
-        inner = InMemoryTransport(identity, RING4.neighbors(rank), hub)
-        transport = ThrottledTransport(inner, rates)
-        peers.append(Peer(model, RING4, rank, PowerGossip(rank=1), transport))
-    for peer in peers:
-        peer.start(5, {})
-    return peers
-
-
 def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_when_it_recovers(
     one_thread,
 ):
@@ -264,7 +241,7 @@ def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_whe
     change levels at the same rounds, and no exchange fails or mismatches."""
     budget, rounds, drop, back = 0.06, 64, 16, 40
     rates = LinkRates(16, [RateChange(0, 1, 1.6, drop), RateChange(0, 1, 16, back)])
-    peers = _throttled_ring(rates)
+    peers = throttled_ring(RING4, mlp_models(4, hidden=256), rates, lambda: PowerGossip(rank=1))
     coordinator = Coordinator(RING4, report_every=1, adaptive=True, round_budget=budget)
     server = CoordinatorServer(coordinator, "127.0.0.1:0")
     clients = [CoordinatorClient(server.address, p, None, report_every=1) for p in peers]
@@ -289,26 +266,15 @@ def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_whe
         for a, b in ((1, 2), (2, 3), (0, 3)):
             ends = [[c for c in peers[r].stats.link_levels if c["link"] == [a, b]] for r in (a, b)]
             assert ends[0] == ends[1]
-        level = {}  # link 0-1's level by round, from peer 0's changes
-        current = 1
-        changes = {c["round"]: int(c["level"].split("=")[1]) for c in link01}
-        for r in range(rounds + 1):
-            current = changes.get(r, current)
-            level[r] = current
+        level = link_level_by_round(peers[0], (0, 1), rounds)
         assert level[drop - 1] > fits_slow, (level, fits_slow)  # it was above what slow allows
         assert level[drop + 12] <= fits_slow, (level, fits_slow)  # lowered within 12 rounds
         assert level[rounds] > level[back - 1], level  # raised again after the recovery
         # the slow link's transfers fit the budget again before it recovers
         assert slow_sends and max(slow_sends) <= 1.25 * budget, slow_sends
-        for peer in peers:
-            assert peer.stats.failed_exchanges == {}
-            assert peer.stats.mismatched_epoch_exchanges == 0
+        assert_clean(peers)
     finally:
-        for client in clients:
-            client.close()
-        server.stop()
-        for peer in peers:
-            peer.close()
+        stop_all(clients, server, peers)
 
 
 def test_a_layer_whose_gradient_norm_changes_by_half_marks_a_critical_phase():
@@ -404,7 +370,7 @@ def test_a_link_level_out_of_range_is_refused(low, high, level, message):
 
 
 def test_link_levels_survive_the_schedule_dict_and_older_dicts_without_them_load():
-    schedule = _levels_schedule(3, 9, {(0, 1): 4, (2, 3): 1})
+    schedule = levels_schedule(3, 9, {(0, 1): 4, (2, 3): 1})
     assert Schedule.from_dict(schedule.to_dict()) == schedule
     old = {"epoch": 1, "effective_round": 2, "planner": "single", "groups": []}
     assert Schedule.from_dict(old).links == ()

@@ -17,7 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_network, gossip_round, run_in_threads, stacked
+from conftest import build_network, gossip_round, run_in_threads
+from helpers import (
+    assert_clean,
+    assert_sum_kept,
+    close_all,
+    level_by_round,
+    levels_schedule,
+    mlp_models,
+    network_sum,
+    throttled_ring,
+    tracked,
+)
 
 from gossipcomp.compress import parse_spec
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
@@ -26,14 +37,14 @@ from gossipcomp.gossip import DEFATC, Choco
 from gossipcomp.gossip.base import PeerLeveled
 from gossipcomp.levels.ladder import ladder_for
 from gossipcomp.levels.rate import peer_levels
-from gossipcomp.models import build_mlp, model_signature
+from gossipcomp.models import model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.schedule.costs import LinkCost
-from gossipcomp.schedule.schedule import LinkLevel, Schedule, ScheduleRefused
+from gossipcomp.schedule.schedule import ScheduleRefused
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.base import Identity
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
-from gossipcomp.transport.throttled import LinkRates, RateChange, ThrottledTransport
+from gossipcomp.transport.throttled import LinkRates, RateChange
 
 RING4 = build_topology("ring", n=4)
 RING8 = build_topology("ring", n=8)
@@ -91,13 +102,6 @@ def test_a_peer_broadcasts_at_its_slowest_links_level():
     assert peer_levels({}, around, default=7) == dict.fromkeys(range(8), 7)
 
 
-def _models(n: int, hidden: int = 32, same: bool = False) -> list[torch.nn.Module]:
-    return [
-        build_mlp(0 if same else seed, input_dim=16, hidden=(hidden, hidden), num_classes=4)
-        for seed in range(n)
-    ]
-
-
 def _local_step(peers: list[Peer], generator: torch.Generator) -> None:
     """Move every peer's model its own way, as a local optimizer step would."""
     with torch.no_grad():
@@ -106,28 +110,11 @@ def _local_step(peers: list[Peer], generator: torch.Generator) -> None:
                 p.add_(torch.randn(p.shape, generator=generator), alpha=0.01)
 
 
-def _schedule(epoch: int, at: int, levels: dict[tuple[int, int], int]) -> Schedule:
-    links = tuple(LinkLevel(a, b, level) for (a, b), level in sorted(levels.items()))
-    return Schedule(epoch, at, planner="adaptive", links=links, budget_s=0.1)
-
-
-def _tracked(peer: Peer) -> tuple[list[torch.Tensor], dict[int, list[torch.Tensor]]]:
-    """A peer's own broadcast state and its copies of its neighbours' (Choco: public copies,
-    DEF-ATC: references), per parameter."""
-    algorithm = peer.algorithm
-    codec = algorithm._require_codec()
-    if isinstance(algorithm, Choco):
-        own, copies = algorithm.public, algorithm.neighbour_public
-    else:
-        own, copies = algorithm.reference, algorithm.neighbour_references
-    return codec.per_parameter(own), {j: codec.per_parameter(t) for j, t in copies.items()}
-
-
 def _assert_ends_agree(peers: list[Peer]) -> None:
     for peer in peers:
-        own, _ = _tracked(peer)
+        own, _ = tracked(peer)
         for j in peer.topology.neighbors(peer.rank):
-            theirs = _tracked(peers[j])[1][peer.rank]
+            theirs = tracked(peers[j])[1][peer.rank]
             for a, b in zip(own, theirs, strict=True):
                 assert torch.equal(a, b), (peer.rank, j)
 
@@ -143,29 +130,26 @@ def test_peers_at_different_levels_keep_both_ends_in_step(algorithm, spec):
     level sends fewer bytes."""
     kind = Choco if algorithm == "choco" else DEFATC
     # identical initial models (DEF-ATC's references start at them), then local steps apart
-    peers = build_network(RING4, _models(4, same=True), lambda: kind(parse_spec(spec)))
+    peers = build_network(RING4, mlp_models(4, same=True), lambda: kind(parse_spec(spec)))
     generator = torch.Generator().manual_seed(0)
     try:
         assert isinstance(peers[0].algorithm, PeerLeveled)
         top = peers[0].algorithm.level_costs(peers[0].gossiped).levels[-1]
-        first = _schedule(1, 2, {(0, 1): 1, (1, 2): top, (2, 3): 3, (0, 3): top})
-        second = _schedule(2, 5, {(0, 1): top, (0, 3): 2})
+        first = levels_schedule(1, 2, {(0, 1): 1, (1, 2): top, (2, 3): 3, (0, 3): top})
+        second = levels_schedule(2, 5, {(0, 1): top, (0, 3): 2})
         for peer in peers:
             peer.apply(first)
             peer.apply(second)
         sent = []
         for _ in range(8):
             _local_step(peers, generator)
-            before = [x.sum(0) for x in stacked(peers)]
+            before = network_sum(peers)
             start = [p.stats.bytes_sent_total for p in peers]
             gossip_round(peers)
             sent.append([p.stats.bytes_sent_total - s for p, s in zip(peers, start, strict=True)])
             if algorithm == "choco":  # the network sum is kept
-                for a, b in zip(before, [x.sum(0) for x in stacked(peers)], strict=True):
-                    torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
-        for peer in peers:
-            assert peer.stats.failed_exchanges == {}
-            assert peer.stats.mismatched_epoch_exchanges == 0
+                assert_sum_kept(before, peers, 1e-4)
+        assert_clean(peers)
         _assert_ends_agree(peers)
 
         # headers differ by a byte or two (sender ids): "alike" is within 16 bytes
@@ -181,8 +165,7 @@ def test_peers_at_different_levels_keep_both_ends_in_step(algorithm, spec):
         labels = [c["level"] for c in peers[0].stats.peer_levels]
         assert [parse_spec(x).spec for x in labels] == labels and len(labels) == 2
     finally:
-        for peer in peers:
-            peer.close()
+        close_all(peers)
 
 
 @pytest.mark.parametrize(
@@ -194,10 +177,10 @@ def test_peers_at_different_levels_keep_both_ends_in_step(algorithm, spec):
     ],
 )
 def test_a_hostile_schedule_level_is_refused_naming_the_field_and_nothing_changes(links, message):
-    peers = build_network(RING4, _models(4), lambda: Choco(parse_spec("topk:ratio=0.05")))
+    peers = build_network(RING4, mlp_models(4), lambda: Choco(parse_spec("topk:ratio=0.05")))
     try:
         with pytest.raises(ScheduleRefused, match=message):
-            peers[0].apply(_schedule(1, 5, links))
+            peers[0].apply(levels_schedule(1, 5, links))
         assert peers[0].schedules.newest.epoch == 0
         gossip_round(peers)
         assert all(p.stats.failed_exchanges == {} for p in peers)
@@ -206,25 +189,23 @@ def test_a_hostile_schedule_level_is_refused_naming_the_field_and_nothing_change
         with pytest.raises(ValueError, match="level for peer 2: expected this peer"):
             peers[0].algorithm.peer_specs(peers[0].gossiped, None, {2: 1})
     finally:
-        for peer in peers:
-            peer.close()
+        close_all(peers)
 
 
 def test_a_checkpoint_restores_the_level_in_force():
     peers = build_network(
-        RING4, _models(4, same=True), lambda: DEFATC(parse_spec("topk:ratio=0.05"))
+        RING4, mlp_models(4, same=True), lambda: DEFATC(parse_spec("topk:ratio=0.05"))
     )
     try:
         for peer in peers:
-            peer.apply(_schedule(1, 1, {(0, 1): 2}))
+            peer.apply(levels_schedule(1, 1, {(0, 1): 2}))
         gossip_round(peers)
         gossip_round(peers)
         state = peers[0].state_dict()
         assert peers[0].algorithm._levels.own == 2
     finally:
-        for peer in peers:
-            peer.close()
-    model = _models(1, same=True)[0]
+        close_all(peers)
+    model = mlp_models(1, same=True)[0]
     identity = Identity(0, RING4.hash, model_signature(model))
     transport = InMemoryTransport(identity, RING4.neighbors(0), InMemoryHub())
     fresh = Peer(model, RING4, 0, DEFATC(parse_spec("topk:ratio=0.05")), transport, ready=False)
@@ -236,16 +217,7 @@ def test_a_checkpoint_restores_the_level_in_force():
 
 
 def _throttled_ring(rates: LinkRates, spec: str) -> list[Peer]:
-    hub = InMemoryHub()
-    peers = []
-    for rank, model in enumerate(_models(4, hidden=256)):
-        identity = Identity(rank, RING4.hash, model_signature(model))
-        inner = InMemoryTransport(identity, RING4.neighbors(rank), hub)
-        transport = ThrottledTransport(inner, rates)
-        peers.append(Peer(model, RING4, rank, Choco(parse_spec(spec)), transport))
-    for peer in peers:
-        peer.start(5, {})
-    return peers
+    return throttled_ring(RING4, mlp_models(4, hidden=256), rates, lambda: Choco(parse_spec(spec)))
 
 
 def _run_adaptive(peers: list[Peer], budget: float, rounds: int, on_round=None) -> None:
@@ -268,17 +240,6 @@ def _run_adaptive(peers: list[Peer], budget: float, rounds: int, on_round=None) 
         for client in clients:
             client.close()
         server.stop()
-
-
-def _level_by_round(peer: Peer, rounds: int) -> dict[int, int]:
-    """The level `peer` broadcast at in each round, from its reported changes."""
-    ladder = peer.algorithm._levels.ladder
-    changes = {c["round"]: ladder.specs.index(c["level"]) + 1 for c in peer.stats.peer_levels}
-    level, by_round = ladder.default, {}
-    for r in range(rounds + 1):
-        level = changes.get(r, level)
-        by_round[r] = level
-    return by_round
 
 
 def test_a_link_that_slows_tenfold_lowers_its_ends_levels_and_they_rise_when_it_recovers(
@@ -304,7 +265,7 @@ def test_a_link_that_slows_tenfold_lowers_its_ends_levels_and_they_rise_when_it_
         slow = LinkCost(0.0, 8 / 0.8e6)
         fits_slow = max(x for x in costs.levels if costs.seconds(x, slow) <= budget)
         for rank in (0, 1):
-            level = _level_by_round(peers[rank], rounds)
+            level = level_by_round(peers[rank], rounds)
             assert level[drop - 1] > fits_slow, (level, fits_slow)
             assert level[drop + 12] <= fits_slow, (level, fits_slow)
             assert level[rounds] > level[back - 1], level
@@ -312,13 +273,10 @@ def test_a_link_that_slows_tenfold_lowers_its_ends_levels_and_they_rise_when_it_
         for a, b in ((0, 1), (1, 2), (2, 3), (0, 3)):
             ends = [[c for c in peers[r].stats.link_levels if c["link"] == [a, b]] for r in (a, b)]
             assert ends[0] == ends[1]
-        for peer in peers:
-            assert peer.stats.failed_exchanges == {}
-            assert peer.stats.mismatched_epoch_exchanges == 0
+        assert_clean(peers)
         _assert_ends_agree(peers)
     finally:
-        for peer in peers:
-            peer.close()
+        close_all(peers)
 
 
 @pytest.mark.parametrize(("budget", "where"), [(1e4, "top"), (1e-6, "bottom")])
@@ -336,8 +294,7 @@ def test_a_very_high_budget_sends_uncompressed_and_a_very_low_one_the_lowest_lev
         assert all(p.stats.mismatched_epoch_exchanges == 0 for p in peers)
         _assert_ends_agree(peers)
     finally:
-        for peer in peers:
-            peer.close()
+        close_all(peers)
 
 
 def test_the_peer_levels_benchmark_runs_and_counts_what_each_option_keeps(tmp_path):

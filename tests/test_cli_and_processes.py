@@ -4,51 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import benchmark, peer_command
 
 from gossipcomp.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _ring_file(tmp_path: Path, n: int) -> Path:
-    ports = _free_ports(n)
-    peers = "\n".join(f"  {r}: 127.0.0.1:{port}" for r, port in enumerate(ports))
-    path = tmp_path / f"ring{n}.yaml"
-    path.write_text(f"name: ring{n}\nkind: ring\nn: {n}\npeers:\n{peers}\n")
-    return path
-
-
-def _peer_command(topology: Path, report: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "gossipcomp",
-        "peer",
-        "--topology",
-        str(topology),
-        "--report",
-        str(report),
-        "--quiet",
-        *extra,
-    ]
+FAULTS = benchmark("faults")  # its ring of free loopback ports serves the tests too
 
 
 @pytest.mark.parametrize(
@@ -57,18 +25,18 @@ def _peer_command(topology: Path, report: Path, *extra: str) -> list[str]:
     ids=["default-powergossip", "choco-sign"],
 )
 def test_four_peer_processes_on_a_ring_finish_and_agree_on_the_consensus(tmp_path, algorithm):
-    topology = _ring_file(tmp_path, 4)
+    topology = FAULTS.ring_file(tmp_path, 4)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     processes = []
     for rank in (3, 1, 2, 0):  # any start order: peers wait for their neighbours
         report = tmp_path / f"peer{rank}.json"
         if rank == 2:  # rank from the environment, as torchrun sets it
-            command = _peer_command(topology, report, "--rounds", "150", *algorithm)
+            command = peer_command(topology, report, "--rounds", "150", *algorithm)
             processes.append(
                 subprocess.Popen(command, env={**env, "RANK": "2"}, stderr=subprocess.PIPE)
             )
         else:
-            command = _peer_command(
+            command = peer_command(
                 topology, report, "--rank", str(rank), "--rounds", "150", *algorithm
             )
             processes.append(subprocess.Popen(command, env=env, stderr=subprocess.PIPE))
@@ -91,9 +59,9 @@ def test_four_peer_processes_on_a_ring_finish_and_agree_on_the_consensus(tmp_pat
 
 
 def test_peer_without_neighbours_gives_up_with_a_clear_error(tmp_path):
-    topology = _ring_file(tmp_path, 3)
+    topology = FAULTS.ring_file(tmp_path, 3)
     result = subprocess.run(
-        [*_peer_command(topology, tmp_path / "r.json"), "--rank", "0", "--startup-timeout", "1.5"],
+        [*peer_command(topology, tmp_path / "r.json"), "--rank", "0", "--startup-timeout", "1.5"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 
 import grpc
 import pytest
 import torch
-from conftest import run_in_threads
+from conftest import grpc_network
+from helpers import stranger_hello
 from torch import nn
 
 from gossipcomp.gossip import DPSGD
 from gossipcomp.links import RESUME_MARGIN, Backoff, LinkState
-from gossipcomp.models import model_signature
 from gossipcomp.peer import Peer
-from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.topology import topology_from_dict
-from gossipcomp.transport.grpc_transport import SERVICE_NAME
 
 ROUNDS = 300
 FORGED_AT = 40
@@ -42,20 +41,10 @@ def _model(rank: int) -> nn.Module:
 @pytest.mark.parametrize("alone", [False, True])
 def test_one_forged_hello_parks_the_edge_for_a_few_rounds_at_most(alone):
     topology = topology_from_dict({"name": "ring3", "kind": "ring", "n": 3})
-    peers = [
-        Peer.over_grpc(
-            _model(r),
-            topology,
-            r,
-            DPSGD(consensus_step=1.0),
-            bind="127.0.0.1:0",
-            round_timeout=2.0,
-            backoff=Backoff(first=0.25, longest=4.0),
-        )
-        for r in range(3)
-    ]
-    addresses = {p.rank: p.address for p in peers}
-    run_in_threads([lambda p=p: p.start(10, addresses) for p in peers])
+    models = [_model(r) for r in range(3)]
+    backoff = Backoff(first=0.25, longest=4.0)
+    dpsgd = partial(DPSGD, consensus_step=1.0)
+    peers = grpc_network(topology, models, dpsgd, round_timeout=2.0, backoff=backoff)
     parked = [0, 0]  # rounds peer 0 (edge to 1) and peer 1 (edge to 0) had the edge not up
     errors: list[BaseException] = []
 
@@ -76,25 +65,13 @@ def test_one_forged_hello_parks_the_edge_for_a_few_rounds_at_most(alone):
             t.start()
         while peers[1].round < FORGED_AT:
             time.sleep(0.002)
-        hello = pb.HelloRequest(
-            protocol_version=1,
-            sender=0,
-            topology_hash=topology.hash,
-            model_signature=model_signature(_model(0)),
-            round=1_000_000,
-            alone=alone,
-        )
-        call = stranger.unary_unary(
-            f"/{SERVICE_NAME}/Hello",
-            request_serializer=pb.HelloRequest.SerializeToString,
-            response_deserializer=pb.HelloReply.FromString,
-        )
+        forged = {"round": 1_000_000, "alone": alone}
         if alone:  # offered the least margin, taken up only if the edge then fails
-            reply = call(hello, timeout=5)
+            reply = stranger_hello(stranger, 0, topology, _model(0), **forged)
             assert reply.resume_round == reply.round + RESUME_MARGIN
         else:
             with pytest.raises(grpc.RpcError) as refused:
-                call(hello, timeout=5)
+                stranger_hello(stranger, 0, topology, _model(0), **forged)
             assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
         for t in threads:
             t.join(120)

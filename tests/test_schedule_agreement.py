@@ -13,10 +13,12 @@ agrees again within a bounded number of rounds. Real gRPC peers and a real coord
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import pytest
 import torch
-from conftest import run_in_threads
+from conftest import grpc_network, run_in_threads
+from helpers import stop_all
 from torch import nn
 
 from gossipcomp.compress import parse_spec
@@ -58,21 +60,9 @@ def _names() -> list[str]:
 
 
 def _peers() -> list[Peer]:
-    peers = [
-        Peer.over_grpc(
-            _model(r),
-            RING4,
-            r,
-            Choco(parse_spec("sign"), consensus_step=0.4),
-            bind="127.0.0.1:0",
-            round_timeout=1.0,
-            backoff=FAST_BACKOFF,
-        )
-        for r in range(4)
-    ]
-    addresses = {p.rank: p.address for p in peers}
-    run_in_threads([lambda p=p: p.start(10, addresses) for p in peers])
-    return peers
+    models = [_model(r) for r in range(4)]
+    choco = partial(Choco, parse_spec("sign"), consensus_step=0.4)
+    return grpc_network(RING4, models, choco, round_timeout=1.0, backoff=FAST_BACKOFF)
 
 
 def _rounds(peers: list[Peer], count: int, clients: list[CoordinatorClient] = ()) -> None:
@@ -246,11 +236,7 @@ def test_a_coordinator_killed_mid_publication_leaves_no_peer_cut_off():
         assert [sum(p.stats.failed_exchanges.values()) for p in peers] == failures
         assert all(p.links.state(j) is LinkState.UP for p in peers for j in RING4.neighbors(p.rank))
     finally:
-        for client in clients:
-            client.close()
-        server.stop()
-        for peer in peers:
-            peer.close()
+        stop_all(clients, server, peers)
 
 
 def test_a_neighbours_schedule_is_checked_like_a_coordinators():

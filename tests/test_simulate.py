@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
-from test_cli_and_processes import _free_ports
+from helpers import benchmark, peer_command
 
 from gossipcomp.cli import main
 from gossipcomp.models import build_mlp
@@ -92,22 +91,11 @@ def test_diverging_run_fails_with_a_clear_error(tmp_path, capsys):
 
 def test_peers_launched_with_one_command_line_write_their_own_files(tmp_path):
     """As torchrun launches them: the same argv, the rank from RANK, `{rank}` in the paths."""
-    ports = _free_ports(3)
-    peers = "\n".join(f"  {r}: 127.0.0.1:{port}" for r, port in enumerate(ports))
-    topology = tmp_path / "ring3.yaml"
-    topology.write_text(f"name: ring3\nkind: ring\nn: 3\npeers:\n{peers}\n")
+    topology = benchmark("faults").ring_file(tmp_path, 3)
     argv = [
-        sys.executable,
-        "-m",
-        "gossipcomp",
-        "peer",
-        "--topology",
-        str(topology),
+        *peer_command(topology, tmp_path / "reports" / "peer{rank}.json"),
         "--rounds",
         "20",
-        "--quiet",
-        "--report",
-        str(tmp_path / "reports" / "peer{rank}.json"),
         "--checkpoint-dir",
         str(tmp_path / "checkpoints-{rank}"),
         "--checkpoint-every",
