@@ -39,6 +39,20 @@ def integer(what: str, low: int, high: int | None = None) -> Callable[[str], int
     return parse
 
 
+def accepted(check: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type: the text itself, once `check` accepts it (its ValueError, which names
+    what is wrong, becomes the usage error)."""
+
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text
+
+    return parse
+
+
 def number(
     what: str,
     low: float,

@@ -8,6 +8,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from gossipcomp.arguments import accepted
 from gossipcomp.schedule import make_planner
 from gossipcomp.security import TlsFiles
 from gossipcomp.text import quoted
@@ -19,13 +20,7 @@ def resolve_topology(spec: str) -> Topology:
     return load_topology(spec)
 
 
-def planner_spec(text: str) -> str:
-    """An argparse type: a planner spec that `make_planner` accepts."""
-    try:
-        make_planner(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
+planner_spec = accepted(make_planner)  # an argparse type: a spec `make_planner` accepts
 
 
 def add_tls_flags(parser: argparse.ArgumentParser, who: str) -> None:

@@ -24,12 +24,7 @@ def add_coordinator_flags(group: argparse._ActionsContainer) -> None:
         default="mergecomp",
         help=f"the coordinator's planner: {', '.join(sorted(PLANNERS))}",
     )
-    group.add_argument(
-        "--report-every",
-        type=integer("report interval (rounds)", 1, 10**6),
-        default=10,
-        help="rounds between each peer's reports to the coordinator",
-    )
+    add_report_every(group, "rounds between each peer's reports to the coordinator")
     group.add_argument(
         "--replan-every",
         type=integer("replanning interval (rounds)", 1, 10**6),
@@ -44,12 +39,9 @@ def add_coordinator_flags(group: argparse._ActionsContainer) -> None:
         "from the transfers training makes and set its level to the highest whose transfers "
         "fit the round budget; peers should report every round or two (--report-every)",
     )
-    group.add_argument(
-        "--round-budget",
-        type=number("round budget (seconds)", 0.0, 86_400.0),
-        metavar="SECONDS",
-        help="with --adaptive: seconds a round's transfers over one link may take (default: "
-        "the slowest peer's measured compute time per round, so communication hides behind it)",
+    add_round_budget(
+        group,
+        "the slowest peer's measured compute time per round, so communication hides behind it",
     )
     group.add_argument(
         "--boost",
@@ -57,6 +49,27 @@ def add_coordinator_flags(group: argparse._ActionsContainer) -> None:
         help="with --adaptive: a peer in a critical learning phase (a layer's gradient norm "
         "changed by half or more between windows of 10 rounds: Accordion) gets its links one "
         "level higher while it lasts",
+    )
+
+
+def add_report_every(group: argparse._ActionsContainer, help: str) -> None:
+    """--report-every, which `peer` takes too (the peer's side of the same interval)."""
+    group.add_argument(
+        "--report-every",
+        type=integer("report interval (rounds)", 1, 10**6),
+        default=10,
+        help=help,
+    )
+
+
+def add_round_budget(group: argparse._ActionsContainer, default_help: str) -> None:
+    """--round-budget, which `peer` takes too; `default_help` says what stands in without it."""
+    group.add_argument(
+        "--round-budget",
+        type=number("round budget (seconds)", 0.0, 86_400.0),
+        metavar="SECONDS",
+        help="with --adaptive: seconds a round's transfers over one link may take (default: "
+        f"{default_help})",
     )
 
 

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from gossipcomp.arguments import HelpWithDefaults, integer, number
 from gossipcomp.cli.common import add_tls_flags, tls_files
+from gossipcomp.cli.coordinator import add_report_every, add_round_budget
 from gossipcomp.cli.training import ProgressDisplay, finish, prepare
 from gossipcomp.cli.training_flags import add_training_flags
 from gossipcomp.simulation import PeerLevels, run_peer
@@ -48,12 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="report measurements to the coordinator there and take its schedules (over the "
         "peer's TLS when given); without one the peer runs its static --schedule",
     )
-    peer.add_argument(
-        "--report-every",
-        type=integer("report interval (rounds)", 1, 10**6),
-        default=10,
-        help="rounds between reports to the coordinator",
-    )
+    add_report_every(peer, "rounds between reports to the coordinator")
     peer.add_argument(
         "--adaptive",
         action="store_true",
@@ -63,13 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "it in its envelopes; start every peer with it (with a coordinator, start the "
         "coordinator with --adaptive instead)",
     )
-    peer.add_argument(
-        "--round-budget",
-        type=number("round budget (seconds)", 0.0, 86_400.0),
-        metavar="SECONDS",
-        help="with --adaptive: seconds a round's transfers over one link may take (default: this "
-        "peer's median compute time per round)",
-    )
+    add_round_budget(peer, "this peer's median compute time per round")
     peer.add_argument(
         "--key",
         type=Path,

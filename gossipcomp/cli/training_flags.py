@@ -12,6 +12,7 @@ from pathlib import Path
 from gossipcomp.arguments import (
     OptimizerFlags,
     Setting,
+    accepted,
     add_optimizer_flags,
     add_report_flags,
     integer,
@@ -50,12 +51,7 @@ def _consensus_step(text: str) -> float | str:
     return text if text == "auto" else _consensus_number(text)
 
 
-def _clip_spec(text: str) -> str:
-    try:
-        parse_clip(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
+_clip_spec = accepted(parse_clip)
 
 
 def _algorithm_spec(text: str) -> str:
