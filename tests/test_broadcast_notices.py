@@ -19,9 +19,10 @@ import time
 from collections.abc import Sequence
 
 import grpc
+import helpers
 import pytest
 import torch
-from conftest import build_network, gossip_round, run_in_threads, stacked
+from conftest import build_network, gossip_round, run_in_threads
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gossipcomp.cli import main
@@ -31,23 +32,16 @@ from gossipcomp.gossip.base import RESUME_PHASE
 from gossipcomp.levels.edges import MIN_SENDS, NOTICE_LEAD, NoticeConflict
 from gossipcomp.levels.notices import MAX_NOTICE_LEAD
 from gossipcomp.levels.senders import SenderLevels
-from gossipcomp.links import Backoff, LinkState
-from gossipcomp.models import build_mlp, model_signature
+from gossipcomp.links import LinkState
 from gossipcomp.peer import Peer
 from gossipcomp.schedule.costs import LinkCost
 from gossipcomp.security import PeerKeys
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.authentication import Authenticator
-from gossipcomp.transport.base import (
-    Envelope,
-    EnvelopeRejected,
-    Identity,
-    LevelNotice,
-    NoticeRules,
-)
+from gossipcomp.transport.base import Envelope, EnvelopeRejected, LevelNotice, NoticeRules
 from gossipcomp.transport.codec import encode_raw, tensor_spec
-from gossipcomp.transport.memory import Fault, InMemoryHub, InMemoryTransport
-from gossipcomp.transport.throttled import LinkRates, RateChange, ThrottledTransport
+from gossipcomp.transport.memory import Fault, InMemoryHub
+from gossipcomp.transport.throttled import LinkRates, RateChange
 from gossipcomp.transport.wire import content_sha256, header_of
 
 RING4 = build_topology("ring", n=4)
@@ -61,20 +55,7 @@ ALGORITHMS = {
 def _models(algorithm: str, hidden: int = 32) -> list[torch.nn.Module]:
     """Four models: different for Choco; one for DEF-ATC, whose references all start at the
     initial model (its copies agree only when the peers start alike)."""
-    seeds = [0] * 4 if algorithm == "def" else range(4)
-    return [build_mlp(s, input_dim=16, hidden=(hidden, hidden), num_classes=4) for s in seeds]
-
-
-def _tracked(peer: Peer) -> tuple[list[torch.Tensor], dict[int, list[torch.Tensor]]]:
-    """A peer's own broadcast state and its copies of its neighbours' (Choco: public copies,
-    DEF-ATC: references), per parameter."""
-    algorithm = peer.algorithm
-    codec = algorithm._require_codec()
-    if isinstance(algorithm, Choco):
-        own, copies = algorithm.public, algorithm.neighbour_public
-    else:
-        own, copies = algorithm.reference, algorithm.neighbour_references
-    return codec.per_parameter(own), {j: codec.per_parameter(t) for j, t in copies.items()}
+    return helpers.mlp_models(4, hidden, same=algorithm == "def")
 
 
 def _assert_ends_agree(peers: Sequence[Peer]) -> None:
@@ -88,20 +69,9 @@ def _assert_ends_agree(peers: Sequence[Peer]) -> None:
         for me, other in ((a, b), (b, a)):
             levels = peers[me].algorithm._levels
             assert levels.levels[other] == peers[other].algorithm._levels.own, (me, other)
-            own, _ = _tracked(peers[other])
-            for x, y in zip(own, _tracked(peers[me])[1][other], strict=True):
+            own, _ = helpers.tracked(peers[other])
+            for x, y in zip(own, helpers.tracked(peers[me])[1][other], strict=True):
                 assert torch.equal(x, y), (me, other)
-
-
-def _assert_clean(peers: Sequence[Peer]) -> None:
-    for peer in peers:
-        assert peer.stats.failed_exchanges == {}, peer.rank
-        assert peer.stats.mismatched_epoch_exchanges == 0, peer.rank
-
-
-def _close(peers: Sequence[Peer]) -> None:
-    for peer in peers:
-        peer.close()
 
 
 @pytest.mark.parametrize(
@@ -126,7 +96,7 @@ def test_a_very_high_budget_sends_uncompressed_and_a_very_low_one_the_lowest_lev
             peer.adapt_levels(budget)
         ladder = peers[0].algorithm._levels.ladder
         expected = ladder.top if where == "top" else 1
-        before = [x.sum(0) for x in stacked(peers)]
+        before = helpers.network_sum(peers)
         for _ in range(MIN_SENDS + NOTICE_LEAD + 3):
             gossip_round(peers)
             _assert_ends_agree(peers)
@@ -139,38 +109,19 @@ def test_a_very_high_budget_sends_uncompressed_and_a_very_low_one_the_lowest_lev
             assert MIN_SENDS + NOTICE_LEAD <= change["round"] <= MIN_SENDS + NOTICE_LEAD + 1
         if where == "top":
             assert ladder.spec(expected) == "identity"
-        _assert_clean(peers)
+        helpers.assert_clean(peers)
         if algorithm == "choco":
-            for a, b in zip(before, [x.sum(0) for x in stacked(peers)], strict=True):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+            helpers.assert_sum_kept(before, peers, 1e-4)
     finally:
-        _close(peers)
+        helpers.close_all(peers)
 
 
 def _throttled_ring(rates: LinkRates, algorithm: str, budget: float) -> list[Peer]:
-    hub = InMemoryHub()
-    peers = []
-    for rank, model in enumerate(_models(algorithm, hidden=256)):
-        identity = Identity(rank, RING4.hash, model_signature(model))
-        inner = InMemoryTransport(identity, RING4.neighbors(rank), hub)
-        transport = ThrottledTransport(inner, rates)
-        algo = (Choco if algorithm == "choco" else DEFATC)(parse_spec("topk:ratio=0.01"))
-        peers.append(Peer(model, RING4, rank, algo, transport))
-        peers[-1].adapt_levels(budget)
-    for peer in peers:
-        peer.start(5, {})
-    return peers
-
-
-def _level_by_round(peer: Peer, rounds: int) -> dict[int, int]:
-    """The level `peer` broadcast at in each round, from its reported changes."""
-    ladder = peer.algorithm._levels.ladder
-    changes = {c["round"]: ladder.specs.index(c["level"]) + 1 for c in peer.stats.peer_levels}
-    level, by_round = ladder.default, {}
-    for r in range(rounds + 1):
-        level = changes.get(r, level)
-        by_round[r] = level
-    return by_round
+    kind = Choco if algorithm == "choco" else DEFATC
+    models = _models(algorithm, hidden=256)
+    return helpers.throttled_ring(
+        RING4, models, rates, lambda: kind(parse_spec("topk:ratio=0.01")), budget
+    )
 
 
 @pytest.mark.parametrize("algorithm", ["choco", "def"])
@@ -191,24 +142,23 @@ def test_a_link_that_slows_tenfold_lowers_its_ends_levels_and_they_rise_when_it_
             peer.gossip()
 
     try:
-        before = [x.sum(0) for x in stacked(peers)]
+        before = helpers.network_sum(peers)
         run_in_threads([lambda p=p: train(p) for p in peers], 120)
         costs = peers[0].algorithm.level_costs(peers[0].gossiped)
         slow = LinkCost(0.0, 8 / 0.8e6)
         fits_slow = max(x for x in costs.levels if costs.seconds(x, slow) <= budget)
         for rank in (0, 1):
-            level = _level_by_round(peers[rank], rounds)
+            level = helpers.level_by_round(peers[rank], rounds)
             assert level[drop - 1] > fits_slow, (rank, level, fits_slow)
             assert level[drop + 12] <= fits_slow, (rank, level, fits_slow)
             assert level[rounds] > level[back - 1], (rank, level)
-        assert _level_by_round(peers[2], rounds)[drop + 12] > fits_slow
-        _assert_clean(peers)
+        assert helpers.level_by_round(peers[2], rounds)[drop + 12] > fits_slow
+        helpers.assert_clean(peers)
         _assert_ends_agree(peers)
         if algorithm == "choco":
-            for a, b in zip(before, [x.sum(0) for x in stacked(peers)], strict=True):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+            helpers.assert_sum_kept(before, peers, 1e-3)
     finally:
-        _close(peers)
+        helpers.close_all(peers)
 
 
 def _memory_ring(
@@ -216,17 +166,9 @@ def _memory_ring(
 ) -> tuple[list[Peer], InMemoryHub]:
     """ring4 in this process, the peers of `adapt` setting their levels with a budget no link
     can exceed; lost neighbours probed at once (rounds take milliseconds here)."""
-    hub = InMemoryHub()
-    peers = []
-    for r, model in enumerate(_models(algorithm)):
-        identity = Identity(r, RING4.hash, model_signature(model))
-        transport = InMemoryTransport(identity, RING4.neighbors(r), hub)
-        backoff = Backoff(0.001, 0.01)
-        made = ALGORITHMS[algorithm]()
-        peer = Peer(model, RING4, r, made, transport, round_timeout=0.5, backoff=backoff)
-        peers.append(peer)
-        if r in adapt:
-            peer.adapt_levels(1e3)
+    peers, hub = helpers.memory_ring(RING4, _models(algorithm), ALGORITHMS[algorithm])
+    for r in adapt:
+        peers[r].adapt_levels(1e3)
     return peers, hub
 
 
@@ -242,15 +184,11 @@ def test_a_lost_notice_takes_the_edge_down_and_the_resume_tells_each_end_the_oth
     try:
         for peer in peers:
             peer.start(5, {})
-        before = [x.sum(0) for x in stacked(peers)]
-        for r in range(40):
-            if r == MIN_SENDS:
-                hub.inject(0, 1, Fault.LOST)
-            gossip_round(peers)
+        before = helpers.network_sum(peers)
+        for r in helpers.gossip_losing_round(peers, hub, MIN_SENDS, 40):
             if r == MIN_SENDS:
                 assert 0 not in peers[1]._sender_levels.waiting()
                 assert 1 not in peers[0]._sender_levels.waiting()
-                hub.heal()
             _assert_ends_agree(peers)
         top = peers[0].algorithm._levels.ladder.top
         assert peers[0].links.state(1) is LinkState.UP and peers[1].links.state(0) is LinkState.UP
@@ -260,10 +198,9 @@ def test_a_lost_notice_takes_the_edge_down_and_the_resume_tells_each_end_the_oth
         assert peers[1].stats.failed_exchanges == {0: 1}
         assert peers[2].stats.failed_exchanges == peers[3].stats.failed_exchanges == {}
         if algorithm == "choco":
-            for a, b in zip(before, [x.sum(0) for x in stacked(peers)], strict=True):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+            helpers.assert_sum_kept(before, peers, 1e-4)
     finally:
-        _close(peers)
+        helpers.close_all(peers)
 
 
 def test_an_edge_resuming_while_notices_wait_hears_them_in_the_levels_exchange(one_thread):
@@ -295,7 +232,7 @@ def test_an_edge_resuming_while_notices_wait_hears_them_in_the_levels_exchange(o
         assert peers[0].stats.failed_exchanges == {1: 1}
         assert peers[1].stats.failed_exchanges == {0: 1}
     finally:
-        _close(peers)
+        helpers.close_all(peers)
 
 
 def test_a_neighbour_sets_only_its_own_level_and_a_lie_costs_it_that_edge(one_thread):
@@ -318,7 +255,7 @@ def test_a_neighbour_sets_only_its_own_level_and_a_lie_costs_it_that_edge(one_th
         assert peers[2]._sender_levels.in_force[1] == default
         assert peers[1].stats.peer_levels == ()
     finally:
-        _close(peers)
+        helpers.close_all(peers)
 
 
 def test_sender_levels_refuse_a_conflict_a_passed_round_and_a_stranger():
@@ -374,7 +311,7 @@ def test_levels_set_by_senders_survive_a_checkpoint_and_a_stranger_checkpoint_is
             gossip_round(peers)
         states = [peer.state_dict() for peer in peers]
     finally:
-        _close(peers)
+        helpers.close_all(peers)
     top = peers[0].algorithm._levels.ladder.top
     assert [3, top, MIN_SENDS + NOTICE_LEAD] in states[0]["broadcast_levels"]["waiting"]
     stranger, _ = _memory_ring(adapt=())
@@ -382,7 +319,7 @@ def test_levels_set_by_senders_survive_a_checkpoint_and_a_stranger_checkpoint_is
         with pytest.raises(ValueError, match="does not set levels so"):
             stranger[0].load_state_dict(states[0])
     finally:
-        _close(stranger)
+        helpers.close_all(stranger)
     restored, _ = _memory_ring()
     try:
         bad = {**states[0], "broadcast_levels": {"levels": [[0, 99], [1, 2], [3, 2]]}}
@@ -398,9 +335,9 @@ def test_levels_set_by_senders_survive_a_checkpoint_and_a_stranger_checkpoint_is
         for peer in restored:
             assert peer.algorithm._levels.own == top
             assert [c["round"] for c in peer.stats.peer_levels] == [MIN_SENDS + NOTICE_LEAD]
-        _assert_clean(restored)
+        helpers.assert_clean(restored)
     finally:
-        _close(restored)
+        helpers.close_all(restored)
 
 
 # -- hostile notices, over real gRPC ------------------------------------------------------------
@@ -448,11 +385,7 @@ def test_hostile_notices_of_a_senders_own_level_are_refused_at_the_door(
     receiving.inbox.expect(phase, SPEC)
     receiving.inbox.open_round(10)
     receiving.inbox.accept_notices(rules)
-    with pytest.raises(grpc.RpcError) as refused:
-        sending.send(0, _envelope(1, phase, notice), deadline=time.monotonic() + 5)
-    assert refused.value.code() == code
-    assert field in refused.value.details() and len(refused.value.details()) < 300
-    assert receiving.inbox.mailbox.pending() == 0
+    helpers.assert_refused_at_the_door(sending, receiving, _envelope(1, phase, notice), code, field)
     receiving.inbox.accept_notices(OWN)
     good = LevelNotice(2, 10 if phase == RESUME_PHASE else 12)
     sending.send(0, _envelope(1, phase, good), deadline=time.monotonic() + 5)
@@ -470,16 +403,9 @@ def test_a_signed_resume_envelope_covers_the_level_it_states():
         header, 0, content_sha256(envelope)
     )
     Authenticator(0, PeerKeys(private[0], public)).check_envelope(header)
-    for change in (
-        lambda h: setattr(h.level_notice, "level", 4),
-        lambda h: setattr(h.level_notice, "effective_round", 11),
-        lambda h: h.ClearField("level_notice"),
-    ):
-        altered = type(header)()
-        altered.CopyFrom(header)
-        change(altered)
-        with pytest.raises(EnvelopeRejected, match="signature"):
-            Authenticator(0, PeerKeys(private[0], public)).check_envelope(altered)
+    helpers.assert_notice_is_signed(
+        header, lambda: Authenticator(0, PeerKeys(private[0], public)), 4, 11
+    )
     unsigned = header_of(_envelope(1, RESUME_PHASE, None))
     Authenticator(1, PeerKeys(private[1], public)).prove_envelope(unsigned, 0, b"\0" * 32)
     Authenticator(0, PeerKeys(private[0], public)).check_envelope(unsigned)  # as signed

@@ -13,13 +13,15 @@ import logging
 import math
 import threading
 import time
+from functools import partial
 
 import grpc
 import pytest
 import torch
-from conftest import run_in_threads
+from conftest import grpc_network, run_in_threads
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import stranger_hello
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -30,7 +32,6 @@ from gossipcomp.gossip.dpsgd import MODEL_PHASE
 from gossipcomp.links import MAX_RESUME_MARGIN, RESUME_MARGIN, Backoff, LinkState, RoundPace
 from gossipcomp.models import model_signature
 from gossipcomp.peer import Peer
-from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.security import PeerKeys, throwaway_certificates
 from gossipcomp.simulation import run_simulation
 from gossipcomp.topology import Topology, load_topology, topology_from_dict
@@ -105,23 +106,9 @@ class _Running:
 
 
 def _grpc_ring3(options: list[GrpcOptions | None]) -> list[Peer]:
-    topology = _ring3()
-    peers = [
-        Peer.over_grpc(
-            _model(r),
-            topology,
-            r,
-            DPSGD(consensus_step=1.0),
-            bind="127.0.0.1:0",
-            options=options[r],
-            round_timeout=2.0,
-            backoff=FAST_BACKOFF,
-        )
-        for r in range(3)
-    ]
-    addresses = {p.rank: p.address for p in peers}
-    run_in_threads([lambda p=p: p.start(10, addresses) for p in peers])
-    return peers
+    models = [_model(r) for r in range(3)]
+    dpsgd = partial(DPSGD, consensus_step=1.0)
+    return grpc_network(_ring3(), models, dpsgd, options, round_timeout=2.0, backoff=FAST_BACKOFF)
 
 
 @pytest.mark.parametrize("how", ["plaintext forgery", "signed by the neighbour's own key"])
@@ -182,20 +169,15 @@ def test_a_forged_far_resume_proposal_parks_an_edge_for_a_bounded_number_of_roun
         running = _Running(peers, rounds=100, pause=0.001)
         while peers[1].round < 20:
             time.sleep(0.005)
-        hello = pb.HelloRequest(
-            protocol_version=1,
-            sender=0,
-            topology_hash=topology.hash,
-            model_signature=model_signature(_model(0)),
+        reply = stranger_hello(
+            stranger,
+            0,
+            topology,
+            _model(0),
             round=3,
             proposed_resume_round=MAX_WIRE_ROUND - 1000,
             alone=True,
         )
-        reply = stranger.unary_unary(
-            f"/{SERVICE_NAME}/Hello",
-            request_serializer=pb.HelloRequest.SerializeToString,
-            response_deserializer=pb.HelloReply.FromString,
-        )(hello, timeout=5)
         assert reply.resume_round <= reply.round + RESUME_MARGIN  # the least margin (finding 7)
         running.join(60)
         rounds = 100 + 2 * MAX_RESUME_MARGIN + 200

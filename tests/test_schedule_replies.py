@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 
 import grpc
 import torch
-from conftest import run_in_threads
+from conftest import grpc_network, run_in_threads
 from torch import nn
 
 import gossipcomp.peer as peer_module
@@ -35,20 +36,9 @@ def _model(seed: int) -> nn.Module:
 
 
 def _peers() -> list[Peer]:
-    peers = [
-        Peer.over_grpc(
-            _model(r),
-            RING3,
-            r,
-            Choco(parse_spec("sign"), consensus_step=0.4),
-            bind="127.0.0.1:0",
-            round_timeout=2.0,
-        )
-        for r in range(3)
-    ]
-    addresses = {p.rank: p.address for p in peers}
-    run_in_threads([lambda p=p: p.start(10, addresses) for p in peers])
-    return peers
+    models = [_model(r) for r in range(3)]
+    choco = partial(Choco, parse_spec("sign"), consensus_step=0.4)
+    return grpc_network(RING3, models, choco, round_timeout=2.0)
 
 
 def _schedule(peer: Peer) -> Schedule:
