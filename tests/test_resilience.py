@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -274,6 +276,15 @@ def test_an_asymmetric_failure_is_healed_by_resynchronising_the_edge(name):
             assert torch.allclose(x.sum(0), b, atol=1e-4)
 
 
+def _ring4_trainers(directory: Path | None, **settings: Any) -> list[PeerTrainer]:
+    """ring4's trainers (TrainConfig(**settings), no evaluation) over a fresh in-memory hub,
+    checkpointing into `directory` every 10 rounds (never without one)."""
+    topology = load_topology("topologies/ring4.yaml")
+    every = 10 if directory is not None else 0
+    config = TrainConfig(eval_every=0, **settings)
+    return in_memory_trainers(topology, config, InMemoryHub(), directory, every)
+
+
 def _train(trainers: list[PeerTrainer]) -> None:
     for t in trainers:
         t.peer.start(5, {})
@@ -304,33 +315,14 @@ def test_a_network_restored_from_checkpoints_continues_bit_for_bit(tmp_path, alg
     """Train 40 rounds straight; separately train 20, checkpoint, rebuild every peer from its
     files (new models, optimizers, algorithms, transports) and train 20 more: the models and
     every piece of algorithm state agree bit for bit, so nothing was lost or applied twice."""
-    topology = load_topology("topologies/ring4.yaml")
-    straight = in_memory_trainers(
-        topology,
-        TrainConfig(algorithm=algorithm, rounds=40, eval_every=0, **extra),
-        InMemoryHub(),
-        None,
-        0,
-    )
+    straight = _ring4_trainers(None, algorithm=algorithm, rounds=40, **extra)
     _train(straight)
-    first = in_memory_trainers(
-        topology,
-        TrainConfig(algorithm=algorithm, rounds=20, eval_every=0, **extra),
-        InMemoryHub(),
-        tmp_path,
-        10,
-    )
+    first = _ring4_trainers(tmp_path, algorithm=algorithm, rounds=20, **extra)
     _train(first)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"rank{r}-round{n:09d}.ckpt" for r in range(4) for n in (10, 20)
     ]
-    resumed = in_memory_trainers(
-        topology,
-        TrainConfig(algorithm=algorithm, rounds=40, eval_every=0, **extra),
-        InMemoryHub(),
-        tmp_path,
-        10,
-    )
+    resumed = _ring4_trainers(tmp_path, algorithm=algorithm, rounds=40, **extra)
     for t in resumed:
         assert t.restore() == 20
     _train(resumed)
@@ -342,32 +334,11 @@ def test_a_network_restored_from_checkpoints_continues_bit_for_bit(tmp_path, alg
 
 
 def test_a_checkpoint_from_another_configuration_is_refused_naming_the_difference(tmp_path):
-    topology = load_topology("topologies/ring4.yaml")
-    _train(
-        in_memory_trainers(
-            topology,
-            TrainConfig(algorithm="dpsgd", rounds=10, eval_every=0),
-            InMemoryHub(),
-            tmp_path,
-            10,
-        )
-    )
-    other = in_memory_trainers(
-        topology,
-        TrainConfig(algorithm="dpsgd", rounds=10, lr=0.05, eval_every=0),
-        InMemoryHub(),
-        tmp_path,
-        10,
-    )
+    _train(_ring4_trainers(tmp_path, algorithm="dpsgd", rounds=10))
+    other = _ring4_trainers(tmp_path, algorithm="dpsgd", rounds=10, lr=0.05)
     with pytest.raises(ValueError, match=r"lr \(saved 0.1, now 0.05\)"):
         other[0].restore()
-    wrong_model = in_memory_trainers(
-        topology,
-        TrainConfig(algorithm="choco", compressor="sign", rounds=10, eval_every=0),
-        InMemoryHub(),
-        tmp_path,
-        10,
-    )
+    wrong_model = _ring4_trainers(tmp_path, algorithm="choco", compressor="sign", rounds=10)
     with pytest.raises(ValueError, match="algorithm"):
         wrong_model[0].restore()
     assert wrong_model[0].peer.round == 0
