@@ -22,11 +22,11 @@ import torch
 from conftest import gossip_round, stacked
 
 from gossipcomp.coordinator import CoordinatorServer
-from gossipcomp.coordinator_client import CoordinatorClient
+from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.gossip import Choco, GossipAlgorithm
-from gossipcomp.links import Backoff
 from gossipcomp.models import build_mlp, model_signature
 from gossipcomp.peer import Peer
+from gossipcomp.peer.links import Backoff
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.schedule.schedule import LinkLevel, Schedule
 from gossipcomp.topology import Topology

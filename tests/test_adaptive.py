@@ -25,7 +25,7 @@ from helpers import (
 )
 
 from gossipcomp.coordinator import Coordinator, CoordinatorServer, ReportRefused
-from gossipcomp.coordinator_client import CoordinatorClient
+from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.gossip import PowerGossip
 from gossipcomp.levels.rate import (
     FIRST_DECISION_ROUND,

@@ -32,7 +32,7 @@ from helpers import (
 
 from gossipcomp.compress import parse_spec
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
-from gossipcomp.coordinator_client import CoordinatorClient
+from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.gossip import DEFATC, Choco
 from gossipcomp.gossip.base import PeerLeveled
 from gossipcomp.levels.ladder import ladder_for

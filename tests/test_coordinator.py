@@ -14,7 +14,7 @@ from torch import nn
 
 from gossipcomp.compress import parse_spec
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
-from gossipcomp.coordinator_client import CoordinatorClient
+from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.experiment import TrainConfig
 from gossipcomp.gossip import Choco
 from gossipcomp.models import model_signature

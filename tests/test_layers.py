@@ -30,11 +30,11 @@ LAYERS = {
     "schedule": 4,
     "gossip": 5,
     "allreduce": 5,
-    "links": 6,
     "peer": 7,
+    "peer.links": 6,
     "peer_levels": 7,
     "coordinator": 7,
-    "coordinator_client": 8,
+    "coordinator.client": 8,  # the coordinator's package holds the client a layer above it
     "experiment": 9,
     "report": 10,
     "simulation": 11,
@@ -114,10 +114,31 @@ def test_the_graph_layer_loads_no_grpc_and_no_terminal_library():
 
 def test_a_peer_loads_no_coordinator_service():
     """The schedule messages peers pass each other live below both (schedule/messages.py), so
-    importing a peer does not load the coordinator's service."""
-    code = "import sys, gossipcomp.peer\nprint('gossipcomp.coordinator' in sys.modules)"
+    importing a peer loads no module of the coordinator's package (its service included)."""
+    code = (
+        "import sys, gossipcomp.peer\n"
+        "print(sorted(m for m in sys.modules if m.startswith('gossipcomp.coordinator')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_coordinator_client_loads_no_coordinator_service():
+    """A peer's trainer imports the client, and `from gossipcomp.coordinator import X` keeps
+    working for every name the coordinator's modules define, each loaded on first use: the
+    client loads neither the coordinator's planning state nor its gRPC service."""
+    code = (
+        "import sys, gossipcomp.coordinator.client\n"
+        "print(sorted(m for m in sys.modules if m.startswith('gossipcomp.coordinator')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['gossipcomp.coordinator', 'gossipcomp.coordinator.client']"
+    import gossipcomp.coordinator as package
+
+    for name in package.__all__:
+        assert getattr(package, name) is getattr(
+            sys.modules[package._EXPORTS[name]], name  # noqa: SLF001
+        ), name
 
 
 def test_each_levels_module_imports_alone_and_loads_nothing_above_its_layer():

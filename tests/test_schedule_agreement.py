@@ -23,10 +23,10 @@ from torch import nn
 
 from gossipcomp.compress import parse_spec
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
-from gossipcomp.coordinator_client import CoordinatorClient
+from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.gossip import Choco
-from gossipcomp.links import Backoff, LinkState
 from gossipcomp.peer import Peer
+from gossipcomp.peer.links import Backoff, LinkState
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.schedule.groups import TensorGroup

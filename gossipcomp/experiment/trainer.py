@@ -17,7 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from gossipcomp.checkpoint import CheckpointStore, LoadedCheckpoint
-from gossipcomp.coordinator_client import CoordinatorClient
+from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.data import DigitsSplit
 from gossipcomp.experiment.config import TrainConfig
 from gossipcomp.experiment.outcome import Evaluation, PeerOutcome, TrainingAborted, TrainingDiverged

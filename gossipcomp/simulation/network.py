@@ -16,7 +16,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
-from gossipcomp.coordinator_client import CoordinatorClient
+from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.experiment import TrainConfig, load_data
 from gossipcomp.peer import Peer
 from gossipcomp.report import Report, flat

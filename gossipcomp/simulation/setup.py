@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gossipcomp.checkpoint import CheckpointStore
-from gossipcomp.coordinator_client import CoordinatorClient
+from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.data import DigitsSplit
 from gossipcomp.experiment import (
     PeerOutcome,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from gossipcomp.coordinator_client import CoordinatorClient
+from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.experiment import TrainConfig, build_algorithm, build_config_model, load_data
 from gossipcomp.peer import Peer
 from gossipcomp.report import Report, flat

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gossipcomp.coordinator_client import CoordinatorClient
+from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.experiment import PeerOutcome, load_data
 from gossipcomp.peer import Peer
 from gossipcomp.simulation.setup import ProgressCallback, _Setup, _train_all

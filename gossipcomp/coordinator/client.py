@@ -25,7 +25,7 @@ from gossipcomp.schedule.schedule import ScheduleRefused
 from gossipcomp.security.tls import TlsFiles, channel_credentials
 from gossipcomp.transport.base import PROTOCOL_VERSION
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("gossipcomp.coordinator_client")  # the name it had as one module
 
 REPORT_TIMEOUT = 5.0  # seconds a report may take before it counts as unanswered
 SAMPLES_SENT = 16  # newest transfers of each link sent in one report

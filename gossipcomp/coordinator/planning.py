@@ -104,7 +104,7 @@ from gossipcomp.transport.serving import (
     bounded_handler,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("gossipcomp.coordinator")  # the name it had as one module
 
 MAX_TENSORS = 1 << 14  # parameters of one model in a report: far above any model's count
 MAX_NAME_CHARS = 1000  # characters of one parameter name

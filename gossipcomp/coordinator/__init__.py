@@ -1,0 +1,64 @@
+"""The coordinator and its client: what plans merged compression, and a peer's side of it.
+
+- reports.py: a peer's report checked at the door (every field hostile until bounded);
+- planning.py: `Coordinator`, the network's state: reports -> cost model -> plan -> schedule,
+  and the rate controller's link levels;
+- service.py: `CoordinatorServer`, the Report RPC served over gRPC;
+- client.py: `CoordinatorClient`, a peer's non-blocking reports and the schedules it stages.
+
+The names are importable from the package itself (``from gossipcomp.coordinator import
+Coordinator``), each from its module on first use, so importing the client (as a peer's trainer
+does) loads neither the planning state nor the service.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    # a report checked at the door
+    "ADAPTIVE_PLANNER": "gossipcomp.coordinator.planning",
+    "MAX_LEVELS": "gossipcomp.coordinator.planning",
+    "MAX_MARGIN": "gossipcomp.coordinator.planning",
+    "MAX_NAME_CHARS": "gossipcomp.coordinator.planning",
+    "MAX_NAMES_CHARS": "gossipcomp.coordinator.planning",
+    "MAX_REPORT_BYTES": "gossipcomp.coordinator.planning",
+    "MAX_REPORTED_EPOCH": "gossipcomp.coordinator.planning",
+    "MAX_REPORTED_ROUND": "gossipcomp.coordinator.planning",
+    "MAX_SAMPLES_PER_LINK": "gossipcomp.coordinator.planning",
+    "MAX_SECONDS": "gossipcomp.coordinator.planning",
+    "MAX_SIGNATURE_CHARS": "gossipcomp.coordinator.planning",
+    "MAX_TENSORS": "gossipcomp.coordinator.planning",
+    "MemberReport": "gossipcomp.coordinator.planning",
+    "ReportRefused": "gossipcomp.coordinator.planning",
+    # the network's state and its plans
+    "Coordinator": "gossipcomp.coordinator.planning",
+    # the Report RPC over gRPC
+    "REPORT_CALL_TIMEOUT": "gossipcomp.coordinator.planning",
+    "REPORT_CALLS_PER_CONNECTION": "gossipcomp.coordinator.planning",
+    "REPORT_HEADER_TIMEOUT": "gossipcomp.coordinator.planning",
+    "REPORT_LIMITS": "gossipcomp.coordinator.planning",
+    "REPORTS_IN_FLIGHT": "gossipcomp.coordinator.planning",
+    "SERVICE_NAME": "gossipcomp.coordinator.planning",
+    "CoordinatorServer": "gossipcomp.coordinator.planning",
+    # a peer's side
+    "CoordinatorClient": "gossipcomp.coordinator.client",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name from its module the first time it is asked for (PEP 562)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gossipcomp.coordinator' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups do not come here again
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
