@@ -32,8 +32,8 @@ from gossipcomp.gossip.base import RESUME_PHASE
 from gossipcomp.levels.edges import MIN_SENDS, NOTICE_LEAD, NoticeConflict
 from gossipcomp.levels.notices import MAX_NOTICE_LEAD
 from gossipcomp.levels.senders import SenderLevels
-from gossipcomp.links import LinkState
 from gossipcomp.peer import Peer
+from gossipcomp.peer.links import LinkState
 from gossipcomp.schedule.costs import LinkCost
 from gossipcomp.security import PeerKeys
 from gossipcomp.topology import build_topology

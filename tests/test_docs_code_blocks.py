@@ -211,7 +211,7 @@ def test_import_gossipcomp_is_light_and_exports_the_api():
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
     )
-    assert out.stdout.strip() == "[] [] True gossipcomp.peer"
+    assert out.stdout.strip() == "[] [] True gossipcomp.peer.node"
     import gossipcomp
 
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):

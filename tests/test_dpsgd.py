@@ -10,9 +10,9 @@ from conftest import run_in_threads
 from torch import nn
 
 from gossipcomp.gossip import DPSGD, BuildContext, make_algorithm
-from gossipcomp.links import Backoff, LinkState
 from gossipcomp.models import model_signature
 from gossipcomp.peer import Peer
+from gossipcomp.peer.links import Backoff, LinkState
 from gossipcomp.topology import build_topology, load_topology
 from gossipcomp.transport.base import Envelope, Identity
 from gossipcomp.transport.codec import encode_raw

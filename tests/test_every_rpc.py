@@ -38,8 +38,8 @@ from torch import nn
 import gossipcomp.proto.v1 as stubs
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.gossip import DPSGD
-from gossipcomp.links import MAX_RESUME_MARGIN, RESUME_MARGIN, LinkState
 from gossipcomp.peer import Peer
+from gossipcomp.peer.links import MAX_RESUME_MARGIN, RESUME_MARGIN, LinkState
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.schedule.schedule import MAX_STAGED

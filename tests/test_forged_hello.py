@@ -25,8 +25,8 @@ from helpers import stranger_hello
 from torch import nn
 
 from gossipcomp.gossip import DPSGD
-from gossipcomp.links import RESUME_MARGIN, Backoff, LinkState
 from gossipcomp.peer import Peer
+from gossipcomp.peer.links import RESUME_MARGIN, Backoff, LinkState
 from gossipcomp.topology import topology_from_dict
 
 ROUNDS = 300

@@ -134,7 +134,7 @@ def test_peer_still_serves_a_valid_neighbour_after_fuzzing(live_peer):
 @pytest.fixture(scope="module")
 def greeted_peer():
     """Peer 1 of a ring3 over real gRPC, its handshakes answered by a real LinkMonitor."""
-    from gossipcomp.links import LinkMonitor
+    from gossipcomp.peer.links import LinkMonitor
 
     receiver = GrpcTransport(Identity(1, "t", "m"), [0, 2])
     monitor = LinkMonitor(1, [0, 2])
@@ -167,7 +167,7 @@ def test_random_hellos_are_refused_cleanly_and_never_move_rounds_out_of_bounds(
     """Any handshake, well-formed or not, is answered or refused with a documented code (never
     UNKNOWN: a round of 2^63-1 once failed the handler after it had been adopted), and no
     agreed resume round ever lies beyond what the peer believes plus the largest margin."""
-    from gossipcomp.links import MAX_RESUME_MARGIN
+    from gossipcomp.peer.links import MAX_RESUME_MARGIN
     from gossipcomp.proto.v1 import gossip_pb2 as pb
 
     receiver, monitor, hello = greeted_peer

@@ -29,9 +29,9 @@ from torch import nn
 from gossipcomp.experiment import TrainConfig
 from gossipcomp.gossip import DPSGD
 from gossipcomp.gossip.dpsgd import MODEL_PHASE
-from gossipcomp.links import MAX_RESUME_MARGIN, RESUME_MARGIN, Backoff, LinkState, RoundPace
 from gossipcomp.models import model_signature
 from gossipcomp.peer import Peer
+from gossipcomp.peer.links import MAX_RESUME_MARGIN, RESUME_MARGIN, Backoff, LinkState, RoundPace
 from gossipcomp.security import PeerKeys, throwaway_certificates
 from gossipcomp.simulation import run_simulation
 from gossipcomp.topology import Topology, load_topology, topology_from_dict

@@ -28,8 +28,8 @@ from gossipcomp.cli import main
 from gossipcomp.gossip import DPSGD, PowerGossip
 from gossipcomp.levels.edges import MIN_SENDS, NOTICE_LEAD, EdgeLevels
 from gossipcomp.levels.notices import MAX_NOTICE_LEAD
-from gossipcomp.links import LinkState
 from gossipcomp.peer import Peer
+from gossipcomp.peer.links import LinkState
 from gossipcomp.schedule.costs import LinkCost
 from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.schedule import LinkLevel, Schedule, ScheduleRefused

@@ -22,9 +22,9 @@ from gossipcomp.checkpoint import CheckpointStore
 from gossipcomp.compress import parse_spec
 from gossipcomp.experiment import PeerTrainer, TrainConfig
 from gossipcomp.gossip import DEFATC, DPSGD, Choco, LinkStats, PowerGossip
-from gossipcomp.links import Backoff, LinkState
 from gossipcomp.models import model_signature
 from gossipcomp.peer import Peer
+from gossipcomp.peer.links import Backoff, LinkState
 from gossipcomp.topology import Topology, load_topology
 from gossipcomp.transport.base import Identity
 from gossipcomp.transport.memory import Fault, InMemoryHub, InMemoryTransport

@@ -35,7 +35,7 @@ from gossipcomp.levels.edges import EdgeLevels, LocalRateControl, NoticeConflict
 from gossipcomp.levels.notices import MAX_NOTICE_LEAD
 from gossipcomp.levels.rate import peer_levels
 from gossipcomp.levels.senders import OwnLevelControl, SenderLevels
-from gossipcomp.links import LinkMonitor
+from gossipcomp.peer.links import LinkMonitor
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.schedule import Schedule, ScheduleBook, ScheduleRefused
 from gossipcomp.topology import Topology

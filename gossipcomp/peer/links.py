@@ -47,7 +47,7 @@ from gossipcomp.transport.claims import (
     quorum_of,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("gossipcomp.links")  # the name it had before it moved here
 
 RESUME_MARGIN = 5  # rounds between agreeing on a resume round and using it
 MAX_RESUME_MARGIN = 640  # the margin doubles each time an answer came too late to be used

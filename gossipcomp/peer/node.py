@@ -50,8 +50,8 @@ from gossipcomp.levels.peer import LEVELS_LOGGER as LEVELS_LOGGER
 from gossipcomp.levels.peer import LEVELS_PHASE as LEVELS_PHASE
 from gossipcomp.levels.peer import CompressionLevels, LevelBook
 from gossipcomp.levels.senders import SenderLevels
-from gossipcomp.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
 from gossipcomp.models import constant_tensors, gossiped_tensors, model_signature
+from gossipcomp.peer.links import RESUME_MARGIN, Backoff, LinkMonitor, RoundPace
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.messages import ScheduleReplies, schedule_from_proto
@@ -81,7 +81,7 @@ MAX_ROUND_TIMEOUT = 86400.0  # seconds: a round deadline beyond a day is a typin
 # rounds in a row whose exchanges failed with every neighbour before the peer stops (0: never)
 DEFAULT_MAX_FAILED_ROUNDS = 20
 FAILED_ROUNDS_WARNING = 3  # ... and before it warns that its exchanges keep failing
-log = logging.getLogger(__name__)
+log = logging.getLogger("gossipcomp.peer")
 
 
 @dataclass(frozen=True)
