@@ -135,10 +135,9 @@ def test_the_coordinator_client_loads_no_coordinator_service():
     assert out.stdout.strip() == "['gossipcomp.coordinator', 'gossipcomp.coordinator.client']"
     import gossipcomp.coordinator as package
 
+    exports = package._EXPORTS  # noqa: SLF001
     for name in package.__all__:
-        assert getattr(package, name) is getattr(
-            sys.modules[package._EXPORTS[name]], name  # noqa: SLF001
-        ), name
+        assert getattr(package, name) is getattr(sys.modules[exports[name]], name), name
 
 
 def test_each_levels_module_imports_alone_and_loads_nothing_above_its_layer():

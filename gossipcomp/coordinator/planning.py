@@ -30,18 +30,15 @@ schedule/critical.py) go one level above the controller's choice while the phase
 No state survives a restart: membership comes back with the next reports, and epochs continue
 above the highest epoch the peers report holding, so they only ever increase.
 
-Every report is hostile until checked: sizes and counts are bounded before anything is kept,
-numbers are range-checked (a round or epoch that would overflow what the coordinator publishes
-is refused at the door), the sender must be a peer of the topology with the same protocol and
-topology. Nothing one report says decides for the others (transport/claims.py):
+Nothing one report says decides for the others (transport/claims.py); what each report may
+say alone is checked at the door (reports.py):
 - the model (signature and tensor list) is the one a majority of the topology's peers report;
   until a majority agrees nothing is planned, and a report of another model is refused;
 - a claimed round is believed up to what time allows since that peer's last report, and the
   round schedules are counted from is the furthest believed, at most `margin` past the round
   two peers agree on;
 - a claimed epoch is believed up to MAX_STAGED above the one two peers agree on.
-Errors quote what they echo shortened. The server is built the one way every gossipcomp server is
-(transport/serving.py): idle calls hold no thread and are cut at deadlines.
+The service that serves it over gRPC is service.py.
 """
 
 from __future__ import annotations
@@ -51,18 +48,12 @@ import math
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import grpc
 
-from gossipcomp.compress import parse_spec
-from gossipcomp.levels.rate import (
-    FIRST_DECISION_ROUND,
-    MAX_LEVEL,
-    LevelCosts,
-    Link,
-    RateController,
-)
+from gossipcomp.coordinator.reports import MAX_MARGIN, MemberReport, ReportRefused, check_report
+from gossipcomp.levels.rate import FIRST_DECISION_ROUND, Link, RateController
 from gossipcomp.levels.rate import link as edge_of
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule import (
@@ -73,107 +64,20 @@ from gossipcomp.schedule import (
     fit_link,
     make_planner,
 )
-from gossipcomp.schedule.costs import check_sample
 from gossipcomp.schedule.groups import TensorGroup
-from gossipcomp.schedule.messages import schedule_to_proto
-from gossipcomp.schedule.schedule import (
-    MAX_BUDGET_S,
-    MAX_EPOCH,
-    MAX_ROUND,
-    MAX_STAGED,
-    LinkLevel,
-    Schedule,
-    ScheduleRefused,
-)
-from gossipcomp.security.tls import TlsFiles, server_credentials
+from gossipcomp.schedule.schedule import MAX_BUDGET_S, MAX_STAGED, LinkLevel, Schedule
 from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
-from gossipcomp.transport.base import PROTOCOL_VERSION
 from gossipcomp.transport.claims import (
     DEFAULT_ROUND_SECONDS,
     RoundClaims,
     agreed_round,
     quorum_of,
 )
-from gossipcomp.transport.serving import (
-    AsyncServer,
-    BlockingWork,
-    CallerSlots,
-    Method,
-    ServingLimits,
-    bounded_handler,
-)
 
 log = logging.getLogger("gossipcomp.coordinator")  # the name it had as one module
 
-MAX_TENSORS = 1 << 14  # parameters of one model in a report: far above any model's count
-MAX_NAME_CHARS = 1000  # characters of one parameter name
-MAX_NAMES_CHARS = 1 << 20  # characters of all parameter names of one report
-MAX_SIGNATURE_CHARS = 128  # a model signature (models.model_signature: 64 hex digits)
-MAX_SAMPLES_PER_LINK = 64  # transfers of one link in one report
-MAX_SECONDS = 86_400.0  # a measured time beyond a day is a lie or a bug
-MAX_REPORT_BYTES = 16 << 20  # a serialised report (the tensor list dominates)
-MAX_LEVELS = 64  # levels of one ladder in a report
-MAX_MARGIN = 10_000  # rounds ahead a schedule may be published at most
-# a reported round or epoch leaves room for what the coordinator publishes above it
-MAX_REPORTED_ROUND = MAX_ROUND - 4 * MAX_MARGIN
-MAX_REPORTED_EPOCH = MAX_EPOCH - (1 << 20)
-REPORT_HEADER_TIMEOUT = 5.0  # seconds from a report call's headers to its message
-REPORT_CALL_TIMEOUT = 10.0  # seconds one report call may take in all
-REPORTS_IN_FLIGHT = 2  # per sender of the topology on one connection (any other sender: per connection)
-# calls in flight on one connection: in-process peers share one connection to the coordinator
-REPORT_CALLS_PER_CONNECTION = 64
 ADAPTIVE_PLANNER = "adaptive"  # the planner label of schedules that change link levels
-SERVICE_NAME = "gossipcomp.v1.Coordinator"
-
-
-class ReportRefused(ValueError):
-    """A report the coordinator will not use; `code` is the gRPC status to answer with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(frozen=True)
-class MemberReport:
-    """One peer's report, checked."""
-
-    rank: int
-    round: int
-    epoch: int
-    compute_seconds: float
-    compressor: str
-    compression: CompressorCost
-    tensors: tuple[TensorInfo, ...]
-    transfers: tuple[tuple[int, float], ...]  # (bytes, seconds) over all its links
-    # neighbour -> its last sends there, (bytes, seconds until delivered), oldest first
-    sends: dict[int, tuple[tuple[int, float], ...]]
-    levels: LevelCosts | None  # the algorithm's ladder, None without per-link levels
-    critical: bool = False  # in a critical learning phase (schedule/critical.py)
-
-
-def _level_costs(request: cpb.PeerReport) -> LevelCosts | None:
-    """The ladder a report states (None when it states none); ReportRefused when malformed."""
-    if not request.level_costs:
-        return None
-    if len(request.level_costs) > MAX_LEVELS:
-        raise ReportRefused(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"level_costs: {len(request.level_costs)} levels, at most {MAX_LEVELS}",
-        )
-    costs = {}
-    for entry in request.level_costs:
-        level = _integer("level_costs level", entry.level, MAX_LEVEL)
-        if level in costs:
-            raise ReportRefused(
-                grpc.StatusCode.INVALID_ARGUMENT, f"level_costs: level {level} listed twice"
-            )
-        costs[level] = _integer("level_costs bytes_per_round", entry.bytes_per_round, 1 << 40)
-    try:
-        return LevelCosts(costs, request.exchanges_per_round)
-    except ValueError as error:
-        raise ReportRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
 
 
 def _differs(request: cpb.PeerReport, model: tuple[str, tuple[TensorInfo, ...]]) -> str:
@@ -185,23 +89,6 @@ def _differs(request: cpb.PeerReport, model: tuple[str, tuple[TensorInfo, ...]])
             f"of the peers report ({signature})"
         )
     return "tensors: not the parameters a majority of the peers report with this model_signature"
-
-
-def _number(field: str, value: float, high: float = MAX_SECONDS) -> float:
-    if not (math.isfinite(value) and 0.0 <= value <= high):
-        raise ReportRefused(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"{field}: expected a number in [0, {high:g}], got {value!r}",
-        )
-    return value
-
-
-def _integer(field: str, value: int, high: int) -> int:
-    if not 0 <= value <= high:
-        raise ReportRefused(
-            grpc.StatusCode.INVALID_ARGUMENT, f"{field}: expected 0..{high}, got {value}"
-        )
-    return value
 
 
 class Coordinator:
@@ -259,115 +146,7 @@ class Coordinator:
 
     def check(self, request: cpb.PeerReport) -> MemberReport:
         """The report, checked; ReportRefused naming what is wrong."""
-        if request.protocol_version != PROTOCOL_VERSION:
-            raise ReportRefused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"protocol_version: expected {PROTOCOL_VERSION}, got {request.protocol_version}",
-            )
-        if request.topology_hash != self.topology.hash:
-            raise ReportRefused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"topology_hash: {quoted(request.topology_hash)} is not this network's",
-            )
-        if not 0 <= request.sender < self.topology.n:
-            raise ReportRefused(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"sender: peer {request.sender} is not in the topology (0 to {self.topology.n - 1})",
-            )
-        if not 0 < len(request.model_signature) <= MAX_SIGNATURE_CHARS:
-            raise ReportRefused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"model_signature {quoted(request.model_signature)}: expected 1 to "
-                f"{MAX_SIGNATURE_CHARS} characters",
-            )
-        if len(request.tensors) > MAX_TENSORS:
-            raise ReportRefused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"tensors: {len(request.tensors)}, at most {MAX_TENSORS}",
-            )
-        names_chars = sum(len(tensor.name) for tensor in request.tensors)
-        if names_chars > MAX_NAMES_CHARS:
-            raise ReportRefused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"tensors: names of {names_chars} characters in all, at most {MAX_NAMES_CHARS}",
-            )
-        tensors = []
-        for tensor in request.tensors:
-            if not 0 < len(tensor.name) <= MAX_NAME_CHARS:
-                raise ReportRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"tensor name {quoted(tensor.name)}: expected 1 to {MAX_NAME_CHARS} characters",
-                )
-            numel = _integer(f"tensor {quoted(tensor.name)} numel", tensor.numel, 1 << 40)
-            tensors.append(TensorInfo(tensor.name, numel))
-        neighbours = set(self.topology.neighbors(request.sender))
-        transfers: list[tuple[int, float]] = []
-        for link in request.links:
-            if link.neighbour not in neighbours:
-                raise ReportRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"links: peer {link.neighbour} is not a neighbour of peer {request.sender}",
-                )
-            if len(link.bytes) != len(link.seconds) or len(link.bytes) > MAX_SAMPLES_PER_LINK:
-                raise ReportRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"links: expected as many bytes as seconds, at most {MAX_SAMPLES_PER_LINK} "
-                    f"per link, got {len(link.bytes)} and {len(link.seconds)}",
-                )
-            for nbytes, seconds in zip(link.bytes, link.seconds, strict=True):
-                try:
-                    transfers.append(check_sample(nbytes, seconds, "links"))
-                except ValueError as error:
-                    raise ReportRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
-        sends = {}
-        for samples in request.sends:
-            if samples.neighbour not in neighbours or samples.neighbour in sends:
-                raise ReportRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"sends: peer {samples.neighbour} is not a neighbour of peer "
-                    f"{request.sender}, or is listed twice",
-                )
-            if (
-                len(samples.bytes) != len(samples.seconds)
-                or len(samples.bytes) > MAX_SAMPLES_PER_LINK
-            ):
-                raise ReportRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"sends: expected as many bytes as seconds, at most {MAX_SAMPLES_PER_LINK} "
-                    f"per neighbour, got {len(samples.bytes)} and {len(samples.seconds)}",
-                )
-            try:
-                sends[samples.neighbour] = tuple(
-                    check_sample(b, t, "sends")
-                    for b, t in zip(samples.bytes, samples.seconds, strict=True)
-                )
-            except ValueError as error:
-                raise ReportRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
-        levels = _level_costs(request)
-        compressor = request.compressor
-        if compressor:
-            try:
-                compressor = parse_spec(compressor).spec
-            except (ValueError, TypeError) as error:
-                raise ReportRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"compressor {quoted(compressor)}: {error}"
-                ) from None
-        return MemberReport(
-            rank=request.sender,
-            round=_integer("round", request.round, MAX_REPORTED_ROUND),
-            epoch=_integer("schedule_epoch", request.schedule_epoch, MAX_REPORTED_EPOCH),
-            compute_seconds=_number("compute_seconds", request.compute_seconds),
-            compressor=compressor,
-            compression=CompressorCost(
-                _number("compressor_fixed_seconds", request.compressor_fixed_seconds),
-                _number("compressor_element_seconds", request.compressor_element_seconds, 1.0),
-            ),
-            tensors=tuple(tensors),
-            transfers=tuple(transfers),
-            sends=sends,
-            levels=levels,
-            critical=request.critical,
-        )
+        return check_report(self.topology, request)
 
     def receive(self, request: cpb.PeerReport) -> Schedule | None:
         """Take a peer's report; the newest schedule when the peer does not hold it yet.
@@ -568,90 +347,3 @@ class Coordinator:
             compute_s=max(m.compute_seconds for m in members),
         )
         return tuple(make_planner(self.planner).plan(members[0].tensors, costs, compressor))
-
-
-class _Service:
-    """The Report RPC on the server's event loop: at most REPORTS_IN_FLIGHT calls per sender on
-    one connection, the sender counted only once it is a peer of the topology (any other claim
-    shares the connection's own REPORTS_IN_FLIGHT), so rotating the claimed sender holds no more;
-    the checking and planning run on a few threads of their own."""
-
-    def __init__(self, coordinator: Coordinator, work: BlockingWork) -> None:
-        self._coordinator = coordinator
-        self._work = work
-        self._slots = CallerSlots(REPORTS_IN_FLIGHT, "reports")
-
-    async def Report(
-        self, request: cpb.PeerReport, context: grpc.aio.ServicerContext
-    ) -> cpb.ReportReply:
-        caller: tuple[int | None, str] = (None, context.peer())
-        if 0 <= request.sender < self._coordinator.topology.n:
-            caller = (request.sender, context.peer())
-        async with self._slots.hold(caller, context):
-            try:
-                schedule = await self._work.run(lambda: self._coordinator.receive(request))
-            except ReportRefused as refused:
-                await context.abort(refused.code, str(refused))
-            except ScheduleRefused as error:  # a plan that cannot be a schedule: a bug, say so
-                await context.abort(grpc.StatusCode.INTERNAL, str(error))
-        if schedule is None:
-            return cpb.ReportReply()
-        return cpb.ReportReply(has_schedule=True, schedule=schedule_to_proto(schedule))
-
-
-REPORT_LIMITS = ServingLimits(
-    max_message_bytes=MAX_REPORT_BYTES,
-    max_streams_per_connection=64,  # in-process peers may share one connection
-    header_timeout=REPORT_HEADER_TIMEOUT,
-    call_timeout=REPORT_CALL_TIMEOUT,
-    max_calls_per_caller=REPORT_CALLS_PER_CONNECTION,
-)
-
-
-class CoordinatorServer:
-    """The coordinator served over gRPC at `address` (mutual TLS with `tls`), built the one way
-    every gossipcomp server is (transport/serving.py)."""
-
-    def __init__(
-        self,
-        coordinator: Coordinator,
-        address: str,
-        tls: TlsFiles | None = None,
-        limits: ServingLimits = REPORT_LIMITS,
-    ) -> None:
-        self.coordinator = coordinator
-        self._work = BlockingWork(2, "coordinator")
-        service = _Service(coordinator, self._work)
-        handler = bounded_handler(
-            SERVICE_NAME,
-            [
-                Method(
-                    "Report",
-                    service.Report,
-                    cpb.ReportReply.SerializeToString,
-                    cpb.PeerReport.FromString,
-                )
-            ],
-            limits,
-        )
-        credentials = server_credentials(tls) if tls is not None else None
-        try:
-            self._server = AsyncServer(
-                "coordinator",
-                address,
-                [handler],
-                limits,
-                credentials,
-                health_services=("", SERVICE_NAME),
-            )
-        except BaseException:
-            self._work.close()
-            raise
-        self.address = self._server.address
-
-    def stop(self, grace: float = 0.0) -> None:
-        self._server.stop(grace)
-        self._work.close()
-
-    def wait(self) -> None:
-        self._server.wait()
