@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import needs_namespaces
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -193,18 +194,7 @@ def test_a_run_that_cannot_show_it_is_network_bound_is_refused(tmp_path: Path) -
     )
 
 
-def _namespaces_unavailable() -> str | None:
-    try:
-        shaped_links.check_available()
-    except shaped_links.NamespacesUnavailable as why:
-        return str(why)
-    return None
-
-
-UNAVAILABLE = _namespaces_unavailable()
-
-
-@pytest.mark.skipif(UNAVAILABLE is not None, reason=f"network namespaces: {UNAVAILABLE}")
+@needs_namespaces()
 def test_shaped_run_moves_the_slow_link_and_leaves_no_namespace(tmp_path: Path) -> None:
     report = _run(tmp_path, "--peers", "3", "--rounds", "6", "--changes", "2", "--rates", "1",
                   "4", "--model", "mlp", "--configs", "fixed", "--ranks", "2", "--repeats", "1",
