@@ -212,10 +212,11 @@ def test_peer_processes_join_a_coordinator_process_and_switch_together(tmp_path)
     import subprocess
     import sys
 
-    from test_cli_and_processes import _free_ports, _peer_command, _ring_file
+    from helpers import benchmark, peer_command
 
-    topology = _ring_file(tmp_path, 4)
-    address = f"127.0.0.1:{_free_ports(1)[0]}"
+    faults = benchmark("faults")  # its ring of free loopback ports serves the tests too
+    topology = faults.ring_file(tmp_path, 4)
+    address = f"127.0.0.1:{faults.free_ports(1)[0]}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "500"}
     coordinator = subprocess.Popen(
         [sys.executable, "-m", "gossipcomp", "coordinator", "--topology", str(topology)]
@@ -228,7 +229,7 @@ def test_peer_processes_join_a_coordinator_process_and_switch_together(tmp_path)
     flags += ["--eval-every", "0", "--coordinator", address, "--report-every", "5"]
     peers = [
         subprocess.Popen(
-            [*_peer_command(topology, tmp_path / f"peer{r}.json", "--rank", str(r)), *flags],
+            [*peer_command(topology, tmp_path / f"peer{r}.json", "--rank", str(r)), *flags],
             env=env,
             stderr=subprocess.PIPE,
             text=True,
