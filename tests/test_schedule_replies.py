@@ -15,7 +15,7 @@ import torch
 from conftest import grpc_network, run_in_threads
 from torch import nn
 
-import gossipcomp.peer.node as peer_module
+import gossipcomp.peer.schedules as peer_module
 from gossipcomp.compress import parse_spec
 from gossipcomp.gossip import Choco
 from gossipcomp.peer import Peer

@@ -4,10 +4,11 @@ loops) and the bookkeeping of which neighbours it gossips with (`links`).
     from gossipcomp.peer import Peer
 
 The modules: `node` (the Peer: construction, start, the gossip round), `links` (which edges are
-up, probing lost neighbours, resuming at an agreed round), `schedules` (fetching, adopting and
+up, probing lost neighbours, resuming at an agreed round), `rejoin` (the peer's side of that:
+handshakes, catching up, resynchronising resumed edges), `schedules` (fetching, adopting and
 switching schedules), `guard` (refusing a round that would break the model), `failures`
-(counting rounds that heard no one), `checkpoint` (checking a saved peer), `deadlines`,
-`factory` (a peer over gRPC) and `stats`.
+(counting rounds that heard no one), `checkpoint` (what a saved peer holds, and its checks),
+`deadlines`, `factory` (a peer over gRPC) and `stats`.
 
 Each public name is imported from its module on first use (PEP 562), so importing
 `gossipcomp.peer.links` (as the levels glue does) does not load the node and its imports.
@@ -18,19 +19,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# public name -> the module under gossipcomp.peer that defines it
+# public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
-    "Peer": "node",
-    "AVERAGE_PHASE": "node",
-    "LEVELS_LOGGER": "node",
-    "LEVELS_PHASE": "node",
-    "PeerStats": "node",
-    "GossipStalled": "node",
-    "DEFAULT_MAX_FAILED_ROUNDS": "node",
-    "FAILED_ROUNDS_WARNING": "node",
-    "MAX_GOSSIP_MOVE": "node",
-    "MAX_ROUND_TIMEOUT": "node",
-    "MIN_ROUND_SECONDS": "node",
+    "Peer": "gossipcomp.peer.node",
+    "AVERAGE_PHASE": "gossipcomp.peer.node",
+    "PeerStats": "gossipcomp.peer.stats",
+    "GossipStalled": "gossipcomp.peer.failures",
+    "DEFAULT_MAX_FAILED_ROUNDS": "gossipcomp.peer.failures",
+    "FAILED_ROUNDS_WARNING": "gossipcomp.peer.failures",
+    "MAX_GOSSIP_MOVE": "gossipcomp.peer.guard",
+    "MAX_ROUND_TIMEOUT": "gossipcomp.peer.deadlines",
+    "MIN_ROUND_SECONDS": "gossipcomp.peer.deadlines",
+    # the peer's logger of compression levels, and their notices' phase (levels/peer.py)
+    "LEVELS_LOGGER": "gossipcomp.levels.peer",
+    "LEVELS_PHASE": "gossipcomp.levels.peer",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -41,7 +43,7 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'gossipcomp.peer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"gossipcomp.peer.{module}"), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later look-ups do not come here again
     return value
 

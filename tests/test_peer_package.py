@@ -1,0 +1,39 @@
+"""gossipcomp/peer/ is a package: the names users imported from the old gossipcomp/peer.py still
+import from gossipcomp.peer, each the object its module defines, and the links (which the
+levels glue imports) load without the node above them."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import gossipcomp.peer as package
+
+
+def test_every_public_name_imports_from_gossipcomp_peer():
+    for name in package.__all__:
+        module = importlib.import_module(package._EXPORTS[name])  # noqa: SLF001
+        assert getattr(package, name) is getattr(module, name), name
+    from gossipcomp.peer import GossipStalled, Peer, PeerStats
+
+    assert Peer.__module__ == "gossipcomp.peer.node"
+    assert issubclass(GossipStalled, RuntimeError) and PeerStats.__name__ == "PeerStats"
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    try:
+        package.Nothing  # noqa: B018
+    except AttributeError as error:
+        assert "gossipcomp.peer" in str(error) and "Nothing" in str(error)
+    else:
+        raise AssertionError("gossipcomp.peer.Nothing should not exist")
+
+
+def test_the_links_load_without_the_node():
+    code = (
+        "import sys, gossipcomp.peer.links\n"
+        "print(sorted(m for m in sys.modules if m.startswith('gossipcomp.peer')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['gossipcomp.peer', 'gossipcomp.peer.links']"
