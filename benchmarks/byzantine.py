@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gossipcomp.experiment import TrainConfig
-from gossipcomp.simulation import run_simulation
+from gossipcomp.experiment.simulation import run_simulation
 from gossipcomp.topology import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent

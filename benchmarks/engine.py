@@ -47,14 +47,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from gossipcomp.data import load_digits_split
 from gossipcomp.experiment import PeerTrainer, TrainConfig, build_algorithm
-from gossipcomp.models import build_model, model_signature
+from gossipcomp.experiment.simulation import run_simulation, usable_cores
 from gossipcomp.peer import Peer
-from gossipcomp.simulation import run_simulation, usable_cores
 from gossipcomp.topology import Topology, build_topology
 from gossipcomp.transport.base import Identity
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
+from gossipcomp.workload.data import load_digits_split
+from gossipcomp.workload.models import build_model, model_signature
 
 
 @dataclass

@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from gossipcomp.experiment import TrainConfig
-from gossipcomp.report import Report
-from gossipcomp.simulation import run_simulation
+from gossipcomp.experiment.report import Report
+from gossipcomp.experiment.simulation import run_simulation
 from gossipcomp.topology import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -32,10 +32,10 @@ from rich.table import Table
 
 from gossipcomp.cli import resolve_topology
 from gossipcomp.experiment import TrainConfig, static_schedule
-from gossipcomp.models import build_model
-from gossipcomp.report import Report
+from gossipcomp.experiment.report import Report
+from gossipcomp.experiment.simulation import run_simulation
 from gossipcomp.schedule.groups import TensorGroup
-from gossipcomp.simulation import run_simulation
+from gossipcomp.workload.models import build_model
 
 ALGORITHMS = {
     "choco-sign": TrainConfig(algorithm="choco", compressor="sign"),

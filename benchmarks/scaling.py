@@ -54,13 +54,13 @@ from rich.console import Console
 from rich.table import Table
 
 from gossipcomp.compress import CompressionContext, parse_spec
-from gossipcomp.data import load_digits_split
 from gossipcomp.experiment import TrainConfig
-from gossipcomp.models import build_mlp
+from gossipcomp.experiment.simulation import MAX_WORKERS, run_simulation, usable_cores
 from gossipcomp.schedule import LAYOUTS, LinkCost, PeerCosts, simulate
-from gossipcomp.simulation import MAX_WORKERS, run_simulation, usable_cores
 from gossipcomp.topology import build_topology
-from gossipcomp.training import make_optimizer
+from gossipcomp.workload.data import load_digits_split
+from gossipcomp.workload.models import build_mlp
+from gossipcomp.workload.training import make_optimizer
 
 LINKS = {
     "10GbE": LinkCost(0.91e-3, 7.4e-10),  # MG-WFBP's fit for 16 workers on 10GbE

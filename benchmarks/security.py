@@ -26,8 +26,8 @@ from rich.console import Console
 from rich.table import Table
 
 from gossipcomp.experiment import TrainConfig
+from gossipcomp.experiment.simulation import run_simulation
 from gossipcomp.security import PeerKeys, throwaway_certificates
-from gossipcomp.simulation import run_simulation
 from gossipcomp.topology import load_topology
 from gossipcomp.transport.base import Envelope, Identity
 from gossipcomp.transport.codec import encode_raw, tensor_spec

@@ -23,9 +23,9 @@ import torch
 from rich.console import Console
 
 from gossipcomp.gossip import DPSGD
-from gossipcomp.models import build_mlp
 from gossipcomp.peer import Peer
 from gossipcomp.topology import load_topology
+from gossipcomp.workload.models import build_mlp
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,13 +14,13 @@ import threading
 
 import torch
 
-from gossipcomp.data import load_digits_split, parse_partition, partition_indices
 from gossipcomp.gossip import DPSGD
 from gossipcomp.gossip.turns import ComputeTurns
-from gossipcomp.models import build_mlp
 from gossipcomp.peer import Peer
 from gossipcomp.topology import build_topology
-from gossipcomp.training import BatchStream, evaluate_accuracy, local_step, make_optimizer
+from gossipcomp.workload.data import load_digits_split, parse_partition, partition_indices
+from gossipcomp.workload.models import build_mlp
+from gossipcomp.workload.training import BatchStream, evaluate_accuracy, local_step, make_optimizer
 
 STEPS = 300
 SEED = 0

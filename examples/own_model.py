@@ -17,11 +17,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gossipcomp.data import load_split, parse_partition, partition_indices
 from gossipcomp.gossip import PowerGossip
 from gossipcomp.peer import Peer
 from gossipcomp.topology import build_topology
-from gossipcomp.training import evaluate_accuracy
+from gossipcomp.workload.data import load_split, parse_partition, partition_indices
+from gossipcomp.workload.training import evaluate_accuracy
 
 SEED = 0
 

@@ -9,16 +9,16 @@ from typing import Any
 import pytest
 import torch
 
-from gossipcomp.checkpoint import CheckpointStore
-from gossipcomp.data import load_digits_split
 from gossipcomp.experiment import PeerTrainer, TrainConfig, build_algorithm
 from gossipcomp.gossip import GossipAlgorithm
-from gossipcomp.models import build_model, model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.topology import Topology
 from gossipcomp.transport.base import Identity
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
+from gossipcomp.workload.checkpoint import CheckpointStore
+from gossipcomp.workload.data import load_digits_split
+from gossipcomp.workload.models import build_model, model_signature
 
 
 def run_in_threads(functions: Sequence[Callable[[], Any]], timeout: float = 60.0) -> list[Any]:

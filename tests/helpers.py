@@ -24,7 +24,6 @@ from conftest import gossip_round, stacked
 from gossipcomp.coordinator import CoordinatorServer
 from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.gossip import Choco, GossipAlgorithm
-from gossipcomp.models import build_mlp, model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.peer.links import Backoff
 from gossipcomp.proto.v1 import gossip_pb2 as pb
@@ -35,6 +34,7 @@ from gossipcomp.transport.base import Envelope, EnvelopeRejected, Identity
 from gossipcomp.transport.grpc_transport import SERVICE_NAME, GrpcTransport
 from gossipcomp.transport.memory import Fault, InMemoryHub, InMemoryTransport
 from gossipcomp.transport.throttled import LinkRates, ThrottledTransport
+from gossipcomp.workload.models import build_mlp, model_signature
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

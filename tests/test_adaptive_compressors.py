@@ -37,7 +37,6 @@ from gossipcomp.gossip import DEFATC, Choco
 from gossipcomp.gossip.base import PeerLeveled
 from gossipcomp.levels.ladder import ladder_for
 from gossipcomp.levels.rate import peer_levels
-from gossipcomp.models import model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.schedule.costs import LinkCost
 from gossipcomp.schedule.schedule import ScheduleRefused
@@ -45,6 +44,7 @@ from gossipcomp.topology import build_topology
 from gossipcomp.transport.base import Identity
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
 from gossipcomp.transport.throttled import LinkRates, RateChange
+from gossipcomp.workload.models import model_signature
 
 RING4 = build_topology("ring", n=4)
 RING8 = build_topology("ring", n=8)

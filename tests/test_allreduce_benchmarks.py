@@ -16,7 +16,7 @@ from typing import Any
 from helpers import needs_namespaces
 
 from gossipcomp.compress import parse_spec
-from gossipcomp.models import build_resmlp
+from gossipcomp.workload.models import build_resmlp
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS_MLP_FLOATS = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gossipcomp.report import PeerReport, Report
+from gossipcomp.experiment.report import PeerReport, Report
 
 ROOT = Path(__file__).resolve().parents[1]
 

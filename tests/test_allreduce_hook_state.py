@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gossipcomp.allreduce import register, spawn
 from gossipcomp.allreduce.launch import Session
-from gossipcomp.models import build_mlp
+from gossipcomp.workload.models import build_mlp
 
 MANY, ONE = 0.005, 25.0  # bucket caps (MB): the MLP below in 4+ buckets after the rebuild, in 1
 STEPS, SAVED_AT = 8, 4

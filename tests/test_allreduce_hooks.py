@@ -17,7 +17,7 @@ from gossipcomp.allreduce.launch import Session
 from gossipcomp.allreduce.reference import counted, register_reference
 from gossipcomp.allreduce.train import AllreduceConfig, train_rank
 from gossipcomp.compress import parse_spec
-from gossipcomp.models import build_mlp
+from gossipcomp.workload.models import build_mlp
 
 TINY_BUCKETS_MB = 0.001  # every weight matrix of the digits MLP starts a bucket of its own
 

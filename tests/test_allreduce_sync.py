@@ -26,8 +26,8 @@ from gossipcomp.allreduce import (
 from gossipcomp.allreduce.launch import Session
 from gossipcomp.allreduce.merged import make_plan, measure_backward
 from gossipcomp.allreduce.train import AllreduceConfig, train_rank
-from gossipcomp.models import build_mlp, build_resmlp
 from gossipcomp.schedule import TensorGroup, TensorInfo, check_cover
+from gossipcomp.workload.models import build_mlp, build_resmlp
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

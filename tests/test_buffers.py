@@ -8,15 +8,15 @@ from conftest import gossip_round
 from torch import nn
 
 from gossipcomp.compress import parse_spec
-from gossipcomp.data import load_digits_split, parse_partition, partition_indices
 from gossipcomp.experiment import TrainConfig
 from gossipcomp.gossip import DPSGD, Choco, PowerGossip
-from gossipcomp.models import gossiped_tensors, model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.topology import build_topology
-from gossipcomp.training import BatchStream, local_step, make_optimizer
 from gossipcomp.transport.base import HandshakeError, Identity
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
+from gossipcomp.workload.data import load_digits_split, parse_partition, partition_indices
+from gossipcomp.workload.models import gossiped_tensors, model_signature
+from gossipcomp.workload.training import BatchStream, local_step, make_optimizer
 
 ROUNDS = 60
 

@@ -19,11 +19,11 @@ from gossipcomp.cli import build_parser, main
 from gossipcomp.cli.training_flags import config as config_of
 from gossipcomp.compress import parse_spec
 from gossipcomp.experiment import TrainConfig, build_algorithm
+from gossipcomp.experiment.report import Report
+from gossipcomp.experiment.simulation import run_simulation
 from gossipcomp.gossip import DPSGD, Attack, Byzantine, Choco, make_attack
 from gossipcomp.gossip.base import Resumable
 from gossipcomp.gossip.clipping import AdaptiveRadius
-from gossipcomp.report import Report
-from gossipcomp.simulation import run_simulation
 from gossipcomp.topology import load_topology
 from gossipcomp.transport.memory import InMemoryHub
 

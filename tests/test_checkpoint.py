@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from gossipcomp import checkpoint
-from gossipcomp.checkpoint import CheckpointError, CheckpointStore, LoadedCheckpoint
+from gossipcomp.workload import checkpoint
+from gossipcomp.workload.checkpoint import CheckpointError, CheckpointStore, LoadedCheckpoint
 
 
 def assert_identical(a: Any, b: Any) -> None:
@@ -136,7 +136,7 @@ def test_corrupt_newest_falls_back_to_previous(
         store.read(newest)
     assert str(newest) in str(raised.value)
 
-    with caplog.at_level(logging.WARNING, logger="gossipcomp.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="gossipcomp.workload.checkpoint"):
         loaded = store.load_latest()
     assert loaded is not None and loaded.round == 2
     assert_identical(loaded.state, small_state(2))

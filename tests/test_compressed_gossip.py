@@ -138,11 +138,11 @@ def test_malformed_compressed_payload_is_refused_before_any_state_changes():
     from gossipcomp.compress.base import CompressionContext
     from gossipcomp.gossip.grouping import to_wire
     from gossipcomp.gossip.merged import MergedCodec
-    from gossipcomp.models import model_signature
     from gossipcomp.peer import Peer
     from gossipcomp.topology import build_topology
     from gossipcomp.transport.base import Envelope, Identity
     from gossipcomp.transport.grpc_transport import GrpcTransport
+    from gossipcomp.workload.models import model_signature
 
     topology = build_topology("ring", n=2)
     spec = "topk:ratio=0.5"

@@ -16,14 +16,14 @@ from gossipcomp.compress import parse_spec
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.experiment import TrainConfig
+from gossipcomp.experiment.simulation import run_simulation
 from gossipcomp.gossip import Choco
-from gossipcomp.models import model_signature
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
 from gossipcomp.schedule.groups import TensorGroup
-from gossipcomp.simulation import run_simulation
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.base import PROTOCOL_VERSION
+from gossipcomp.workload.models import model_signature
 
 RING4 = build_topology("ring", n=4)
 

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from gossipcomp.data import (
+from gossipcomp.workload.data import (
     DigitsSplit,
     PartitionSpec,
     load_digits_split,
     parse_partition,
     partition_indices,
 )
-from gossipcomp.models import build_mlp, model_signature, parameter_vector
-from gossipcomp.training import (
+from gossipcomp.workload.models import build_mlp, model_signature, parameter_vector
+from gossipcomp.workload.training import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_LR,
     DEFAULT_MOMENTUM,

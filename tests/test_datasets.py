@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from gossipcomp.cli import main
-from gossipcomp.data import DATASETS, load_split, parse_partition, partition_indices
-from gossipcomp.models import build_model, gossiped_tensors
+from gossipcomp.workload.data import DATASETS, load_split, parse_partition, partition_indices
+from gossipcomp.workload.models import build_model, gossiped_tensors
 
 # dataset, model, rounds, documented mean test accuracy (ring4, iid, D-PSGD, defaults otherwise;
 # measured on this project's 2-core machine: cnn 0.91, resmlp 0.90 at 100 rounds, wine 1.0,

@@ -10,7 +10,6 @@ from conftest import run_in_threads
 from torch import nn
 
 from gossipcomp.gossip import DPSGD, BuildContext, make_algorithm
-from gossipcomp.models import model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.peer.links import Backoff, LinkState
 from gossipcomp.topology import build_topology, load_topology
@@ -18,6 +17,7 @@ from gossipcomp.transport.base import Envelope, Identity
 from gossipcomp.transport.codec import encode_raw
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
 from gossipcomp.transport.wire import envelope_wire_bytes
+from gossipcomp.workload.models import model_signature
 
 
 def _random_model(seed: int) -> nn.Module:

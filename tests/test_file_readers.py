@@ -6,8 +6,8 @@ memory, with a short error naming the file. `gossipcomp plot` hung on the FIFO, 
 until 3.3 GB and reported the nested JSON as an internal error (RecursionError).
 
 READERS lists every reader; a new one is covered the day it is added, because two tests walk the
-source: every function that calls the shared reader (gossipcomp.files, gossipcomp.yaml_files)
-must be in READERS, and no module but gossipcomp/files.py may open a file for reading itself.
+source: every function that calls the shared reader (gossipcomp.inputs.files, gossipcomp.inputs.yaml_files)
+must be in READERS, and no module but gossipcomp/inputs/files.py may open a file for reading itself.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from typing import Any
 
 import pytest
 
-from gossipcomp import files, plot, yaml_files
-from gossipcomp.checkpoint import CheckpointStore
 from gossipcomp.cli import resolve_topology
+from gossipcomp.experiment import plot
+from gossipcomp.inputs import files, yaml_files
+from gossipcomp.inputs.text import QUOTE_LIMIT
 from gossipcomp.security import TlsFiles, new_ca, new_peer_certificate
 from gossipcomp.security.signing_keys import load_signing_key, read_allowlist
-from gossipcomp.text import QUOTE_LIMIT
 from gossipcomp.topology import load_topology
+from gossipcomp.workload.checkpoint import CheckpointStore
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gossipcomp"
 SECONDS = 10.0  # a refusal is immediate; the bound leaves room for a machine under load
@@ -75,8 +76,8 @@ def _ca(slot: str) -> Callable[[Path, Path], Any]:
 
 
 READERS: dict[str, Reader] = {
-    "topology": Reader(lambda p, _: load_topology(p), ("topology.load_topology",)),
-    "topology by flag": Reader(lambda p, _: resolve_topology(str(p)), ("cli.resolve_topology",)),
+    "topology": Reader(lambda p, _: load_topology(p), ("topology.files.load_topology",)),
+    "topology by flag": Reader(lambda p, _: resolve_topology(str(p)), ("cli.common.resolve_topology",)),
     "allowlist": Reader(lambda p, _: read_allowlist(p), ("security.signing_keys.read_allowlist",)),
     "signing key": Reader(
         lambda p, _: load_signing_key(p), ("security.signing_keys.load_signing_key",)
@@ -87,28 +88,28 @@ READERS: dict[str, Reader] = {
     "ca cert": Reader(_ca("ca_cert"), ("security.certificates._load_ca",)),
     "ca key": Reader(_ca("ca_key"), ("security.certificates._load_ca",)),
     "checkpoint": Reader(
-        lambda p, f: CheckpointStore(f, 0).read(p), ("checkpoint.CheckpointStore.read",)
+        lambda p, f: CheckpointStore(f, 0).read(p), ("workload.checkpoint.CheckpointStore.read",)
     ),
     "checkpoint bounded": Reader(
         lambda p, f: CheckpointStore(f, 0).read(p, max_payload=2**20),
-        ("checkpoint.CheckpointStore.read",),
+        ("workload.checkpoint.CheckpointStore.read",),
     ),
     "report (plot)": Reader(
-        lambda p, _: plot.load_curves([p]), ("plot.load_curves", "plot.load_curve")
+        lambda p, _: plot.load_curves([p]), ("experiment.plot.load_curves", "experiment.plot.load_curve")
     ),
     "json": Reader(
         lambda p, _: files.load_json_file(p, "json", "a JSON file", 2**30),
-        ("files.load_json_file",),
+        ("inputs.files.load_json_file",),
         ("wrong top level",),
     ),
     "yaml": Reader(
         lambda p, _: yaml_files.load_yaml_file(p, "yaml", "a YAML file"),
-        ("yaml_files.load_yaml_file",),
+        ("inputs.yaml_files.load_yaml_file",),
         ("wrong top level",),
     ),
     "text": Reader(
         lambda p, _: files.read_text_file(p, "text", "a text file", 2**30),
-        ("files.read_text_file",),
+        ("inputs.files.read_text_file",),
         ("deep json", "deep yaml", "wrong top level"),
     ),
 }
@@ -293,7 +294,7 @@ def test_every_caller_of_the_shared_reader_is_fed_the_hostile_files() -> None:
     callers = set()
     for path in _sources():
         for module, call, where in _calls(path):
-            if _called(call) in SHARED and module not in ("files", "yaml_files"):
+            if _called(call) in SHARED and module not in ("inputs.files", "inputs.yaml_files"):
                 callers.add(f"{module}.{where}")
     missing = sorted(callers - covered)
     assert not missing, f"readers not in READERS (add them, with how to call them): {missing}"
@@ -302,11 +303,11 @@ def test_every_caller_of_the_shared_reader_is_fed_the_hostile_files() -> None:
 # calls that open or load a file without the shared reader, each for a reason other than reading
 # a file someone points gossipcomp at: (module, enclosing function, call) -> why
 NOT_READS = {
-    ("report", "Report.write_json", "fdopen"): "writes the report (a temporary file it made)",
-    ("report", "Report.write_json", "open"): "opens the report's directory to fsync a rename",
-    ("checkpoint", "_fsync_directory", "open"): "opens the checkpoint directory to fsync",
-    ("checkpoint", "CheckpointStore.save", "fdopen"): "writes a checkpoint (a file it made)",
-    ("checkpoint", "CheckpointStore.read", "load"): "torch.load of bytes already read and checked",
+    ("experiment.report", "Report.write_json", "fdopen"): "writes the report (a temporary file it made)",
+    ("experiment.report", "Report.write_json", "open"): "opens the report's directory to fsync a rename",
+    ("workload.checkpoint", "_fsync_directory", "open"): "opens the checkpoint directory to fsync",
+    ("workload.checkpoint", "CheckpointStore.save", "fdopen"): "writes a checkpoint (a file it made)",
+    ("workload.checkpoint", "CheckpointStore.read", "load"): "torch.load of bytes already read and checked",
     ("security.signing_keys", "write_signing_key", "open"): "creates a key file (O_CREAT|O_EXCL)",
     ("security.signing_keys", "write_signing_key", "fdopen"): "writes the key file it created",
     ("security.certificates", "_write", "fdopen"): "writes a certificate or key it created",
@@ -316,13 +317,13 @@ RAW_READS |= {"loadtxt", "open_text", "open_binary"}
 
 
 def test_no_module_opens_a_file_for_reading_but_the_shared_reader() -> None:
-    """A raw open()/read_text()/json.load()/torch.load() outside gossipcomp/files.py is a reader
+    """A raw open()/read_text()/json.load()/torch.load() outside gossipcomp/inputs/files.py is a reader
     that skips the checks; only the calls listed in NOT_READS (writes, fsyncs) may stay."""
     found = {}
     for path in _sources():
         for module, call, where in _calls(path):
             name = _called(call)
-            if module == "files" or name not in RAW_READS:
+            if module == "inputs.files" or name not in RAW_READS:
                 continue
             if name == "load" and _is_attribute_of(call, ("json", "torch", "yaml", "np", "pickle")):
                 found[(module, where, name)] = ast.unparse(call)[:80]
@@ -330,7 +331,7 @@ def test_no_module_opens_a_file_for_reading_but_the_shared_reader() -> None:
                 found[(module, where, name)] = ast.unparse(call)[:80]
     unexplained = {k: v for k, v in found.items() if k not in NOT_READS}
     assert not unexplained, (
-        "files opened or loaded outside gossipcomp/files.py (read them with it, or list a "
+        "files opened or loaded outside gossipcomp/inputs/files.py (read them with it, or list a "
         f"write in NOT_READS): {unexplained}"
     )
     stale = set(NOT_READS) - set(found)

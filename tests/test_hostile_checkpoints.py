@@ -20,11 +20,11 @@ import pytest
 import torch
 from conftest import in_memory_trainers, run_in_threads
 
-from gossipcomp import checkpoint
-from gossipcomp.checkpoint import MAGIC, VERSION, CheckpointError, CheckpointStore
 from gossipcomp.experiment import PeerTrainer, TrainConfig, build_algorithm
 from gossipcomp.topology import load_topology
 from gossipcomp.transport.memory import InMemoryHub
+from gossipcomp.workload import checkpoint
+from gossipcomp.workload.checkpoint import MAGIC, VERSION, CheckpointError, CheckpointStore
 
 RING4 = load_topology("topologies/ring4.yaml")
 CONFIG = TrainConfig(algorithm="dpsgd", rounds=4, eval_every=2)
@@ -75,14 +75,14 @@ def restore_skipping_one(
     """Restore rank 0 from `directory`: the newest file must be skipped with one warning naming
     it and `field`, and the older one restored."""
     trainer = fresh_trainer(directory)
-    with caplog.at_level(logging.WARNING, logger="gossipcomp.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="gossipcomp.workload.checkpoint"):
         assert trainer.restore() == OLDER
     assert trainer.peer.round == OLDER
     assert [h.round for h in trainer.history] == [OLDER]
     warnings = [
         r.getMessage()
         for r in caplog.records
-        if r.name == "gossipcomp.checkpoint" and r.levelno == logging.WARNING
+        if r.name == "gossipcomp.workload.checkpoint" and r.levelno == logging.WARNING
     ]
     newest = CheckpointStore(directory, 0).path_for(NEWEST)
     assert len(warnings) == 1, warnings

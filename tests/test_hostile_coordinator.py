@@ -25,7 +25,6 @@ from gossipcomp.coordinator import (
     Coordinator,
     CoordinatorServer,
 )
-from gossipcomp.models import model_signature
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
 from gossipcomp.schedule.groups import TensorGroup
@@ -33,6 +32,7 @@ from gossipcomp.schedule.schedule import MAX_EPOCH, MAX_STAGED
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.base import PROTOCOL_VERSION
 from gossipcomp.transport.serving import ServingLimits
+from gossipcomp.workload.models import model_signature
 
 RING4 = build_topology("ring", n=4)
 

@@ -21,8 +21,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.console import Console
 
-from gossipcomp import yaml_files
-from gossipcomp.presentation import format_topology
+from gossipcomp.experiment.presentation import format_topology
+from gossipcomp.inputs import yaml_files
 from gossipcomp.security import TlsFiles, new_ca, new_peer_certificate
 from gossipcomp.security.signing_keys import (
     load_signing_key,

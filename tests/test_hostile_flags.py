@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from gossipcomp import cli
-from gossipcomp.report import PeerReport, Report
+from gossipcomp.experiment.report import PeerReport, Report
 
 
 def _gossipcomp(

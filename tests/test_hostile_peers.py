@@ -27,13 +27,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gossipcomp.experiment import TrainConfig
+from gossipcomp.experiment.simulation import run_simulation
 from gossipcomp.gossip import DPSGD
 from gossipcomp.gossip.dpsgd import MODEL_PHASE
-from gossipcomp.models import model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.peer.links import MAX_RESUME_MARGIN, RESUME_MARGIN, Backoff, LinkState, RoundPace
 from gossipcomp.security import PeerKeys, throwaway_certificates
-from gossipcomp.simulation import run_simulation
 from gossipcomp.topology import Topology, load_topology, topology_from_dict
 from gossipcomp.transport.base import (
     MAX_WIRE_ROUND,
@@ -46,6 +45,7 @@ from gossipcomp.transport.codec import encode_raw
 from gossipcomp.transport.grpc_transport import SERVICE_NAME, GrpcOptions, GrpcTransport
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
 from gossipcomp.transport.wire import envelope_chunks, parse_chunk
+from gossipcomp.workload.models import model_signature
 
 FAST_BACKOFF = Backoff(first=0.01, longest=0.05)
 

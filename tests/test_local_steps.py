@@ -12,13 +12,13 @@ from conftest import in_memory_trainers, run_in_threads
 from gossipcomp.cli import main
 from gossipcomp.experiment import TrainConfig
 from gossipcomp.gossip import DPSGD
-from gossipcomp.models import build_mlp, model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.topology import build_topology, load_topology
 from gossipcomp.transport.base import Envelope, Identity
 from gossipcomp.transport.codec import encode_raw
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
 from gossipcomp.transport.wire import envelope_wire_bytes
+from gossipcomp.workload.models import build_mlp, model_signature
 
 
 def _simulate(tmp_path, name: str, *argv: str) -> dict:

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from gossipcomp.allreduce import Communicator, spawn
 from gossipcomp.allreduce.launch import Session
 from gossipcomp.allreduce.merged import Plan, make_plan, measure_backward
-from gossipcomp.models import build_resmlp
 from gossipcomp.schedule import check_cover, make_planner
 from gossipcomp.schedule.planners import planner_specs
+from gossipcomp.workload.models import build_resmlp
 
 
 def _backward(model: torch.nn.Module) -> Callable[[], None]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gossipcomp.models import build_resmlp, model_signature
+from gossipcomp.workload.models import build_resmlp, model_signature
 
 
 def test_resmlp_has_over_100_tensors_and_is_identical_from_a_seed() -> None:

@@ -13,7 +13,7 @@ import pytest
 from matplotlib.image import imread
 
 from gossipcomp.cli import main
-from gossipcomp.plot import (
+from gossipcomp.experiment.plot import (
     BYTES_AXIS,
     MAX_POINTS_DRAWN,
     MAX_REPORT_BYTES,
@@ -22,7 +22,7 @@ from gossipcomp.plot import (
     draw_curves,
     load_curves,
 )
-from gossipcomp.report import PeerReport, Report
+from gossipcomp.experiment.report import PeerReport, Report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

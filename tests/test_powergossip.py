@@ -13,8 +13,8 @@ from torch import nn
 from gossipcomp.gossip import PowerGossip
 from gossipcomp.gossip.linalg import orthonormal_basis
 from gossipcomp.gossip.powergossip import largest_useful_rank
-from gossipcomp.models import build_mlp
 from gossipcomp.topology import build_topology, load_topology
+from gossipcomp.workload.models import build_mlp
 
 
 def _models(n: int, shapes=((12, 5), (3, 12)), seed: int = 0) -> list[nn.Module]:

@@ -18,16 +18,16 @@ import torch
 from conftest import consensus_distance, in_memory_trainers, run_in_threads, stacked
 from torch import nn
 
-from gossipcomp.checkpoint import CheckpointStore
 from gossipcomp.compress import parse_spec
 from gossipcomp.experiment import PeerTrainer, TrainConfig
 from gossipcomp.gossip import DEFATC, DPSGD, Choco, LinkStats, PowerGossip
-from gossipcomp.models import model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.peer.links import Backoff, LinkState
 from gossipcomp.topology import Topology, load_topology
 from gossipcomp.transport.base import Identity
 from gossipcomp.transport.memory import Fault, InMemoryHub, InMemoryTransport
+from gossipcomp.workload.checkpoint import CheckpointStore
+from gossipcomp.workload.models import model_signature
 
 FAST_BACKOFF = Backoff(first=0.005, longest=0.02)
 

@@ -16,11 +16,11 @@ from torch import nn
 from gossipcomp.compress import parse_spec
 from gossipcomp.experiment import PeerTrainer, TrainConfig
 from gossipcomp.gossip import DPSGD, Choco
-from gossipcomp.models import build_mlp
 from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.schedule import Schedule, ScheduleBook, ScheduleRefused
 from gossipcomp.topology import build_topology, load_topology
 from gossipcomp.transport.memory import InMemoryHub
+from gossipcomp.workload.models import build_mlp
 
 RING4 = build_topology("ring", n=4)
 

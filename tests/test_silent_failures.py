@@ -27,16 +27,16 @@ from torch import nn
 
 from gossipcomp.cli import main
 from gossipcomp.experiment import TrainConfig
+from gossipcomp.experiment.simulation import run_peer
 from gossipcomp.gossip import DPSGD
-from gossipcomp.models import gossiped_tensors, model_signature
 from gossipcomp.peer import GossipStalled, Peer
-from gossipcomp.simulation import run_peer
 from gossipcomp.topology import build_topology, load_topology
 from gossipcomp.transport.base import Envelope, HandshakeError, Identity, PeerUnreachableError
 from gossipcomp.transport.codec import encode_raw
 from gossipcomp.transport.grpc_transport import GrpcOptions
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
 from gossipcomp.transport.wire import envelope_chunks
+from gossipcomp.workload.models import gossiped_tensors, model_signature
 
 VOCAB, WIDTH, CONTEXT = 12, 16, 8
 

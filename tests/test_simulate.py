@@ -10,10 +10,10 @@ import pytest
 from helpers import benchmark, peer_command
 
 from gossipcomp.cli import main
-from gossipcomp.models import build_mlp
 from gossipcomp.transport.base import Envelope
 from gossipcomp.transport.codec import encode_raw
 from gossipcomp.transport.wire import envelope_wire_bytes
+from gossipcomp.workload.models import build_mlp
 
 REQUIRED = {
     "algorithm",

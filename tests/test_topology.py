@@ -14,7 +14,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.console import Console
 
-from gossipcomp.presentation import format_topology
+from gossipcomp.experiment.presentation import format_topology
 from gossipcomp.security.signing_keys import public_key_text
 from gossipcomp.topology import (
     Topology,

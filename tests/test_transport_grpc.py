@@ -315,10 +315,10 @@ def test_wrong_shape_is_refused_and_the_receivers_model_is_bitwise_unchanged():
     """A neighbour sends a wrong-shape model: refused, the peer's round leaves it out, the model is
     bit for bit what it was; the same channel then delivers a valid envelope that is applied."""
     from gossipcomp.gossip import DPSGD
-    from gossipcomp.models import build_mlp, model_signature
     from gossipcomp.peer import Peer
     from gossipcomp.topology import build_topology
     from gossipcomp.transport.base import HelloAnswer
+    from gossipcomp.workload.models import build_mlp, model_signature
 
     topology = build_topology("ring", n=2)
     model = build_mlp(0, hidden=(8,))

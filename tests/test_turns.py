@@ -9,14 +9,14 @@ import time
 import pytest
 import torch
 
-from gossipcomp.data import load_digits_split
 from gossipcomp.experiment import PeerTrainer, TrainConfig, build_algorithm
 from gossipcomp.gossip.turns import ComputeTurns
-from gossipcomp.models import build_model, model_signature
 from gossipcomp.peer import Peer
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.base import Identity
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
+from gossipcomp.workload.data import load_digits_split
+from gossipcomp.workload.models import build_model, model_signature
 
 
 class _Overlap:

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from gossipcomp import cli
-from gossipcomp.simulation import WorkerFailed
-from gossipcomp.simulation.workers import _expect
+from gossipcomp.experiment.simulation import WorkerFailed
+from gossipcomp.experiment.simulation.workers import _expect
 
 
 def _sleep(seconds: float) -> None:

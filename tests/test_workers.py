@@ -13,8 +13,8 @@ import pytest
 
 from gossipcomp.coordinator import Coordinator
 from gossipcomp.experiment import TrainConfig, TrainingDiverged
-from gossipcomp.simulation import run_simulation
-from gossipcomp.simulation.workers import _blocks
+from gossipcomp.experiment.simulation import run_simulation
+from gossipcomp.experiment.simulation.workers import _blocks
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.throttled import LinkRates
 

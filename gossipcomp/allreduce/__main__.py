@@ -3,7 +3,7 @@
 import sys
 
 from gossipcomp.allreduce.command import add_arguments, run
-from gossipcomp.arguments import Parser
+from gossipcomp.inputs.arguments import Parser
 
 
 def main() -> int:

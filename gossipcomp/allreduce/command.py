@@ -23,7 +23,8 @@ import torch.distributed as dist
 from gossipcomp.allreduce.launch import LaunchError, Session, init_from_env, spawn
 from gossipcomp.allreduce.liveness import RankFailure
 from gossipcomp.allreduce.train import MODELS, SYNCS, AllreduceConfig, RankResult, train_rank
-from gossipcomp.arguments import (
+from gossipcomp.experiment.report import HistoryPoint, PeerReport, Report
+from gossipcomp.inputs.arguments import (
     OptimizerFlags,
     Setting,
     add_optimizer_flags,
@@ -32,8 +33,7 @@ from gossipcomp.arguments import (
     number,
     write_error,
 )
-from gossipcomp.report import HistoryPoint, PeerReport, Report
-from gossipcomp.text import quoted
+from gossipcomp.inputs.text import quoted
 
 MAX_NPROC = 64
 MAX_STEPS = 1_000_000

@@ -41,9 +41,9 @@ from gossipcomp.allreduce.merged import (
     threshold_groups,
 )
 from gossipcomp.allreduce.ssd import SSDSGD
-from gossipcomp.data import load_digits_split, parse_partition, partition_indices
-from gossipcomp.models import build_mlp, build_resmlp
-from gossipcomp.training import BatchStream, evaluate_accuracy, make_optimizer
+from gossipcomp.workload.data import load_digits_split, parse_partition, partition_indices
+from gossipcomp.workload.models import build_mlp, build_resmlp
+from gossipcomp.workload.training import BatchStream, evaluate_accuracy, make_optimizer
 
 SYNCS = ("ddp-hook", "merged", "marsit", "ssd")
 MODELS: dict[str, Callable[[int], nn.Module]] = {

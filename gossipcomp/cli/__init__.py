@@ -3,7 +3,7 @@
 
 Argument parsing, checks that fail fast, progress display and reports only; the work happens in
 simulation. One module per command (its flags and its run), the flags `simulate` and `peer`
-share in training_flags.py (those `allreduce` takes too in gossipcomp.arguments), and here the
+share in training_flags.py (those `allreduce` takes too in gossipcomp.inputs.arguments), and here the
 parser that gathers them and `main`, which turns every outcome into an exit status.
 
 Every flag is checked as it is parsed (a finite number in its range, an integer in its range),
@@ -27,13 +27,13 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from gossipcomp.allreduce import command as allreduce_command
-from gossipcomp.arguments import HelpWithDefaults, Parser, write_error
 from gossipcomp.cli import coordinator, keys, peer, plot, simulate, topology
 from gossipcomp.cli.common import resolve_topology
 from gossipcomp.cli.simulate import MIN_ROUND_BYTES
 from gossipcomp.experiment import TrainingAborted, TrainingDiverged
+from gossipcomp.experiment.simulation import WorkerFailed
+from gossipcomp.inputs.arguments import HelpWithDefaults, Parser, write_error
 from gossipcomp.peer import LEVELS_LOGGER, GossipStalled
-from gossipcomp.simulation import WorkerFailed
 from gossipcomp.transport.base import HandshakeError, PeerUnreachableError
 
 __all__ = ["MIN_ROUND_BYTES", "build_parser", "main", "resolve_topology"]

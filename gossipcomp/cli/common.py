@@ -8,10 +8,10 @@ import os
 import tempfile
 from pathlib import Path
 
-from gossipcomp.arguments import accepted
+from gossipcomp.inputs.arguments import accepted
+from gossipcomp.inputs.text import quoted
 from gossipcomp.schedule import make_planner
 from gossipcomp.security import TlsFiles
-from gossipcomp.text import quoted
 from gossipcomp.topology import Topology, load_topology
 
 

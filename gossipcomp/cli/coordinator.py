@@ -8,9 +8,9 @@ import signal
 
 from rich.console import Console
 
-from gossipcomp.arguments import HelpWithDefaults, integer, number
 from gossipcomp.cli.common import add_tls_flags, planner_spec, resolve_topology, tls_files
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
+from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
 from gossipcomp.schedule import PLANNERS
 from gossipcomp.topology import Topology
 from gossipcomp.transport.grpc_transport import is_loopback

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gossipcomp.arguments import HelpWithDefaults, integer
+from gossipcomp.inputs.arguments import HelpWithDefaults, integer
 from gossipcomp.security import CA_CERT_NAME, CA_KEY_NAME, new_ca, new_peer_certificate
 from gossipcomp.security.signing_keys import (
     public_key_text,

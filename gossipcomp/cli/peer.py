@@ -9,13 +9,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gossipcomp.arguments import HelpWithDefaults, integer, number
 from gossipcomp.cli.common import add_tls_flags, tls_files
 from gossipcomp.cli.coordinator import add_report_every, add_round_budget
 from gossipcomp.cli.training import ProgressDisplay, finish, prepare
 from gossipcomp.cli.training_flags import add_training_flags
-from gossipcomp.simulation import PeerLevels, run_peer
-from gossipcomp.text import quoted
+from gossipcomp.experiment.simulation import PeerLevels, run_peer
+from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
+from gossipcomp.inputs.text import quoted
 from gossipcomp.topology import Topology
 
 MAX_STARTUP_TIMEOUT = 86400.0  # seconds: waiting a day for neighbours is a typing mistake

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gossipcomp.arguments import HelpWithDefaults, integer
 from gossipcomp.cli.common import check_plot_path
-from gossipcomp.plot import MAX_PIXELS, MAX_REPORTS, MIN_PIXELS, plot_reports
+from gossipcomp.experiment.plot import MAX_PIXELS, MAX_REPORTS, MIN_PIXELS, plot_reports
+from gossipcomp.inputs.arguments import HelpWithDefaults, integer
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gossipcomp.arguments import HelpWithDefaults, integer, number
 from gossipcomp.cli.coordinator import add_coordinator_flags, make_coordinator
 from gossipcomp.cli.training import ProgressDisplay, finish, prepare
 from gossipcomp.cli.training_flags import add_training_flags
-from gossipcomp.simulation import MAX_WORKERS, PeerLevels, run_simulation, usable_cores
+from gossipcomp.experiment.simulation import MAX_WORKERS, PeerLevels, run_simulation, usable_cores
+from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
 from gossipcomp.topology import Topology
 from gossipcomp.transport.throttled import MAX_MBIT, LinkRates, RateChange
 

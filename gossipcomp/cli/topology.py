@@ -7,7 +7,7 @@ import argparse
 from rich.console import Console
 
 from gossipcomp.cli.common import resolve_topology
-from gossipcomp.presentation import format_topology
+from gossipcomp.experiment.presentation import format_topology
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

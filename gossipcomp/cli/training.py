@@ -16,11 +16,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gossipcomp.cli import training_flags
 from gossipcomp.cli.common import check_outputs, check_plot_path, resolve_topology
 from gossipcomp.experiment import TrainConfig, build_config_model, load_data
+from gossipcomp.experiment.plot import curve_of, plot_curves
+from gossipcomp.experiment.report import Report
+from gossipcomp.experiment.simulation import CheckpointPolicy
 from gossipcomp.gossip.powergossip import largest_useful_rank
-from gossipcomp.plot import curve_of, plot_curves
-from gossipcomp.report import Report
-from gossipcomp.simulation import CheckpointPolicy
-from gossipcomp.text import quoted
+from gossipcomp.inputs.text import quoted
 from gossipcomp.topology import Topology
 
 

@@ -1,7 +1,7 @@
 """The training flags `simulate` and `peer` share, and the run (TrainConfig) they describe.
 
 The optimizer and data split flags, and --report/--quiet, `allreduce` takes too: they are
-declared once, in gossipcomp.arguments, with what each command sets apart.
+declared once, in gossipcomp.inputs.arguments, with what each command sets apart.
 """
 
 from __future__ import annotations
@@ -9,7 +9,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gossipcomp.arguments import (
+from gossipcomp.cli.common import planner_spec
+from gossipcomp.experiment import MAX_LOCAL_STEPS, MAX_LR, MAX_SEED, TrainConfig
+from gossipcomp.experiment.simulation import CheckpointPolicy
+from gossipcomp.gossip import ALGORITHMS, ATTACKS, parse_clip
+from gossipcomp.gossip.specs import MAX_GOSSIP_STEPS, parse_options
+from gossipcomp.inputs.arguments import (
     OptimizerFlags,
     Setting,
     accepted,
@@ -18,16 +23,11 @@ from gossipcomp.arguments import (
     integer,
     number,
 )
-from gossipcomp.cli.common import planner_spec
-from gossipcomp.data import DATASETS
-from gossipcomp.experiment import MAX_LOCAL_STEPS, MAX_LR, MAX_SEED, TrainConfig
-from gossipcomp.gossip import ALGORITHMS, ATTACKS, parse_clip
-from gossipcomp.gossip.specs import MAX_GOSSIP_STEPS, parse_options
-from gossipcomp.models import MODELS
+from gossipcomp.inputs.text import quoted
 from gossipcomp.peer import MAX_ROUND_TIMEOUT
 from gossipcomp.schedule import PLANNERS
-from gossipcomp.simulation import CheckpointPolicy
-from gossipcomp.text import quoted
+from gossipcomp.workload.data import DATASETS
+from gossipcomp.workload.models import MODELS
 
 
 def _optimizer_flags(d: TrainConfig) -> OptimizerFlags:

@@ -53,6 +53,7 @@ from dataclasses import replace
 import grpc
 
 from gossipcomp.coordinator.reports import MAX_MARGIN, MemberReport, ReportRefused, check_report
+from gossipcomp.inputs.text import quoted
 from gossipcomp.levels.rate import FIRST_DECISION_ROUND, Link, RateController
 from gossipcomp.levels.rate import link as edge_of
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
@@ -66,7 +67,6 @@ from gossipcomp.schedule import (
 )
 from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.schedule import MAX_BUDGET_S, MAX_STAGED, LinkLevel, Schedule
-from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
 from gossipcomp.transport.claims import (
     DEFAULT_ROUND_SECONDS,

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import grpc
 
 from gossipcomp.compress import parse_spec
+from gossipcomp.inputs.text import quoted
 from gossipcomp.levels.rate import MAX_LEVEL, LevelCosts
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule import CompressorCost, TensorInfo
 from gossipcomp.schedule.costs import check_sample
 from gossipcomp.schedule.schedule import MAX_EPOCH, MAX_ROUND
-from gossipcomp.text import quoted
 from gossipcomp.topology import Topology
 from gossipcomp.transport.base import PROTOCOL_VERSION
 

@@ -11,16 +11,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from gossipcomp.compress import parse_spec
-from gossipcomp.data import DATASETS, parse_partition
 from gossipcomp.gossip import ALGORITHMS, make_attack, parse_clip
 from gossipcomp.gossip.byzantine import DEFAULT_SCALE
 from gossipcomp.gossip.specs import MAX_GOSSIP_STEPS, canonical_spec, parse_options
-from gossipcomp.models import MODELS
+from gossipcomp.inputs.text import quoted
 from gossipcomp.peer import DEFAULT_MAX_FAILED_ROUNDS, MAX_ROUND_TIMEOUT
 from gossipcomp.schedule import make_planner
-from gossipcomp.text import quoted
-from gossipcomp.training import DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_MOMENTUM
 from gossipcomp.transport.base import MAX_WIRE_ROUND
+from gossipcomp.workload.data import DATASETS, parse_partition
+from gossipcomp.workload.models import MODELS
+from gossipcomp.workload.training import DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_MOMENTUM
 
 # an SGD rate this large diverges at once (TrainingDiverged, tests/test_simulate.py); far above
 # it, torch cannot apply the step to float32 parameters at all (1e308: an overflow error)
@@ -38,8 +38,8 @@ class TrainConfig:
     # a name from gossipcomp.gossip.ALGORITHMS, whose options come from the fields below, or a
     # whole spec such as "choco:compressor=sign,steps=4,gamma=0.7" (gossip/specs.py)
     algorithm: str = "powergossip"
-    model: str = "mlp"  # a name from gossipcomp.models.MODELS
-    dataset: str = "digits"  # a name from gossipcomp.data.DATASETS
+    model: str = "mlp"  # a name from gossipcomp.workload.models.MODELS
+    dataset: str = "digits"  # a name from gossipcomp.workload.data.DATASETS
     rounds: int = 600  # local steps; a gossip round follows every `local_steps` of them
     lr: float = DEFAULT_LR  # SGD learning rate
     momentum: float = DEFAULT_MOMENTUM  # SGD momentum (each peer keeps its own buffer)

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from gossipcomp.checkpoint import CheckpointError
 from gossipcomp.experiment.config import TrainConfig, _integer, _number
 from gossipcomp.experiment.outcome import Evaluation
-from gossipcomp.text import quoted
+from gossipcomp.inputs.text import quoted
 from gossipcomp.transport.codec import all_finite
+from gossipcomp.workload.checkpoint import CheckpointError
 
 MAX_RUN_SECONDS = 10 * 365 * 86400.0  # a history entry claiming a run longer is no run's
 

@@ -12,7 +12,6 @@ import logging
 import torch
 
 from gossipcomp.compress import parse_spec
-from gossipcomp.data import DigitsSplit, load_split, parse_partition, partition_indices
 from gossipcomp.experiment.config import TrainConfig
 from gossipcomp.gossip import (
     Byzantine,
@@ -24,10 +23,11 @@ from gossipcomp.gossip import (
 )
 from gossipcomp.gossip.clipping import AdaptiveRadius, ClipRadius
 from gossipcomp.gossip.specs import BuildContext
-from gossipcomp.models import build_model
 from gossipcomp.schedule import CompressorCost, CostModel, LinkCost, TensorInfo, make_planner
 from gossipcomp.schedule.schedule import Schedule
 from gossipcomp.topology import Topology
+from gossipcomp.workload.data import DigitsSplit, load_split, parse_partition, partition_indices
+from gossipcomp.workload.models import build_model
 
 log = logging.getLogger("gossipcomp.experiment")  # the package's logger, as before the split
 

@@ -16,9 +16,7 @@ from contextlib import nullcontext
 from dataclasses import asdict
 from typing import Any
 
-from gossipcomp.checkpoint import CheckpointStore, LoadedCheckpoint
 from gossipcomp.coordinator.client import CoordinatorClient
-from gossipcomp.data import DigitsSplit
 from gossipcomp.experiment.config import TrainConfig
 from gossipcomp.experiment.outcome import Evaluation, PeerOutcome, TrainingAborted, TrainingDiverged
 from gossipcomp.experiment.restore import (
@@ -32,10 +30,12 @@ from gossipcomp.experiment.restore import (
     _saved_config,
 )
 from gossipcomp.experiment.setup import peer_examples, static_schedule
+from gossipcomp.inputs.text import quoted
 from gossipcomp.peer import Peer
-from gossipcomp.text import quoted
-from gossipcomp.training import BatchStream, evaluate_accuracy, local_step, make_optimizer
 from gossipcomp.transport.codec import all_finite
+from gossipcomp.workload.checkpoint import CheckpointStore, LoadedCheckpoint
+from gossipcomp.workload.data import DigitsSplit
+from gossipcomp.workload.training import BatchStream, evaluate_accuracy, local_step, make_optimizer
 
 log = logging.getLogger("gossipcomp.experiment")  # the package's logger, as before the split
 

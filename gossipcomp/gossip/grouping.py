@@ -32,8 +32,8 @@ from gossipcomp.compress import ErrorFeedback, parse_spec, per_segment
 from gossipcomp.compress.base import Compressed, Compressor
 from gossipcomp.compress.flat import FlatLayout
 from gossipcomp.gossip.base import NamedParams
+from gossipcomp.inputs.text import quoted
 from gossipcomp.schedule.groups import TensorGroup, check_cover
-from gossipcomp.text import quoted
 from gossipcomp.transport.base import PayloadSpec, TensorSpec, WireTensor
 
 BROADCAST = -1  # CompressionContext.receiver when one payload goes to every neighbour

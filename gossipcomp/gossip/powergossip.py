@@ -60,9 +60,9 @@ from gossipcomp.gossip.grouping import group_name
 from gossipcomp.gossip.linalg import hashed_seed, orthonormal_basis
 from gossipcomp.gossip.specs import AUTO, BuildContext, Option, check_steps
 from gossipcomp.gossip.state import checked_tensors, require_keys
+from gossipcomp.inputs.text import quoted
 from gossipcomp.levels.rate import LevelCosts, rank_ladder
 from gossipcomp.schedule.groups import TensorGroup, check_cover
-from gossipcomp.text import quoted
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec, TensorSpec
 from gossipcomp.transport.codec import decode_raw, encode_raw, raw_nbytes
 

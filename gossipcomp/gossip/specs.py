@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from gossipcomp.gossip.base import GossipAlgorithm
 from gossipcomp.gossip.clipping import ClipRadius
-from gossipcomp.text import quoted
+from gossipcomp.inputs.text import quoted
 
 AUTO = "auto"
 MAX_SPEC_CHARS = 1000

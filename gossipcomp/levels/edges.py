@@ -35,10 +35,10 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from gossipcomp.inputs.text import quoted
 from gossipcomp.levels.rate import DEFAULT_WINDOW, MAX_LEVEL, LevelCosts, RateController, link
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.schedule import MAX_ROUND
-from gossipcomp.text import quoted
 from gossipcomp.transport.base import LevelNotice
 
 NOTICE_LEAD = 4  # rounds between a decision and the round both ends switch (module docstring)

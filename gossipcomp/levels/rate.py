@@ -55,8 +55,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from gossipcomp.inputs.text import quoted
 from gossipcomp.schedule.costs import LinkCost, check_sample, fit_line
-from gossipcomp.text import quoted
 
 MAX_LEVEL = 1 << 20  # a level (PowerGossip rank) beyond this is refused wherever it comes from
 DEFAULT_WINDOW = 8  # sends per link the estimate is fitted on (and on the last half of them)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from gossipcomp.inputs.text import quoted
 from gossipcomp.levels.edges import (
     MIN_SENDS,
     NOTICE_LEAD,
@@ -38,7 +39,6 @@ from gossipcomp.levels.edges import (
 )
 from gossipcomp.levels.rate import LevelCosts, link
 from gossipcomp.schedule.costs import TransferLog
-from gossipcomp.text import quoted
 from gossipcomp.transport.base import LevelNotice
 
 

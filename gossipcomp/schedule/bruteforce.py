@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gossipcomp.inputs.text import quoted
 from gossipcomp.schedule.costs import CompressorCost, CostModel, LinkCost, Mode
 from gossipcomp.schedule.groups import TensorGroup, TensorInfo
-from gossipcomp.text import quoted
 
 MAX_BRUTE_FORCE_TENSORS = 12
 MAX_BRUTE_FORCE_PLANS = 20_000_000  # partitions x assignments tried in one call at most

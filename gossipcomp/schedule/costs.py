@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from gossipcomp.compress import CompressionContext, parse_spec
+from gossipcomp.inputs.text import quoted
 from gossipcomp.schedule.groups import TensorGroup, TensorInfo, check_cover
-from gossipcomp.text import quoted
 
 Mode = Literal["gossip", "allreduce"]
 MODES: tuple[Mode, ...] = ("gossip", "allreduce")

@@ -3,7 +3,7 @@
 A plan cuts the model's parameters, in model order, into contiguous groups; each group is one
 flat buffer compressed once with its own compressor and sent once. Every tensor belongs to
 exactly one group. `check_cover` enforces this on plans from anywhere, including the network, so
-its messages quote what they echo through `gossipcomp.text.quoted`.
+its messages quote what they echo through `gossipcomp.inputs.text.quoted`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gossipcomp.text import quoted
+from gossipcomp.inputs.text import quoted
 
 SHOWN_NAMES = 5  # offending names listed in one error message at most
 MAX_NAME_CHARS = 4096  # characters of one tensor name at most

@@ -30,9 +30,9 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 from gossipcomp.compress import parse_spec
+from gossipcomp.inputs.text import quoted
 from gossipcomp.schedule.costs import CostModel
 from gossipcomp.schedule.groups import TensorGroup, TensorInfo, groups_from_cuts
-from gossipcomp.text import quoted
 
 USER = "user"  # in strategy candidates: the user's own compressor
 MAX_PLAN_TENSORS = 20_000  # the dynamic programmes are quadratic in the number of tensors

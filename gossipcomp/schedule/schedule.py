@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gossipcomp.compress import parse_spec
+from gossipcomp.inputs.text import quoted
 from gossipcomp.levels.rate import MAX_LEVEL
 from gossipcomp.schedule.groups import TensorGroup, check_cover
-from gossipcomp.text import quoted
 from gossipcomp.transport.claims import lead_bound
 
 MAX_EPOCH = 2**31 - 1  # epochs travel as int64 but are bounded like the envelope field

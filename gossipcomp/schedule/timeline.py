@@ -43,8 +43,8 @@ from typing import Literal
 
 import numpy as np
 
+from gossipcomp.inputs.text import quoted
 from gossipcomp.schedule.costs import LinkCost
-from gossipcomp.text import quoted
 from gossipcomp.topology import build_topology
 
 Layout = Literal["ring", "torus", "exponential", "ring-allreduce"]

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from gossipcomp.files import MAX_KEY_BYTES, read_regular_file
+from gossipcomp.inputs.files import MAX_KEY_BYTES, read_regular_file
 from gossipcomp.security.tls import MAX_CERTIFICATE_BYTES, TlsFiles
 
 CA_CERT_NAME = "ca.pem"

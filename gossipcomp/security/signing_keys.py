@@ -21,9 +21,9 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from gossipcomp.files import MAX_KEY_BYTES, read_regular_file
-from gossipcomp.text import quoted
-from gossipcomp.yaml_files import load_yaml_file
+from gossipcomp.inputs.files import MAX_KEY_BYTES, read_regular_file
+from gossipcomp.inputs.text import quoted
+from gossipcomp.inputs.yaml_files import load_yaml_file
 
 PUBLIC_KEY_PREFIX = "ed25519:"
 KEY_ID_BYTES = 8
@@ -156,7 +156,7 @@ def record_in_allowlist(directory: Path, rank: int, key: Ed25519PrivateKey) -> P
 
 def read_allowlist(path: Path) -> dict[int, str]:
     """Read an allowlist file: a YAML mapping rank -> ``ed25519:...``, each key checked, through
-    the hardened reader of gossipcomp.yaml_files (no aliases, bounded size, depth and nodes)."""
+    the hardened reader of gossipcomp.inputs.yaml_files (no aliases, bounded size, depth and nodes)."""
     loaded = load_yaml_file(path, "allowlist", "a YAML mapping rank -> public key")
     if not isinstance(loaded, Mapping):
         raise ValueError(

@@ -21,7 +21,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 
-from gossipcomp.files import MAX_KEY_BYTES, read_regular_file
+from gossipcomp.inputs.files import MAX_KEY_BYTES, read_regular_file
 
 if TYPE_CHECKING:
     import grpc

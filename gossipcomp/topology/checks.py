@@ -14,7 +14,7 @@ import networkx as nx
 import numpy as np
 from scipy import sparse
 
-from gossipcomp.text import quoted
+from gossipcomp.inputs.text import quoted
 
 MAX_PEERS = 16_384  # every size-dependent step of a topology stays within seconds up to here
 MAX_EDGES = 1_000_000  # ~0.5 GB of networkx graph at most; a complete graph up to 1414 peers

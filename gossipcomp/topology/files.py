@@ -1,6 +1,6 @@
 """Loading a topology by file path or by the name of one shipped inside the package.
 
-The command line's way in: files go through the hardened YAML reader of gossipcomp.yaml_files
+The command line's way in: files go through the hardened YAML reader of gossipcomp.inputs.yaml_files
 (no aliases, bounded size, depth and node count) and then the spec reader.
 """
 
@@ -10,10 +10,10 @@ import os
 from collections.abc import Mapping
 from importlib import resources
 
+from gossipcomp.inputs.yaml_files import load_yaml_file
 from gossipcomp.topology.checks import TopologyError, _fail
 from gossipcomp.topology.core import Topology
 from gossipcomp.topology.spec import _TOP_KEYS, topology_from_dict
-from gossipcomp.yaml_files import load_yaml_file
 
 
 def shipped_topologies() -> list[str]:
@@ -28,7 +28,7 @@ def load_topology(path: str | os.PathLike[str]) -> Topology:
     """Read and validate a topology: a YAML file (schema: see ``topology_from_dict``) or, when
     no file has that name, a shipped topology by name ('ring4', 'torus16': shipped_topologies()),
     as the command line takes them. Files go through the hardened reader of
-    gossipcomp.yaml_files: no aliases, bounded size, depth and node count."""
+    gossipcomp.inputs.yaml_files: no aliases, bounded size, depth and node count."""
     source = os.fspath(path)
     if not os.path.lexists(source):
         names = shipped_topologies()

@@ -16,8 +16,8 @@ import networkx as nx
 import numpy as np
 from scipy import sparse
 
+from gossipcomp.inputs.text import quoted
 from gossipcomp.security.signing_keys import parse_public_key, read_allowlist
-from gossipcomp.text import quoted
 from gossipcomp.topology.checks import (
     MAX_DENSE_PEERS,
     MAX_PEERS,

@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable, Mapping
 import numpy
 import torch
 
-from gossipcomp.text import quoted
+from gossipcomp.inputs.text import quoted
 from gossipcomp.transport.base import (
     MAX_SCHEDULE_EPOCH,
     MAX_WIRE_ROUND,
@@ -103,7 +103,7 @@ def validate_header(
 
     `tensors` carries the declared name, dtype, shape, codec and nbytes of each tensor. Raises
     EnvelopeRejected naming the field, the expected and the actual value (values from the wire
-    quoted no longer than `gossipcomp.text.QUOTE_LIMIT`).
+    quoted no longer than `gossipcomp.inputs.text.QUOTE_LIMIT`).
     """
     if not 0 <= round < MAX_WIRE_ROUND:
         raise EnvelopeRejected(

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gossipcomp.inputs.text import quoted
 from gossipcomp.proto.v1 import gossip_pb2 as pb
-from gossipcomp.text import quoted
 from gossipcomp.transport.authentication import Authenticator
 from gossipcomp.transport.base import (
     MAX_SCHEDULE_EPOCH,

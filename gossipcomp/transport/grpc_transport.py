@@ -26,11 +26,11 @@ from typing import Any
 
 import grpc
 
+from gossipcomp.inputs.text import quoted
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.proto.v1 import gossip_pb2_grpc as pb_grpc
 from gossipcomp.security.tls import channel_credentials, server_credentials
-from gossipcomp.text import quoted
 from gossipcomp.transport.allocator import keep_heap_warm
 from gossipcomp.transport.authentication import Authenticator
 from gossipcomp.transport.base import (

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from gossipcomp.inputs.text import quoted
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
-from gossipcomp.text import quoted
 from gossipcomp.transport.base import ExchangeResult, Outgoing, Transport
 from gossipcomp.transport.schedules import ScheduleSource, SharesSchedules
 

@@ -20,8 +20,8 @@ import torch
 
 from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.experiment import PeerOutcome, load_data
+from gossipcomp.experiment.simulation.setup import ProgressCallback, _Setup, _train_all
 from gossipcomp.peer import Peer
-from gossipcomp.simulation.setup import ProgressCallback, _Setup, _train_all
 from gossipcomp.topology import Topology
 
 MAX_WORKERS = 64

@@ -7,7 +7,7 @@ checked, so only a regular file is read (a FIFO, device, directory or socket is 
 behind a symbolic link, and a file swapped after a check is never the one read); its size is
 checked against a limit before a byte is read; text must be UTF-8; JSON may nest at most
 MAX_JSON_DEPTH levels, checked here before the parser (which recurses) sees it. YAML is parsed by
-gossipcomp.yaml_files on top of this module. Every error names what the file is for, its path,
+gossipcomp.inputs.yaml_files on top of this module. Every error names what the file is for, its path,
 the problem and what was expected, and quotes at most a few dozen characters of its content.
 
 This module imports nothing from gossipcomp but the quoting helper, so every layer may use it;
@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from gossipcomp.text import quoted
+from gossipcomp.inputs.text import quoted
 
 MAX_KEY_BYTES = 64 * 2**10  # a PEM private key is a few hundred bytes
 MAX_JSON_DEPTH = 64  # nesting levels of a JSON file; a report needs 4

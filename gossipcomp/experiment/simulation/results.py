@@ -11,12 +11,12 @@ from collections.abc import Sequence
 
 import torch
 
-from gossipcomp.data import DigitsSplit
 from gossipcomp.experiment import PeerOutcome, TrainConfig, build_config_model
-from gossipcomp.models import gossiped_tensors
-from gossipcomp.report import Report, flat, merge_history, peer_reports
+from gossipcomp.experiment.report import Report, flat, merge_history, peer_reports
 from gossipcomp.topology import Topology
-from gossipcomp.training import evaluate_accuracy
+from gossipcomp.workload.data import DigitsSplit
+from gossipcomp.workload.models import gossiped_tensors
+from gossipcomp.workload.training import evaluate_accuracy
 
 
 def _average_model_accuracy(

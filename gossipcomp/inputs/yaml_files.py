@@ -1,7 +1,7 @@
 """YAML files an operator points gossipcomp at (topologies, allowlists), refused before they
 are expanded.
 
-The file itself is read by gossipcomp.files (regular files only, size checked first, UTF-8);
+The file itself is read by gossipcomp.inputs.files (regular files only, size checked first, UTF-8);
 here its YAML is parsed without aliases or anchors (a 430-byte "billion laughs" expands to
 gigabytes), at most MAX_YAML_DEPTH deep (checked by the composer below before it recurses into a
 node; libyaml's own limit of 1000 levels, which its look-ahead can reach first in a flow
@@ -21,8 +21,8 @@ from yaml.constructor import ConstructorError, SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode
 from yaml.resolver import Resolver
 
-from gossipcomp.files import read_text_file
-from gossipcomp.text import QUOTE_LIMIT, quoted
+from gossipcomp.inputs.files import read_text_file
+from gossipcomp.inputs.text import QUOTE_LIMIT, quoted
 
 MAX_YAML_BYTES = 16 * 2**20  # a topology or allowlist file; real ones are a few kB
 MAX_YAML_DEPTH = 32  # nesting levels; a topology needs 4
@@ -130,7 +130,7 @@ def parse_yaml(text: str, where: str, expected: str) -> Any:
 
 
 def load_yaml_file(path: str | os.PathLike[str], what: str, expected: str) -> Any:
-    """Read (gossipcomp.files.read_text_file, at most MAX_YAML_BYTES) and parse (see
+    """Read (gossipcomp.inputs.files.read_text_file, at most MAX_YAML_BYTES) and parse (see
     parse_yaml) one YAML file; FileNotFoundError or ValueError "{what} {path}: {problem};
     expected {expected}"."""
     text = read_text_file(path, what, expected, MAX_YAML_BYTES)

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from gossipcomp.files import FileRefused, open_regular_file
-from gossipcomp.text import quoted
+from gossipcomp.inputs.files import FileRefused, open_regular_file
+from gossipcomp.inputs.text import quoted
 
 log = logging.getLogger(__name__)
 

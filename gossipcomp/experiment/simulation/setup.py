@@ -13,9 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gossipcomp.checkpoint import CheckpointStore
 from gossipcomp.coordinator.client import CoordinatorClient
-from gossipcomp.data import DigitsSplit
 from gossipcomp.experiment import (
     PeerOutcome,
     PeerTrainer,
@@ -31,6 +29,8 @@ from gossipcomp.security.signing_keys import PeerKeys
 from gossipcomp.topology import Topology
 from gossipcomp.transport.grpc_transport import GrpcOptions
 from gossipcomp.transport.throttled import LinkRates
+from gossipcomp.workload.checkpoint import CheckpointStore
+from gossipcomp.workload.data import DigitsSplit
 
 ProgressCallback = Callable[[int, int], None]  # (rank, round just finished)
 

@@ -12,12 +12,9 @@ from pathlib import Path
 
 from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.experiment import TrainConfig, build_algorithm, build_config_model, load_data
-from gossipcomp.peer import Peer
-from gossipcomp.report import Report, flat
-from gossipcomp.security import TlsFiles
-from gossipcomp.security.signing_keys import PeerKeys, load_signing_key
-from gossipcomp.simulation.results import _report
-from gossipcomp.simulation.setup import (
+from gossipcomp.experiment.report import Report, flat
+from gossipcomp.experiment.simulation.results import _report
+from gossipcomp.experiment.simulation.setup import (
     CheckpointPolicy,
     PeerLevels,
     ProgressCallback,
@@ -25,6 +22,9 @@ from gossipcomp.simulation.setup import (
     _failed_rounds_bound,
     _trainer,
 )
+from gossipcomp.peer import Peer
+from gossipcomp.security import TlsFiles
+from gossipcomp.security.signing_keys import PeerKeys, load_signing_key
 from gossipcomp.topology import Topology
 from gossipcomp.transport.grpc_transport import WHY_AUTHENTICATION_NEEDS_TLS, GrpcOptions
 

@@ -18,12 +18,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.experiment import TrainConfig, load_data
-from gossipcomp.peer import Peer
-from gossipcomp.report import Report, flat
-from gossipcomp.security import TlsFiles, throwaway_certificates
-from gossipcomp.security.signing_keys import PeerKeys
-from gossipcomp.simulation.results import _report
-from gossipcomp.simulation.setup import (
+from gossipcomp.experiment.report import Report, flat
+from gossipcomp.experiment.simulation.results import _report
+from gossipcomp.experiment.simulation.setup import (
     CheckpointPolicy,
     PeerLevels,
     ProgressCallback,
@@ -31,7 +28,10 @@ from gossipcomp.simulation.setup import (
     _Setup,
     _train_all,
 )
-from gossipcomp.simulation.workers import _check_workers, _train_in_workers, usable_cores
+from gossipcomp.experiment.simulation.workers import _check_workers, _train_in_workers, usable_cores
+from gossipcomp.peer import Peer
+from gossipcomp.security import TlsFiles, throwaway_certificates
+from gossipcomp.security.signing_keys import PeerKeys
 from gossipcomp.topology import Topology
 from gossipcomp.transport.grpc_transport import WHY_AUTHENTICATION_NEEDS_TLS
 from gossipcomp.transport.throttled import LinkRates

@@ -9,7 +9,7 @@ differ, else the path), or the names given with `--label`. Bytes are per peer (a
 over its peers, divided by their number), so a `simulate` report of every peer, a `peer` report
 of one and an all-reduce report of its ranks compare on one axis. The report's final state ends
 every line, so a run without `--eval-every` still plots. Reports are files: each is read by
-gossipcomp.files (regular files, size and nesting bounded) and every field is checked before it
+gossipcomp.inputs.files (regular files, size and nesting bounded) and every field is checked before it
 is drawn; all reports together are bounded too, and a line keeps at most MAX_POINTS_DRAWN points.
 """
 
@@ -26,9 +26,9 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from gossipcomp.files import load_json_file
-from gossipcomp.report import Report
-from gossipcomp.text import quoted
+from gossipcomp.experiment.report import Report
+from gossipcomp.inputs.files import load_json_file
+from gossipcomp.inputs.text import quoted
 
 MAX_REPORT_BYTES = 32 * 2**20  # a report of a 10^5-evaluation run with 10^3 peers is smaller
 MAX_TOTAL_REPORT_BYTES = 64 * 2**20  # all reports of one picture: bounds time and memory

@@ -13,10 +13,10 @@ results.py (the Report), workers.py (`--workers`: peers spread over worker proce
 network.py (run_simulation), single.py (run_peer). Its names are imported from here.
 """
 
-from gossipcomp.simulation.network import run_simulation
-from gossipcomp.simulation.setup import CheckpointPolicy, PeerLevels, ProgressCallback
-from gossipcomp.simulation.single import peer_keys, run_peer
-from gossipcomp.simulation.workers import (
+from gossipcomp.experiment.simulation.network import run_simulation
+from gossipcomp.experiment.simulation.setup import CheckpointPolicy, PeerLevels, ProgressCallback
+from gossipcomp.experiment.simulation.single import peer_keys, run_peer
+from gossipcomp.experiment.simulation.workers import (
     MAX_WORKERS,
     WORKER_START_SECONDS,
     WorkerFailed,

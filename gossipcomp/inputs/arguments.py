@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from gossipcomp.text import quoted
+from gossipcomp.inputs.text import quoted
 
 
 def integer(what: str, low: int, high: int | None = None) -> Callable[[str], int]:

@@ -1,0 +1,211 @@
+"""Real training data for peers: scikit-learn's bundled data sets, split across peers.
+
+digits (8x8 images, 10 classes), wine (13 features, 3 classes), breast-cancer (30 features, 2
+classes) and iris (4 features, 3 classes) ship with scikit-learn, so nothing is downloaded. Every
+function here is deterministic in the seed it is given: peers that agree on a seed agree on the
+data layout without talking to each other.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from sklearn.datasets import load_breast_cancer, load_digits, load_iris, load_wine
+from sklearn.model_selection import train_test_split
+
+PartitionKind = Literal["iid", "by-label", "dirichlet"]
+
+#: Accepted textual forms of a partition, for error messages and CLI help.
+PARTITION_FORMS = ('"iid"', '"by-label"', '"dirichlet:ALPHA" with ALPHA > 0')
+
+
+@dataclass(frozen=True)
+class DatasetSplit:
+    """A stratified train/test split: float32 features, int64 labels."""
+
+    x_train: torch.Tensor  # float32 [N_train, features]
+    y_train: torch.Tensor  # int64 [N_train]
+    x_test: torch.Tensor  # float32 [N_test, features]
+    y_test: torch.Tensor  # int64 [N_test]
+
+    @property
+    def num_features(self) -> int:
+        """Input width (64 pixels for digits)."""
+        return int(self.x_train.shape[1])
+
+    @property
+    def num_classes(self) -> int:
+        """Number of distinct labels (10 for digits)."""
+        return int(torch.cat([self.y_train, self.y_test]).max().item()) + 1
+
+
+DigitsSplit = DatasetSplit  # the name from when digits was the only data set
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """A bundled data set: how to load it and how its features are scaled.
+
+    `pixels`: the features are 0..16 intensities, divided by 16 into [0, 1] (digits); else each
+    feature is standardised to mean 0 and standard deviation 1 on the training part."""
+
+    load: Callable[[], Any]
+    pixels: bool = False
+
+
+DATASETS: dict[str, DatasetInfo] = {
+    "digits": DatasetInfo(load_digits, pixels=True),
+    "wine": DatasetInfo(load_wine),
+    "breast-cancer": DatasetInfo(load_breast_cancer),
+    "iris": DatasetInfo(load_iris),
+}
+
+
+def load_split(name: str, seed: int = 0, test_fraction: float = 0.2) -> DatasetSplit:
+    """Load the bundled data set `name` and split it, stratified by label, deterministically in
+    ``seed``; features scaled as DatasetInfo says (standardised with the training part's
+    statistics only, so nothing of the test part leaks into training)."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; known: {sorted(DATASETS)}")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    info = DATASETS[name]
+    bunch = info.load()
+    x = np.asarray(bunch.data, dtype=np.float32)
+    y = np.asarray(bunch.target, dtype=np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        x, y, test_size=test_fraction, random_state=seed, stratify=y
+    )
+    if info.pixels:
+        x_tr, x_te = x_tr / np.float32(16.0), x_te / np.float32(16.0)
+    else:
+        mean = x_tr.mean(axis=0)
+        std = np.maximum(x_tr.std(axis=0), np.float32(1e-6))  # a constant feature stays 0
+        x_tr, x_te = (x_tr - mean) / std, (x_te - mean) / std
+    return DatasetSplit(
+        x_train=torch.from_numpy(np.ascontiguousarray(x_tr, dtype=np.float32)),
+        y_train=torch.from_numpy(np.ascontiguousarray(y_tr)),
+        x_test=torch.from_numpy(np.ascontiguousarray(x_te, dtype=np.float32)),
+        y_test=torch.from_numpy(np.ascontiguousarray(y_te)),
+    )
+
+
+def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DatasetSplit:
+    """Load digits and split it, stratified by label, deterministically in ``seed``.
+
+    Pixels (0..16) are divided by 16 so every feature lies in [0, 1].
+    """
+    return load_split("digits", seed, test_fraction)
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """How training examples are dealt to peers.
+
+    ``alpha`` is the Dirichlet concentration (smaller = more skewed) and is set only for
+    ``kind == "dirichlet"``.
+    """
+
+    kind: PartitionKind
+    alpha: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("iid", "by-label", "dirichlet"):
+            raise ValueError(
+                f"unknown partition kind {self.kind!r}; accepted: {', '.join(PARTITION_FORMS)}"
+            )
+        if self.kind == "dirichlet":
+            if self.alpha is None or not math.isfinite(self.alpha) or self.alpha <= 0:
+                raise ValueError(f"dirichlet alpha must be a finite number > 0, got {self.alpha!r}")
+        elif self.alpha is not None:
+            raise ValueError(f"partition {self.kind!r} takes no alpha, got {self.alpha!r}")
+
+    def __str__(self) -> str:
+        return f"dirichlet:{self.alpha:g}" if self.kind == "dirichlet" else self.kind
+
+
+def parse_partition(spec: str) -> PartitionSpec:
+    """Parse ``"iid"``, ``"by-label"`` or ``"dirichlet:ALPHA"`` (ALPHA > 0)."""
+    accepted = ", ".join(PARTITION_FORMS)
+    text = spec.strip()
+    if text == "iid":
+        return PartitionSpec(kind="iid")
+    if text == "by-label":
+        return PartitionSpec(kind="by-label")
+    if text.startswith("dirichlet:"):
+        raw = text[len("dirichlet:") :]
+        try:
+            alpha = float(raw)
+        except ValueError:
+            alpha = math.nan
+        if math.isfinite(alpha) and alpha > 0:
+            return PartitionSpec(kind="dirichlet", alpha=alpha)
+        raise ValueError(
+            f"bad partition {spec!r}: ALPHA must be a finite number > 0; accepted: {accepted}"
+        )
+    raise ValueError(f"bad partition {spec!r}; accepted: {accepted}")
+
+
+def partition_indices(
+    labels: np.ndarray, n_parts: int, spec: PartitionSpec, seed: int
+) -> list[np.ndarray]:
+    """Deal the indices ``0..len(labels)-1`` to ``n_parts`` peers.
+
+    - iid: a seeded shuffle cut into equal (+-1) parts.
+    - by-label: indices sorted by label (ties shuffled by the seed) cut into equal contiguous
+      chunks, so each peer sees one to three classes.
+    - dirichlet: for each class, peer shares drawn from Dir(alpha); a peer left empty takes one
+      example from the largest part so every part is non-empty.
+
+    Parts are disjoint, cover every index, are sorted int64 arrays, and depend only on
+    ``(labels, n_parts, spec, seed)``.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise ValueError(f"labels must be 1-D, got shape {labels.shape}")
+    n = int(labels.shape[0])
+    if n_parts < 1:
+        raise ValueError(f"n_parts must be >= 1, got {n_parts}")
+    if n_parts > n:
+        raise ValueError(f"cannot split {n} examples into {n_parts} non-empty parts")
+    rng = np.random.default_rng(seed)
+
+    if spec.kind == "iid":
+        parts = np.array_split(rng.permutation(n), n_parts)
+    elif spec.kind == "by-label":
+        # Shuffle first, then a stable sort by label: ties are broken by the seed.
+        shuffled = rng.permutation(n)
+        order = shuffled[np.argsort(labels[shuffled], kind="stable")]
+        parts = np.array_split(order, n_parts)
+    elif spec.kind == "dirichlet":
+        assert spec.alpha is not None  # guaranteed by PartitionSpec
+        parts = _dirichlet_parts(labels, n_parts, spec.alpha, rng)
+    else:  # pragma: no cover - PartitionSpec validates kind
+        raise ValueError(f"unknown partition kind {spec.kind!r}")
+    return [np.sort(p).astype(np.int64) for p in parts]
+
+
+def _dirichlet_parts(
+    labels: np.ndarray, n_parts: int, alpha: float, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Per class, split its shuffled indices by Dir(alpha) proportions; then fill empty parts."""
+    buckets: list[list[np.ndarray]] = [[] for _ in range(n_parts)]
+    for cls in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == cls))
+        shares = rng.dirichlet(np.full(n_parts, alpha))
+        cuts = np.round(np.cumsum(shares)[:-1] * idx.size).astype(np.int64)
+        for part, chunk in enumerate(np.split(idx, cuts)):
+            buckets[part].append(chunk)
+    parts = [np.concatenate(b) if b else np.empty(0, np.int64) for b in buckets]
+    # Guarantee non-empty parts: move one example from the currently largest part.
+    for part in range(n_parts):
+        if parts[part].size == 0:
+            donor = int(np.argmax([p.size for p in parts]))
+            parts[part] = parts[donor][-1:]
+            parts[donor] = parts[donor][:-1]
+    return parts
