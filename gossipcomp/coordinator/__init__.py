@@ -13,8 +13,7 @@ does) loads neither the planning state nor the service.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from gossipcomp import lazy_exports
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
@@ -48,17 +47,4 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    """Import a public name from its module the first time it is asked for (PEP 562)."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gossipcomp.coordinator' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups do not come here again
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -16,8 +16,7 @@ Each public name is imported from its module on first use (PEP 562), so importin
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from gossipcomp import lazy_exports
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
@@ -36,17 +35,4 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    """Import a public name from its module the first time it is asked for (PEP 562)."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gossipcomp.peer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups do not come here again
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
