@@ -8,7 +8,9 @@ here (benchmarks/shaped_links.py). conftest.py keeps the fixtures and the networ
 
 from __future__ import annotations
 
+import ast
 import importlib
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -266,3 +268,14 @@ def needs_namespaces() -> pytest.MarkDecorator:
     except shaped_links.NamespacesUnavailable as why:
         return pytest.mark.skipif(True, reason=f"network namespaces: {why}")
     return pytest.mark.skipif(False, reason="network namespaces can be built")
+
+
+def loaded_modules(statement: str, *prefixes: str) -> list[str]:
+    """The modules whose names start with one of `prefixes` that a fresh interpreter has loaded
+    after running `statement`: what an import drags in, seen from outside this test process."""
+    code = (
+        f"import sys\n{statement}\n"
+        f"print(repr(sorted(m for m in sys.modules if m.startswith({prefixes!r}))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return ast.literal_eval(out.stdout.strip())

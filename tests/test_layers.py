@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import loaded_modules
+
 PACKAGE = Path(__file__).resolve().parent.parent / "gossipcomp"
 
 # module path under gossipcomp (a unit, or a dotted path inside one) -> layer: a module takes
@@ -100,35 +102,22 @@ def test_every_import_points_down_the_layers():
 
 
 def test_the_graph_layer_loads_no_grpc_and_no_terminal_library():
-    code = (
-        "import sys, gossipcomp.topology, gossipcomp.schedule, gossipcomp.compress\n"
-        "print(sorted(m for m in ('grpc', 'rich') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    statement = "import gossipcomp.topology, gossipcomp.schedule, gossipcomp.compress"
+    assert not {"grpc", "rich"} & set(loaded_modules(statement, "grpc", "rich"))
 
 
 def test_a_peer_loads_no_coordinator_service():
     """The schedule messages peers pass each other live below both (schedule/messages.py), so
     importing a peer loads no module of the coordinator's package (its service included)."""
-    code = (
-        "import sys, gossipcomp.peer\n"
-        "print(sorted(m for m in sys.modules if m.startswith('gossipcomp.coordinator')))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert loaded_modules("import gossipcomp.peer", "gossipcomp.coordinator") == []
 
 
 def test_the_coordinator_client_loads_no_coordinator_service():
     """A peer's trainer imports the client, and `from gossipcomp.coordinator import X` keeps
     working for every name the coordinator's modules define, each loaded on first use: the
     client loads neither the coordinator's planning state nor its gRPC service."""
-    code = (
-        "import sys, gossipcomp.coordinator.client\n"
-        "print(sorted(m for m in sys.modules if m.startswith('gossipcomp.coordinator')))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "['gossipcomp.coordinator', 'gossipcomp.coordinator.client']"
+    loaded = loaded_modules("import gossipcomp.coordinator.client", "gossipcomp.coordinator")
+    assert loaded == ["gossipcomp.coordinator", "gossipcomp.coordinator.client"]
     import gossipcomp.coordinator as package
 
     exports = package._EXPORTS  # noqa: SLF001

@@ -5,8 +5,8 @@ levels glue imports) load without the node above them."""
 from __future__ import annotations
 
 import importlib
-import subprocess
-import sys
+
+from helpers import loaded_modules
 
 import gossipcomp.peer as package
 
@@ -31,9 +31,5 @@ def test_an_unknown_name_is_an_attribute_error():
 
 
 def test_the_links_load_without_the_node():
-    code = (
-        "import sys, gossipcomp.peer.links\n"
-        "print(sorted(m for m in sys.modules if m.startswith('gossipcomp.peer')))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "['gossipcomp.peer', 'gossipcomp.peer.links']"
+    loaded = loaded_modules("import gossipcomp.peer.links", "gossipcomp.peer")
+    assert loaded == ["gossipcomp.peer", "gossipcomp.peer.links"]
