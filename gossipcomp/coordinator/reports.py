@@ -10,6 +10,7 @@ planning.py. Errors quote what they echo shortened.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -103,6 +104,22 @@ def _integer(field: str, value: int, high: int) -> int:
     return value
 
 
+def _samples(
+    field: str, per: str, nbytes: Sequence[int], seconds: Sequence[float]
+) -> tuple[tuple[int, float], ...]:
+    """Check one list of (bytes, seconds) samples of a report; ReportRefused names `field`."""
+    if len(nbytes) != len(seconds) or len(nbytes) > MAX_SAMPLES_PER_LINK:
+        raise ReportRefused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{field}: expected as many bytes as seconds, at most {MAX_SAMPLES_PER_LINK} "
+            f"per {per}, got {len(nbytes)} and {len(seconds)}",
+        )
+    try:
+        return tuple(check_sample(b, t, field) for b, t in zip(nbytes, seconds, strict=True))
+    except ValueError as error:
+        raise ReportRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+
+
 def check_report(topology: Topology, request: cpb.PeerReport) -> MemberReport:
     """The report of a peer of `topology`, checked; ReportRefused naming what is wrong."""
     if request.protocol_version != PROTOCOL_VERSION:
@@ -154,17 +171,7 @@ def check_report(topology: Topology, request: cpb.PeerReport) -> MemberReport:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"links: peer {link.neighbour} is not a neighbour of peer {request.sender}",
             )
-        if len(link.bytes) != len(link.seconds) or len(link.bytes) > MAX_SAMPLES_PER_LINK:
-            raise ReportRefused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"links: expected as many bytes as seconds, at most {MAX_SAMPLES_PER_LINK} "
-                f"per link, got {len(link.bytes)} and {len(link.seconds)}",
-            )
-        for nbytes, seconds in zip(link.bytes, link.seconds, strict=True):
-            try:
-                transfers.append(check_sample(nbytes, seconds, "links"))
-            except ValueError as error:
-                raise ReportRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+        transfers.extend(_samples("links", "link", link.bytes, link.seconds))
     sends = {}
     for samples in request.sends:
         if samples.neighbour not in neighbours or samples.neighbour in sends:
@@ -173,19 +180,7 @@ def check_report(topology: Topology, request: cpb.PeerReport) -> MemberReport:
                 f"sends: peer {samples.neighbour} is not a neighbour of peer "
                 f"{request.sender}, or is listed twice",
             )
-        if len(samples.bytes) != len(samples.seconds) or len(samples.bytes) > MAX_SAMPLES_PER_LINK:
-            raise ReportRefused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"sends: expected as many bytes as seconds, at most {MAX_SAMPLES_PER_LINK} "
-                f"per neighbour, got {len(samples.bytes)} and {len(samples.seconds)}",
-            )
-        try:
-            sends[samples.neighbour] = tuple(
-                check_sample(b, t, "sends")
-                for b, t in zip(samples.bytes, samples.seconds, strict=True)
-            )
-        except ValueError as error:
-            raise ReportRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+        sends[samples.neighbour] = _samples("sends", "neighbour", samples.bytes, samples.seconds)
     levels = _level_costs(request)
     compressor = request.compressor
     if compressor:
