@@ -82,7 +82,7 @@ def restore_skipping_one(
     warnings = [
         r.getMessage()
         for r in caplog.records
-        if r.name == "gossipcomp.workload.checkpoint" and r.levelno == logging.WARNING
+        if r.name == "gossipcomp.checkpoint" and r.levelno == logging.WARNING
     ]
     newest = CheckpointStore(directory, 0).path_for(NEWEST)
     assert len(warnings) == 1, warnings

@@ -40,7 +40,7 @@ import torch
 from gossipcomp.inputs.files import FileRefused, open_regular_file
 from gossipcomp.inputs.text import quoted
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("gossipcomp.checkpoint")  # the name it had before it moved here
 
 MAGIC = b"gossipcomp-checkpoint"
 VERSION = b"v1"
