@@ -17,6 +17,7 @@ import torch
 
 from gossipcomp.experiment.config import TrainConfig, _integer, _number
 from gossipcomp.experiment.outcome import Evaluation
+from gossipcomp.gossip.state import tensor_mismatch
 from gossipcomp.inputs.text import quoted
 from gossipcomp.transport.codec import all_finite
 from gossipcomp.workload.checkpoint import CheckpointError
@@ -101,16 +102,8 @@ def _check_optimizer_state(
         buffer, param = entry.get("momentum_buffer"), params[index]
         if buffer is None:
             continue
-        if (
-            not isinstance(buffer, torch.Tensor)
-            or buffer.shape != param.shape
-            or buffer.dtype != param.dtype
-        ):
-            found = (
-                f"{tuple(buffer.shape)} {buffer.dtype}"
-                if isinstance(buffer, torch.Tensor)
-                else type(buffer).__name__
-            )
+        found = tensor_mismatch(param, buffer)
+        if found is not None:
             raise ValueError(
                 f"state[{index}] momentum_buffer: expected {tuple(param.shape)} {param.dtype}, "
                 f"got {quoted(found)}"

@@ -26,6 +26,16 @@ def require_keys(state: Mapping[str, Any], expected: set[str], algorithm: str) -
         raise ValueError(f"{algorithm} state: expected keys {sorted(expected)}, got {found}")
 
 
+def tensor_mismatch(expected: torch.Tensor, value: object) -> str | None:
+    """None when `value` is a tensor of `expected`'s shape and dtype, else what it is instead
+    ("(2, 3) torch.float64" or a type name), for an error message to show."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    if value.shape != expected.shape or value.dtype != expected.dtype:
+        return f"{tuple(value.shape)} {value.dtype}"
+    return None
+
+
 def checked_tensors(
     what: str, current: Sequence[torch.Tensor], saved: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
@@ -34,12 +44,8 @@ def checked_tensors(
         count = len(saved) if isinstance(saved, Sequence) else type(saved).__name__
         raise ValueError(f"{what}: expected {len(current)} tensors, got {count}")
     for index, (now, then) in enumerate(zip(current, saved, strict=True)):
-        if not isinstance(then, torch.Tensor) or then.shape != now.shape or then.dtype != now.dtype:
-            found = (
-                f"{tuple(then.shape)} {then.dtype}"
-                if isinstance(then, torch.Tensor)
-                else type(then).__name__
-            )
+        found = tensor_mismatch(now, then)
+        if found is not None:
             raise ValueError(
                 f"{what}[{index}]: expected {tuple(now.shape)} {now.dtype}, got {found}"
             )
