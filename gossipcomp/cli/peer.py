@@ -11,7 +11,7 @@ from rich.console import Console
 
 from gossipcomp.cli.common import add_tls_flags, tls_files
 from gossipcomp.cli.coordinator import add_report_every, add_round_budget
-from gossipcomp.cli.training import ProgressDisplay, finish, prepare
+from gossipcomp.cli.training import prepare, train_and_finish
 from gossipcomp.cli.training_flags import add_training_flags
 from gossipcomp.experiment.simulation import PeerLevels, run_peer
 from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
@@ -78,24 +78,22 @@ def run(args: argparse.Namespace, console: Console) -> int:
     peer_levels = _peer_levels(args)
     config, topology = checked.config, checked.topology
     label = f"peer {rank}: {config.algorithm} on {topology.name}"
-    with ProgressDisplay(console, config.gossip_rounds, label, args.quiet) as bar:
-        report = run_peer(
-            config,
-            topology,
-            rank,
-            bind=args.bind,
-            progress=bar.advance,
-            startup_timeout=args.startup_timeout,
-            checkpoints=checked.checkpoints,
-            tls=tls,
-            signing_key=args.key,
-            insecure=args.insecure,
-            coordinator=args.coordinator,
-            report_every=args.report_every,
-            peer_levels=peer_levels,
-        )
-    finish(report, args, console)
-    return 0
+    return train_and_finish(
+        args,
+        console,
+        checked,
+        run_peer,
+        config.gossip_rounds,
+        label,
+        rank=rank,
+        bind=args.bind,
+        startup_timeout=args.startup_timeout,
+        tls=tls,
+        signing_key=args.key,
+        insecure=args.insecure,
+        coordinator=args.coordinator,
+        peer_levels=peer_levels,
+    )
 
 
 def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:

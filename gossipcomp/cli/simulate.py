@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 from gossipcomp.cli.coordinator import add_coordinator_flags, make_coordinator
-from gossipcomp.cli.training import ProgressDisplay, finish, prepare
+from gossipcomp.cli.training import prepare, train_and_finish
 from gossipcomp.cli.training_flags import add_training_flags
 from gossipcomp.experiment.simulation import MAX_WORKERS, PeerLevels, run_simulation, usable_cores
 from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
@@ -98,26 +98,24 @@ def run(args: argparse.Namespace, console: Console) -> int:
     peer_levels = _peer_levels(args)
     config, topology = checked.config, checked.topology
     label = f"{config.algorithm} on {topology.name}"
-    with ProgressDisplay(console, config.gossip_rounds * topology.n, label, args.quiet) as bar:
-        report = run_simulation(
-            config,
-            topology,
-            progress=bar.advance,
-            checkpoints=checked.checkpoints,
-            tls=args.tls,
-            authenticate=args.authenticate,
-            workers=_worker_count(args.workers, topology.n, args.authenticate),
-            coordinator=(
-                make_coordinator(args, topology)
-                if (args.coordinator or args.adaptive) and peer_levels is None
-                else None
-            ),
-            report_every=args.report_every,
-            link_rates=_link_rates(args, topology),
-            peer_levels=peer_levels,
-        )
-    finish(report, args, console)
-    return 0
+    return train_and_finish(
+        args,
+        console,
+        checked,
+        run_simulation,
+        config.gossip_rounds * topology.n,
+        label,
+        tls=args.tls,
+        authenticate=args.authenticate,
+        workers=_worker_count(args.workers, topology.n, args.authenticate),
+        coordinator=(
+            make_coordinator(args, topology)
+            if (args.coordinator or args.adaptive) and peer_levels is None
+            else None
+        ),
+        link_rates=_link_rates(args, topology),
+        peer_levels=peer_levels,
+    )
 
 
 def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:

@@ -7,7 +7,7 @@ import argparse
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from rich.console import Console
@@ -137,6 +137,30 @@ class ProgressDisplay:
     def advance(self, rank: int, round: int) -> None:
         if self._progress is not None and self._task is not None:
             self._progress.advance(self._task)
+
+
+def train_and_finish(
+    args: argparse.Namespace,
+    console: Console,
+    checked: Prepared,
+    train: Callable[..., Report],
+    total: int,
+    label: str,
+    **options: Any,
+) -> int:
+    """Run `train` (run_peer or run_simulation) on the checked configuration and topology with
+    its checkpoints and --report-every, a progress bar over `total` rounds, then `finish`."""
+    with ProgressDisplay(console, total, label, args.quiet) as bar:
+        report = train(
+            checked.config,
+            checked.topology,
+            progress=bar.advance,
+            checkpoints=checked.checkpoints,
+            report_every=args.report_every,
+            **options,
+        )
+    finish(report, args, console)
+    return 0
 
 
 def finish(report: Report, args: argparse.Namespace, console: Console) -> None:
