@@ -106,18 +106,19 @@ def test_every_block_is_covered_and_few_need_the_manual_check():
     assert (ROOT / "scripts" / "check_docs_commands.py").is_file()
 
 
+def _ran(command: list[str], cwd: Path, *, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`command` run in `cwd` with the docs' environment, asserted to have exited 0."""
+    result = subprocess.run(
+        command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("block", PYTHON, ids=_id)
 def test_python_block_runs_as_printed(block, tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-c", block.text],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=840,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _ran([sys.executable, "-c", block.text], tmp_path, timeout=840)
     accuracies = [float(a) for a in re.findall(r"test accuracy (\d\.\d+)", result.stdout)]
     assert all(a >= 0.9 for a in accuracies), result.stdout  # the README says 0.96 to 0.97
     losses = re.findall(r"step 0 loss (\d+\.\d+)\n.*step \d+ loss (\d+\.\d+)", result.stdout)
@@ -128,15 +129,7 @@ def test_python_block_runs_as_printed(block, tmp_path):
 
 @pytest.mark.parametrize("block", BASH, ids=_id)
 def test_cheap_command_block_runs_as_printed(block, tmp_path):
-    result = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", block.text],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _ran(["bash", "-euo", "pipefail", "-c", block.text], tmp_path, timeout=300)
     assert result.stdout.strip(), "printed nothing"
 
 
