@@ -22,7 +22,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from allreduce_runs import machine, run_configs, save, show, summarise
+from allreduce_runs import machine, run_configs, show, summarise
+from results import save
 
 from gossipcomp.allreduce.launch import spawn
 from gossipcomp.allreduce.train import AllreduceConfig

@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from allreduce_runs import machine, run_configs, save, show, summarise
+from allreduce_runs import machine, run_configs, show, summarise
+from results import save
 from shaped_hub import NamespacesUnavailable, ShapedHub, run_ranks
 
 from gossipcomp.allreduce.launch import Session, spawn

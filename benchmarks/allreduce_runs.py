@@ -1,4 +1,4 @@
-"""What the all-reduce benchmarks share: run configurations in gloo ranks, summarise, show, save.
+"""What the all-reduce benchmarks share: run configurations in gloo ranks, summarise, show.
 
 `run_configs` is the per-rank worker (each configuration `repeats` times, in turn, so a busy
 machine slows all of them alike); `summarise` takes, per configuration, rank 0's accuracy (the
@@ -9,12 +9,10 @@ time a planner predicted (merged sync; 0 otherwise).
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -109,9 +107,3 @@ def show(
     console = Console()
     console.print(view)
     return console
-
-
-def save(path: Path | None, result: dict[str, Any]) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")

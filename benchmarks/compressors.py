@@ -13,7 +13,6 @@ as many threads).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -23,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from results import save
 from rich.console import Console
 from rich.table import Table
 
@@ -143,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             "copy_seconds": copy_seconds,
             "results": results,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        save(args.json, report)
     return 0
 
 

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from allreduce_runs import machine, run_configs, save, summarise
+from allreduce_runs import machine, run_configs, summarise
+from results import save
 from rich.console import Console
 from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel

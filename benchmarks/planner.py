@@ -16,7 +16,6 @@ own time at the largest instances is reported beside the planners' for scale.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from results import save
 from rich.console import Console
 from rich.table import Table
 
@@ -166,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "bruteforce_ms": brute,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        save(args.json, report)
     return 0
 
 
