@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from functools import partial
 from pathlib import Path
 
 from rich.console import Console
@@ -76,15 +77,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     checked, rank = prepare(args, _peer_rank, "--low-rank")
     assert rank is not None  # prepare asked _peer_rank for it
     peer_levels = _peer_levels(args)
-    config, topology = checked.config, checked.topology
-    label = f"peer {rank}: {config.algorithm} on {topology.name}"
-    return train_and_finish(
-        args,
-        console,
-        checked,
+    label = f"peer {rank}: {checked.config.algorithm} on {checked.topology.name}"
+    train = partial(
         run_peer,
-        config.gossip_rounds,
-        label,
         rank=rank,
         bind=args.bind,
         startup_timeout=args.startup_timeout,
@@ -94,6 +89,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         coordinator=args.coordinator,
         peer_levels=peer_levels,
     )
+    return train_and_finish(args, console, checked, train, checked.config.gossip_rounds, label)
 
 
 def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:

@@ -4,6 +4,7 @@ gRPC on loopback, with an in-process coordinator and throttled links when asked.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 
 from rich.console import Console
@@ -98,13 +99,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     peer_levels = _peer_levels(args)
     config, topology = checked.config, checked.topology
     label = f"{config.algorithm} on {topology.name}"
-    return train_and_finish(
-        args,
-        console,
-        checked,
+    train = partial(
         run_simulation,
-        config.gossip_rounds * topology.n,
-        label,
         tls=args.tls,
         authenticate=args.authenticate,
         workers=_worker_count(args.workers, topology.n, args.authenticate),
@@ -116,6 +112,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         link_rates=_link_rates(args, topology),
         peer_levels=peer_levels,
     )
+    return train_and_finish(args, console, checked, train, config.gossip_rounds * topology.n, label)
 
 
 def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:

@@ -7,7 +7,7 @@ import argparse
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from rich.console import Console
@@ -146,10 +146,10 @@ def train_and_finish(
     train: Callable[..., Report],
     total: int,
     label: str,
-    **options: Any,
 ) -> int:
-    """Run `train` (run_peer or run_simulation) on the checked configuration and topology with
-    its checkpoints and --report-every, a progress bar over `total` rounds, then `finish`."""
+    """Run `train` (run_peer or run_simulation with its own options bound) on the checked
+    configuration and topology with its checkpoints and --report-every, a progress bar over
+    `total` rounds, then `finish`."""
     with ProgressDisplay(console, total, label, args.quiet) as bar:
         report = train(
             checked.config,
@@ -157,7 +157,6 @@ def train_and_finish(
             progress=bar.advance,
             checkpoints=checked.checkpoints,
             report_every=args.report_every,
-            **options,
         )
     finish(report, args, console)
     return 0
