@@ -13,14 +13,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from test_cli_and_processes import _peer_command, _ring_file
+from helpers import benchmark, peer_command
 
 ROUNDS = 1500
 COMMON = ("--rounds", str(ROUNDS), "--round-timeout", "5", "--eval-every", "0")
 
 
 def _start(topology: Path, tmp_path: Path, rank: int, *extra: str) -> subprocess.Popen:
-    command = _peer_command(topology, tmp_path / f"peer{rank}.json", "--rank", str(rank))
+    command = peer_command(topology, tmp_path / f"peer{rank}.json", "--rank", str(rank))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "500"}  # no wrapped log lines
     return subprocess.Popen([*command, *COMMON, *extra], env=env, stderr=subprocess.PIPE, text=True)
 
@@ -52,7 +52,7 @@ def _four_peers_with_peer_2_killed(
     """A 4-ring of checkpointing peer processes; peer 2 is killed (SIGKILL) once it has written
     its round-100 checkpoint. Returns the processes, the checkpoint folder, and a function that
     starts peer 2 again with the same command."""
-    topology = _ring_file(tmp_path, 4)
+    topology = benchmark("faults").ring_file(tmp_path, 4)
     checkpoints = tmp_path / "checkpoints"
     extra = ("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "25")
     peers = {rank: _start(topology, tmp_path, rank, *extra) for rank in range(4)}

@@ -16,7 +16,7 @@ import torch
 import yaml
 from conftest import run_in_threads
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_cli_and_processes import _free_ports
+from helpers import benchmark
 
 from gossipcomp.cli import main
 from gossipcomp.security import (
@@ -157,7 +157,7 @@ def _guide_secure_ring() -> str:
 def _free_port_run(count: int) -> int:
     """A base port with `count` consecutive free ports after it."""
     for _ in range(50):
-        base = _free_ports(1)[0]
+        base = benchmark("faults").free_ports(1)[0]
         if base + count < 65536 and all(_port_free(base + k) for k in range(count)):
             return base
     raise RuntimeError(f"no {count} consecutive free ports found")
