@@ -14,57 +14,32 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it
-_EXPORTS: dict[str, str] = {
-    # topologies
-    "Topology": "gossipcomp.topology",
-    "TopologyError": "gossipcomp.topology",
-    "build_topology": "gossipcomp.topology",
-    "load_topology": "gossipcomp.topology",
-    "shipped_topologies": "gossipcomp.topology",
-    # peers and gossip algorithms
-    "Peer": "gossipcomp.peer",
-    "PeerStats": "gossipcomp.peer",
-    "GossipStalled": "gossipcomp.peer",
-    "ComputeTurns": "gossipcomp.gossip.turns",
-    "BuildContext": "gossipcomp.gossip",
-    "Choco": "gossipcomp.gossip",
-    "DEFATC": "gossipcomp.gossip",
-    "DPSGD": "gossipcomp.gossip",
-    "PowerGossip": "gossipcomp.gossip",
-    "make_algorithm": "gossipcomp.gossip",
-    # compressors
-    "parse_spec": "gossipcomp.compress",
-    # models, data and the training helpers the examples use
-    "build_mlp": "gossipcomp.workload.models",
-    "build_model": "gossipcomp.workload.models",
-    "gossiped_tensors": "gossipcomp.workload.models",
-    "load_digits_split": "gossipcomp.workload.data",
-    "load_split": "gossipcomp.workload.data",
-    "parse_partition": "gossipcomp.workload.data",
-    "partition_indices": "gossipcomp.workload.data",
-    "BatchStream": "gossipcomp.workload.training",
-    "evaluate_accuracy": "gossipcomp.workload.training",
-    "local_step": "gossipcomp.workload.training",
-    "make_optimizer": "gossipcomp.workload.training",
-    # all-reduce mode (torch.distributed)
-    "register": "gossipcomp.allreduce",
-    "MergedSync": "gossipcomp.allreduce",
-    "MarsitSync": "gossipcomp.allreduce",
-    "SSDSGD": "gossipcomp.allreduce",
+# module -> the public names it defines, each imported from it on first use
+_EXPORTS = {
+    "gossipcomp.topology": "Topology TopologyError build_topology load_topology shipped_topologies",
+    "gossipcomp.peer": "Peer PeerStats GossipStalled",
+    "gossipcomp.gossip.turns": "ComputeTurns",
+    "gossipcomp.gossip": "BuildContext Choco DEFATC DPSGD PowerGossip make_algorithm",
+    "gossipcomp.compress": "parse_spec",
+    "gossipcomp.workload.models": "build_mlp build_model gossiped_tensors",
+    "gossipcomp.workload.data": "load_digits_split load_split parse_partition partition_indices",
+    "gossipcomp.workload.training": "BatchStream evaluate_accuracy local_step make_optimizer",
+    "gossipcomp.allreduce": "register MergedSync MarsitSync SSDSGD",
 }
 
 
 def lazy_exports(
     package: str, namespace: dict[str, Any], exports: dict[str, str]
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """A package's PEP 562 ``__getattr__`` and ``__dir__`` for ``exports`` (public name -> the
-    module that defines it): each name is imported on first use and then kept in the package's
-    ``namespace``, so importing the package, or one light module of it, loads nothing heavier.
-    gossipcomp and its packages that re-export names (peer, coordinator, experiment) use it."""
+) -> tuple[list[str], Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's ``__all__`` and its PEP 562 ``__getattr__`` and ``__dir__`` for ``exports``
+    (module -> the public names it defines, separated by spaces): each name is imported on
+    first use and then kept in the package's ``namespace``, so importing the package, or one
+    light module of it, loads nothing heavier. gossipcomp and its packages that re-export
+    names (peer, coordinator, experiment) use it."""
+    by_name = {name: module for module, names in exports.items() for name in names.split()}
 
     def getattr_(name: str) -> Any:
-        module = exports.get(name)
+        module = by_name.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module), name)
@@ -72,10 +47,9 @@ def lazy_exports(
         return value
 
     def dir_() -> list[str]:
-        return sorted({*namespace, *exports})
+        return sorted({*namespace, *by_name})
 
-    return getattr_, dir_
+    return sorted(by_name), getattr_, dir_
 
 
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

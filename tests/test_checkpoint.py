@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from gossipcomp.inputs import atomic_files
 from gossipcomp.workload import checkpoint
 from gossipcomp.workload.checkpoint import CheckpointError, CheckpointStore, LoadedCheckpoint
 
@@ -173,7 +174,7 @@ def test_crash_mid_write_leaves_previous_intact(
     def crash(*args: Any) -> None:
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(checkpoint.os, failing, crash)
+    monkeypatch.setattr(atomic_files.os, failing, crash)
     with pytest.raises(OSError, match="disk on fire"):
         store.save(2, small_state(2))
     monkeypatch.undo()

@@ -77,7 +77,9 @@ def _ca(slot: str) -> Callable[[Path, Path], Any]:
 
 READERS: dict[str, Reader] = {
     "topology": Reader(lambda p, _: load_topology(p), ("topology.files.load_topology",)),
-    "topology by flag": Reader(lambda p, _: resolve_topology(str(p)), ("cli.common.resolve_topology",)),
+    "topology by flag": Reader(
+        lambda p, _: resolve_topology(str(p)), ("cli.common.resolve_topology",)
+    ),
     "allowlist": Reader(lambda p, _: read_allowlist(p), ("security.signing_keys.read_allowlist",)),
     "signing key": Reader(
         lambda p, _: load_signing_key(p), ("security.signing_keys.load_signing_key",)
@@ -95,7 +97,8 @@ READERS: dict[str, Reader] = {
         ("workload.checkpoint.CheckpointStore.read",),
     ),
     "report (plot)": Reader(
-        lambda p, _: plot.load_curves([p]), ("experiment.plot.load_curves", "experiment.plot.load_curve")
+        lambda p, _: plot.load_curves([p]),
+        ("experiment.plot.load_curves", "experiment.plot.load_curve"),
     ),
     "json": Reader(
         lambda p, _: files.load_json_file(p, "json", "a JSON file", 2**30),
@@ -303,11 +306,13 @@ def test_every_caller_of_the_shared_reader_is_fed_the_hostile_files() -> None:
 # calls that open or load a file without the shared reader, each for a reason other than reading
 # a file someone points gossipcomp at: (module, enclosing function, call) -> why
 NOT_READS = {
-    ("experiment.report", "Report.write_json", "fdopen"): "writes the report (a temporary file it made)",
-    ("experiment.report", "Report.write_json", "open"): "opens the report's directory to fsync a rename",
-    ("workload.checkpoint", "_fsync_directory", "open"): "opens the checkpoint directory to fsync",
-    ("workload.checkpoint", "CheckpointStore.save", "fdopen"): "writes a checkpoint (a file it made)",
-    ("workload.checkpoint", "CheckpointStore.read", "load"): "torch.load of bytes already read and checked",
+    ("inputs.atomic_files", "fsync_directory", "open"): "opens a folder to fsync a rename",
+    ("inputs.atomic_files", "write_atomically", "fdopen"): "writes a temporary file it made",
+    (
+        "workload.checkpoint",
+        "CheckpointStore.read",
+        "load",
+    ): "torch.load of bytes already read and checked",
     ("security.signing_keys", "write_signing_key", "open"): "creates a key file (O_CREAT|O_EXCL)",
     ("security.signing_keys", "write_signing_key", "fdopen"): "writes the key file it created",
     ("security.certificates", "_write", "fdopen"): "writes a certificate or key it created",

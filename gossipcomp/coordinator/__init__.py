@@ -15,36 +15,20 @@ from __future__ import annotations
 
 from gossipcomp import lazy_exports
 
-# public name -> the module that defines it
-_EXPORTS: dict[str, str] = {
-    # a report checked at the door
-    "MAX_LEVELS": "gossipcomp.coordinator.reports",
-    "MAX_MARGIN": "gossipcomp.coordinator.reports",
-    "MAX_NAME_CHARS": "gossipcomp.coordinator.reports",
-    "MAX_NAMES_CHARS": "gossipcomp.coordinator.reports",
-    "MAX_REPORTED_EPOCH": "gossipcomp.coordinator.reports",
-    "MAX_REPORTED_ROUND": "gossipcomp.coordinator.reports",
-    "MAX_SAMPLES_PER_LINK": "gossipcomp.coordinator.reports",
-    "MAX_SECONDS": "gossipcomp.coordinator.reports",
-    "MAX_SIGNATURE_CHARS": "gossipcomp.coordinator.reports",
-    "MAX_TENSORS": "gossipcomp.coordinator.reports",
-    "MemberReport": "gossipcomp.coordinator.reports",
-    "ReportRefused": "gossipcomp.coordinator.reports",
-    # the network's state and its plans
-    "ADAPTIVE_PLANNER": "gossipcomp.coordinator.planning",
-    "Coordinator": "gossipcomp.coordinator.planning",
-    # the Report RPC over gRPC
-    "MAX_REPORT_BYTES": "gossipcomp.coordinator.service",
-    "REPORT_CALL_TIMEOUT": "gossipcomp.coordinator.service",
-    "REPORT_CALLS_PER_CONNECTION": "gossipcomp.coordinator.service",
-    "REPORT_HEADER_TIMEOUT": "gossipcomp.coordinator.service",
-    "REPORT_LIMITS": "gossipcomp.coordinator.service",
-    "REPORTS_IN_FLIGHT": "gossipcomp.coordinator.service",
-    "SERVICE_NAME": "gossipcomp.coordinator.service",
-    "CoordinatorServer": "gossipcomp.coordinator.service",
-    # a peer's side
-    "CoordinatorClient": "gossipcomp.coordinator.client",
+# module -> the public names it defines, each imported from it on first use
+_EXPORTS = {
+    "gossipcomp.coordinator.reports": (
+        "MAX_LEVELS MAX_MARGIN MAX_NAME_CHARS MAX_NAMES_CHARS MAX_REPORTED_EPOCH "
+        "MAX_REPORTED_ROUND MAX_SAMPLES_PER_LINK MAX_SECONDS MAX_SIGNATURE_CHARS "
+        "MAX_TENSORS MemberReport ReportRefused"
+    ),
+    "gossipcomp.coordinator.planning": "ADAPTIVE_PLANNER Coordinator",
+    "gossipcomp.coordinator.service": (
+        "MAX_REPORT_BYTES REPORT_CALL_TIMEOUT REPORT_CALLS_PER_CONNECTION "
+        "REPORT_HEADER_TIMEOUT REPORT_LIMITS REPORTS_IN_FLIGHT SERVICE_NAME "
+        "CoordinatorServer"
+    ),
+    "gossipcomp.coordinator.client": "CoordinatorClient",
 }
 
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -15,27 +15,18 @@ from __future__ import annotations
 
 from gossipcomp import lazy_exports
 
-# public name -> the module that defines it
-_EXPORTS: dict[str, str] = {
-    "GROUPED_ALGORITHMS": "gossipcomp.experiment.config",
-    "MAX_LOCAL_STEPS": "gossipcomp.experiment.config",
-    "MAX_LR": "gossipcomp.experiment.config",
-    "MAX_SEED": "gossipcomp.experiment.config",
-    "TrainConfig": "gossipcomp.experiment.config",
-    "Evaluation": "gossipcomp.experiment.outcome",
-    "PeerOutcome": "gossipcomp.experiment.outcome",
-    "TrainingAborted": "gossipcomp.experiment.outcome",
-    "TrainingDiverged": "gossipcomp.experiment.outcome",
-    "MAX_RUN_SECONDS": "gossipcomp.experiment.restore",
-    "REFERENCE_COMPRESSION": "gossipcomp.experiment.setup",
-    "REFERENCE_LINK": "gossipcomp.experiment.setup",
-    "build_algorithm": "gossipcomp.experiment.setup",
-    "build_config_model": "gossipcomp.experiment.setup",
-    "load_data": "gossipcomp.experiment.setup",
-    "peer_examples": "gossipcomp.experiment.setup",
-    "static_schedule": "gossipcomp.experiment.setup",
-    "PeerTrainer": "gossipcomp.experiment.trainer",
+# module -> the public names it defines, each imported from it on first use
+_EXPORTS = {
+    "gossipcomp.experiment.config": (
+        "GROUPED_ALGORITHMS MAX_LOCAL_STEPS MAX_LR MAX_SEED TrainConfig"
+    ),
+    "gossipcomp.experiment.outcome": "Evaluation PeerOutcome TrainingAborted TrainingDiverged",
+    "gossipcomp.experiment.restore": "MAX_RUN_SECONDS",
+    "gossipcomp.experiment.setup": (
+        "REFERENCE_COMPRESSION REFERENCE_LINK build_algorithm build_config_model "
+        "load_data peer_examples static_schedule"
+    ),
+    "gossipcomp.experiment.trainer": "PeerTrainer",
 }
 
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 from rich.table import Table
 
 from gossipcomp.experiment import PeerOutcome
+from gossipcomp.inputs.atomic_files import write_atomically
 
 
 @dataclass(frozen=True)
@@ -103,22 +103,8 @@ class Report:
         fsync of the folder. A crash leaves the old report or the new one, never half of one."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump(self.to_dict(), handle, indent=2)
-                handle.write("\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        folder = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)  # the rename itself survives a power cut
-        finally:
-            os.close(folder)
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        write_atomically(target, f".{target.name}.", text.encode())
 
     def _honest_caption(self) -> str:
         """The honest peers' accuracy when some peer lied; says so when every reported one did."""

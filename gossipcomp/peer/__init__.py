@@ -18,21 +18,14 @@ from __future__ import annotations
 
 from gossipcomp import lazy_exports
 
-# public name -> the module that defines it
-_EXPORTS: dict[str, str] = {
-    "Peer": "gossipcomp.peer.node",
-    "AVERAGE_PHASE": "gossipcomp.peer.node",
-    "PeerStats": "gossipcomp.peer.stats",
-    "GossipStalled": "gossipcomp.peer.failures",
-    "DEFAULT_MAX_FAILED_ROUNDS": "gossipcomp.peer.failures",
-    "FAILED_ROUNDS_WARNING": "gossipcomp.peer.failures",
-    "MAX_GOSSIP_MOVE": "gossipcomp.peer.guard",
-    "MAX_ROUND_TIMEOUT": "gossipcomp.peer.deadlines",
-    "MIN_ROUND_SECONDS": "gossipcomp.peer.deadlines",
-    # the peer's logger of compression levels, and their notices' phase (levels/peer.py)
-    "LEVELS_LOGGER": "gossipcomp.levels.peer",
-    "LEVELS_PHASE": "gossipcomp.levels.peer",
+# module -> the public names it defines, each imported from it on first use
+_EXPORTS = {
+    "gossipcomp.peer.node": "Peer AVERAGE_PHASE",
+    "gossipcomp.peer.stats": "PeerStats",
+    "gossipcomp.peer.failures": "GossipStalled DEFAULT_MAX_FAILED_ROUNDS FAILED_ROUNDS_WARNING",
+    "gossipcomp.peer.guard": "MAX_GOSSIP_MOVE",
+    "gossipcomp.peer.deadlines": "MAX_ROUND_TIMEOUT MIN_ROUND_SECONDS",
+    "gossipcomp.levels.peer": "LEVELS_LOGGER LEVELS_PHASE",
 }
 
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -25,9 +25,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import os
 import re
-import tempfile
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -37,6 +35,7 @@ from typing import Any
 
 import torch
 
+from gossipcomp.inputs.atomic_files import write_atomically
 from gossipcomp.inputs.files import FileRefused, open_regular_file
 from gossipcomp.inputs.text import quoted
 
@@ -117,15 +116,6 @@ def _check_tensor(tensor: torch.Tensor, where: str) -> None:
         )
 
 
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename in `directory` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class CheckpointStore:
     """One rank's checkpoints in a directory: atomic saves, verified loads, the newest `keep`."""
 
@@ -163,20 +153,7 @@ class CheckpointStore:
 
         self._remove_stale_temporaries()
         final = self.path_for(round)
-        fd, temporary = tempfile.mkstemp(
-            dir=self.directory, prefix=f".{final.stem}-", suffix=".tmp"
-        )
-        try:
-            with os.fdopen(fd, "wb") as file:
-                file.write(header)
-                file.write(payload)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, final)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-        _fsync_directory(self.directory)
+        write_atomically(final, f".{final.stem}-", header, payload)
         log.debug("rank %d: saved round %d to %s (%d bytes)", self.rank, round, final, len(payload))
         self._prune(round)
         return final
