@@ -24,9 +24,9 @@ from gossipcomp.transport.base import (
     ExchangeResult,
     Payload,
     PayloadSpec,
-    Transport,
 )
 from gossipcomp.transport.codec import decode_raw
+from gossipcomp.transport.protocol import Transport
 
 _FLOATS = {"float32", "float64", "float16", "bfloat16"}
 

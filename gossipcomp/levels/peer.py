@@ -44,8 +44,8 @@ from gossipcomp.transport.base import (
     LevelNotice,
     NoticeRules,
     PayloadSpec,
-    Transport,
 )
+from gossipcomp.transport.protocol import Transport
 
 LEVELS_PHASE = "levels"  # after a resume exchange: waiting level notices, and a barrier
 LEVELS_LOGGER = "gossipcomp.levels"  # link level changes (the command line shows them)

@@ -16,8 +16,9 @@ from gossipcomp.peer.deadlines import check_round_timeout
 from gossipcomp.peer.failures import DEFAULT_MAX_FAILED_ROUNDS
 from gossipcomp.peer.links import Backoff
 from gossipcomp.topology import Topology
-from gossipcomp.transport.base import Identity, Transport
+from gossipcomp.transport.base import Identity
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
+from gossipcomp.transport.protocol import Transport
 from gossipcomp.transport.throttled import LinkRates, ThrottledTransport
 from gossipcomp.workload.models import model_signature
 

@@ -59,8 +59,8 @@ from gossipcomp.transport.base import (
     HelloAnswer,
     Payload,
     PeerNotReady,
-    Transport,
 )
+from gossipcomp.transport.protocol import Transport
 from gossipcomp.workload.models import gossiped_tensors, model_signature
 
 AVERAGE_PHASE = "average"

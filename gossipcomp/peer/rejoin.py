@@ -22,8 +22,8 @@ from gossipcomp.transport.base import (
     HelloAnswer,
     Payload,
     PeerNotReady,
-    Transport,
 )
+from gossipcomp.transport.protocol import Transport
 
 log = logging.getLogger("gossipcomp.peer")  # its warnings are the peer's
 Exchange = Callable[[str, list[int], Payload], ExchangeResult]

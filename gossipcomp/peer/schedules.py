@@ -16,7 +16,8 @@ from gossipcomp.levels.peer import CompressionLevels, LevelBook
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.messages import ScheduleReplies, schedule_from_proto
 from gossipcomp.schedule.schedule import Schedule, ScheduleBook, ScheduleRefused
-from gossipcomp.transport.base import PayloadSpec, Transport
+from gossipcomp.transport.base import PayloadSpec
+from gossipcomp.transport.protocol import Transport
 from gossipcomp.transport.schedules import MAX_SHARED_SCHEDULES, SharesSchedules
 
 log = logging.getLogger("gossipcomp.peer")  # its messages are the peer's

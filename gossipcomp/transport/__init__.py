@@ -14,9 +14,9 @@ from gossipcomp.transport.base import (
     PeerUnreachableError,
     RejectCode,
     TensorSpec,
-    Transport,
     WireTensor,
 )
+from gossipcomp.transport.protocol import Transport
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from gossipcomp.inputs.text import quoted
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
-from gossipcomp.transport.base import ExchangeResult, Outgoing, Transport
+from gossipcomp.transport.base import ExchangeResult, Outgoing
+from gossipcomp.transport.protocol import Transport
 from gossipcomp.transport.schedules import ScheduleSource, SharesSchedules
 
 MAX_MBIT = 1e6  # a terabit link: beyond, the throttle is pointless
