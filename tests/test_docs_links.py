@@ -59,3 +59,40 @@ def test_the_checker_finds_a_broken_link_and_ignores_code_and_the_web(tmp_path):
         "```python\nparts[rank](nowhere_either.md)\n```\n"
     )
     assert broken_links(page) == ["missing.md#part"]
+
+
+_TEST_REFERENCE = re.compile(r"tests/(test_\w+\.py)((?:(?:::|, ::)\w+)*)")
+
+
+def missing_tests(text: str) -> list[str]:
+    """The `tests/test_x.py::test_name` references in `text` (a file, or a file and its tests,
+    `::a, ::b`) whose file or test function does not exist."""
+    missing = []
+    for match in _TEST_REFERENCE.finditer(text):
+        path = ROOT / "tests" / match[1]
+        if not path.exists():
+            missing.append(match[0])
+            continue
+        source = path.read_text()
+        missing += [
+            f"{match[1]}::{name}"
+            for name in re.findall(r"::(\w+)", match[2])
+            if not re.search(rf"^(?:async )?def {name}\(", source, re.M)
+        ]
+    return missing
+
+
+def test_every_test_the_docs_cite_exists():
+    """docs/reliability.md and design.md cite the test behind each promise: a test renamed or
+    removed must not leave a promise citing nothing."""
+    cited = {path.name: missing_tests(path.read_text()) for path in markdown_files()}
+    assert not {name: refs for name, refs in cited.items() if refs}
+    assert sum(len(_TEST_REFERENCE.findall(p.read_text())) for p in markdown_files()) > 50
+
+
+def test_the_test_reference_checker_finds_a_renamed_test():
+    text = (
+        "see tests/test_docs_links.py::test_every_test_the_docs_cite_exists, ::no_such_test "
+        "and tests/test_no_such_file.py"
+    )
+    assert missing_tests(text) == ["test_docs_links.py::no_such_test", "tests/test_no_such_file.py"]
