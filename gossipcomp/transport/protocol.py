@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gossipcomp.transport.base import (
     ExchangeResult,
@@ -17,7 +17,10 @@ from gossipcomp.transport.base import (
     HelloHandler,
     Outgoing,
 )
-from gossipcomp.transport.inbox import Inbox
+
+if TYPE_CHECKING:  # a type only: importing the inbox here would load levels/notices.py from
+    # the transport package's __init__, which levels/notices.py itself imports (a cycle)
+    from gossipcomp.transport.inbox import Inbox
 
 
 class Transport(Protocol):
