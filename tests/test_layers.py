@@ -29,6 +29,7 @@ LAYERS = {
     "schedule": 4,
     "gossip": 5,
     "allreduce": 5,
+    "outer": 5,  # outer optimizers and drift correction of local-update training
     "peer": 7,
     "peer.links": 6,
     "coordinator": 7,
