@@ -26,6 +26,7 @@ LAYERS = {
     "security": 1,
     "topology": 2,
     "transport": 3,
+    "rendezvous": 3,  # peer addresses from torch's store: above the topology it fills
     "schedule": 4,
     "gossip": 5,
     "allreduce": 5,

@@ -1,6 +1,8 @@
 """Peers launched by torchrun share one command line: a --report without {rank} would be written
-by every peer in turn, keeping only the last one's (issue 22, finding 7). It is refused before
-anything starts, naming the remedy; {rank}, an explicit --rank, or a launch of one rank are not."""
+by every peer in turn, keeping only the last one's (issue 22, finding 7). Each peer of such a
+launch writes its own file by default (issue 27): the rank goes before the suffix; {rank}, an
+explicit --rank, or a launch of one rank keep the path given. Four real processes writing
+their own reports: tests/test_rendezvous.py."""
 
 from __future__ import annotations
 
@@ -15,27 +17,6 @@ from gossipcomp.cli import build_parser
 from gossipcomp.cli.training import fill_rank_in_paths
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_a_shared_report_path_under_torchrun_is_refused_before_anything_starts(
-    tmp_path: Path,
-) -> None:
-    out = tmp_path / "report.json"
-    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "gossipcomp", "peer", "--topology", "ring4", "--report", str(out)],
-        cwd=ROOT,
-        env=env,
-        timeout=120,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    assert "the 4 peers of this launch" in lines[0] and "keeping only the last" in lines[0]
-    assert "put {rank} in the file name, e.g. 'report{rank}.json'" in lines[0], lines[0]
-    assert not out.exists()
 
 
 def _filled(arguments: list[str], rank: int, world: str | None) -> Path:
@@ -62,17 +43,14 @@ def _filled(arguments: list[str], rank: int, world: str | None) -> Path:
         (["--report", "r.json", "--rank", "2"], "4", "r.json"),  # a command line of its own
         (["--report", "r.json"], "1", "r.json"),  # one rank: nothing to overwrite
         (["--report", "r.json"], None, "r.json"),  # RANK without a launcher's WORLD_SIZE
+        (["--report", "out/r.json"], "4", "out/r.rank2.json"),  # one command line, 4 peers
+        (["--report", "r"], "3", "r.rank2"),  # no suffix: the rank goes last
     ],
 )
-def test_per_rank_or_single_rank_reports_are_accepted(
+def test_each_rank_of_a_launch_writes_its_own_report(
     arguments: list[str], world: str | None, expected: str
 ) -> None:
     assert _filled(arguments, 2, world) == Path(expected)
-
-
-def test_the_refusal_in_process_names_the_flag_and_the_path() -> None:
-    with pytest.raises(ValueError, match=r"--report 'r\.json': the 3 peers"):
-        _filled(["--report", "r.json"], 0, "3")
 
 
 def test_allreduce_refuses_rank_in_its_one_report(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """`gossipcomp peer`: one peer in this process, at its address in the topology (as torchrun or
-a shell script starts one per machine); its rank from --rank or the RANK variable."""
+a shell script starts one per machine); its rank from --rank or the RANK variable. With
+--rendezvous, the addresses come from torch's store instead (gossipcomp/rendezvous.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from gossipcomp.cli.training_flags import add_training_flags
 from gossipcomp.experiment.simulation import PeerLevels, run_peer
 from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
 from gossipcomp.inputs.text import quoted
+from gossipcomp.rendezvous import Launch, parse_launch, rendezvous_topology
 from gossipcomp.topology import Topology
 
 MAX_STARTUP_TIMEOUT = 86400.0  # seconds: waiting a day for neighbours is a typing mistake
@@ -36,7 +38,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="this peer's rank (default: the RANK environment variable, as set by torchrun)",
     )
-    peer.add_argument("--bind", help="address to listen on (default: the topology's address)")
+    peer.add_argument(
+        "--bind",
+        metavar="HOST:PORT",
+        help="address to listen on (default: the topology's address; with --rendezvous, "
+        "127.0.0.1:0, or 0.0.0.0:0 with TLS or --insecure; port 0: any free port)",
+    )
+    peer.add_argument(
+        "--rendezvous",
+        metavar="URL",
+        help="take every peer's address from torch's rendezvous store instead of the topology "
+        "file: env:// (torchrun: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), tcp://HOST:PORT "
+        "(rank 0 hosts the store; RANK, WORLD_SIZE) or slurm[://HOST:PORT] (SLURM_PROCID, "
+        "SLURM_NTASKS; store at MASTER_ADDR:MASTER_PORT when not given); --rank and the URL's "
+        "endpoint win over the environment",
+    )
+    peer.add_argument(
+        "--advertise",
+        metavar="HOST",
+        help="with --rendezvous: the host other peers reach this one at (default: the --bind "
+        "host, or this machine's name when binding every interface)",
+    )
     peer.add_argument(
         "--startup-timeout",
         type=number("startup timeout (seconds)", 0.0, MAX_STARTUP_TIMEOUT),
@@ -72,24 +94,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    """Every check first, then this peer's training, then its report."""
+    """Every check first, then (with --rendezvous) every peer's address, then this peer's
+    training, then its report."""
     tls = tls_files(args)
+    bind = _rendezvous_bind(args, tls is not None) if args.rendezvous is not None else args.bind
+    if args.advertise is not None and args.rendezvous is None:
+        raise ValueError("--advertise: expected --rendezvous with it (it names this peer there)")
     checked, rank = prepare(args, _peer_rank, "--low-rank")
     assert rank is not None  # prepare asked _peer_rank for it
-    peer_levels = _peer_levels(args)
     label = f"peer {rank}: {checked.config.algorithm} on {checked.topology.name}"
     train = partial(
         run_peer,
         rank=rank,
-        bind=args.bind,
         startup_timeout=args.startup_timeout,
         tls=tls,
         signing_key=args.key,
         insecure=args.insecure,
         coordinator=args.coordinator,
-        peer_levels=peer_levels,
+        peer_levels=_peer_levels(args),
     )
-    return train_and_finish(args, console, checked, train, checked.config.gossip_rounds, label)
+    total = checked.config.gossip_rounds
+    if args.rendezvous is None:
+        return train_and_finish(args, console, checked, partial(train, bind=bind), total, label)
+    launch = _launch(args, checked.topology)
+    with rendezvous_topology(
+        checked.topology, launch, bind, args.advertise, args.startup_timeout
+    ) as (topology, bound):
+        checked = checked._replace(topology=topology)
+        return train_and_finish(args, console, checked, partial(train, bind=bound), total, label)
 
 
 def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:
@@ -105,8 +137,29 @@ def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:
     return PeerLevels(args.round_budget) if args.adaptive else None
 
 
+def _launch(args: argparse.Namespace, topology: Topology) -> Launch:
+    """The launch --rendezvous describes, its values checked against the topology."""
+    return parse_launch(args.rendezvous, args.rank, topology.n, os.environ)
+
+
+def _rendezvous_bind(args: argparse.Namespace, secure: bool) -> str:
+    """Where to listen with --rendezvous: --bind (port 0 allowed), else any free port on
+    loopback, or on every interface with TLS or --insecure."""
+    if args.bind is None:
+        return "0.0.0.0:0" if secure or args.insecure else "127.0.0.1:0"
+    host, sep, port = args.bind.rpartition(":")
+    if not sep or not host or not port.isdigit() or len(port) > 5 or int(port) > 65535:
+        raise ValueError(
+            f"--bind {quoted(args.bind)}: expected HOST:PORT with port 0..65535 (0: any free port)"
+        )
+    return args.bind
+
+
 def _peer_rank(args: argparse.Namespace, topology: Topology) -> int:
-    """This peer's rank (--rank, or RANK from the environment), one of the topology's."""
+    """This peer's rank (--rank, or RANK from the environment; with --rendezvous, what its
+    launch says), one of the topology's."""
+    if args.rendezvous is not None:
+        return _launch(args, topology).rank
     rank = args.rank if args.rank is not None else rank_from_env()
     if not 0 <= rank < topology.n:
         given = f"--rank {rank}" if args.rank is not None else f"RANK={rank} (environment)"

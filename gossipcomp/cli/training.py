@@ -57,9 +57,10 @@ RANK_FIELD = "{rank}"  # in --report and --checkpoint-dir of `peer`: replaced by
 
 def fill_rank_in_paths(args: argparse.Namespace, rank: int | None) -> None:
     """Replace `{rank}` in --report and --checkpoint-dir by this peer's rank, so that peers
-    launched with one command line (torchrun) write their own files. `simulate` writes one
+    launched with one command line (torchrun) write their own files (a --report without it
+    gets the rank before its suffix under a launcher of several ranks). `simulate` writes one
     report for every peer and keeps checkpoints per peer already: `{rank}` there is refused."""
-    _refuse_one_report_for_all_ranks(args, rank)
+    _report_of_this_rank(args, rank)
     for name, flag in (("report", "--report"), ("checkpoint_dir", "--checkpoint-dir")):
         path: Path | None = getattr(args, name)
         if path is None or RANK_FIELD not in str(path):
@@ -73,22 +74,17 @@ def fill_rank_in_paths(args: argparse.Namespace, rank: int | None) -> None:
         setattr(args, name, Path(str(path).replace(RANK_FIELD, str(rank))))
 
 
-def _refuse_one_report_for_all_ranks(args: argparse.Namespace, rank: int | None) -> None:
-    """A launcher (torchrun) gives every peer one command line, its rank in RANK and the job's
-    size in WORLD_SIZE: a --report without {rank} would be written by every peer in turn, and
-    only the last one kept. Refused before anything starts."""
-    world = os.environ.get("WORLD_SIZE", "")
+def _report_of_this_rank(args: argparse.Namespace, rank: int | None) -> None:
+    """A launcher (torchrun, srun) gives every peer one command line, its rank in RANK (or
+    SLURM_PROCID) and the job's size in WORLD_SIZE (or SLURM_NTASKS): a --report without
+    {rank} would be written by every peer in turn, keeping only the last. So each peer of such
+    a launch writes its own: the rank goes before the suffix (report.json -> report.rank3.json)."""
     path: Path | None = args.report
     if rank is None or args.rank is not None or path is None or RANK_FIELD in str(path):
         return
-    if not (world.isdigit() and len(world) <= 9 and int(world) > 1):
-        return
-    example = path.with_name(f"{path.stem}{RANK_FIELD}{path.suffix}")
-    raise ValueError(
-        f"--report {quoted(str(path))}: the {world} peers of this launch (RANK from the "
-        f"environment) would each write this one file, keeping only the last; put {RANK_FIELD} "
-        f"in the file name, e.g. {quoted(example.name)}"
-    )
+    world = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", ""))
+    if world.isdigit() and len(world) <= 9 and int(world) > 1:
+        args.report = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 
 
 def _check_low_rank(config: TrainConfig, flag: str) -> None:
