@@ -24,6 +24,7 @@ from gossipcomp.inputs.arguments import (
     number,
 )
 from gossipcomp.inputs.text import quoted
+from gossipcomp.outer import parse_drift, parse_outer
 from gossipcomp.peer import MAX_ROUND_TIMEOUT
 from gossipcomp.schedule import PLANNERS
 from gossipcomp.workload.data import DATASETS
@@ -86,14 +87,16 @@ def add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) 
         default=d.dataset,
         choices=sorted(DATASETS),
         help="bundled scikit-learn data: digits (8x8 images, 10 classes), wine (13 features, 3 "
-        "classes), breast-cancer (30, 2), iris (4, 3); tabular features standardised",
+        "classes), breast-cancer (30, 2), iris (4, 3); tabular features standardised; pysource: "
+        "the Python standard library's source text, for model chartransformer",
     )
     g.add_argument(
         "--model",
         default=d.model,
         choices=sorted(MODELS),
         help="mlp (two hidden layers of 256), wide-mlp (two of 1024: 1.1M parameters), resmlp (24 residual blocks with LayerNorm, 102 "
-        "tensors), cnn (digits only: two convolutions with BatchNorm); sized for the dataset",
+        "tensors), cnn (digits only: two convolutions with BatchNorm), chartransformer (a "
+        "character-level language model, pysource only); sized for the dataset",
     )
     g.add_argument(
         "--schedule",
@@ -170,6 +173,23 @@ def add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) 
         default=d.local_steps,
         help="local optimizer steps between gossip rounds (local SGD): H sends 1/H of the "
         "bytes of 1 over the same --rounds",
+    )
+    g.add_argument(
+        "--outer",
+        type=accepted(parse_outer),
+        default=d.outer,
+        metavar="SPEC",
+        help="outer optimizer after each gossip round, stepping from the phase's start by "
+        "(start - mixed model): 'nesterov' (DiLoCo: lr 0.7, momentum 0.9), 'noloco', "
+        "'sgd:lr=L,momentum=M'; keys lr, momentum (default: the mixed model as it is)",
+    )
+    g.add_argument(
+        "--drift",
+        type=accepted(parse_drift),
+        default=d.drift,
+        metavar="SPEC",
+        help="drift correction of local steps on dissimilar data: 'none', or 'tracking' / "
+        "'tracking:rate=R' (gradient tracking from gossip's own move, no extra bytes)",
     )
     g.add_argument(
         "--max-failed-rounds",
@@ -275,5 +295,7 @@ def config(args: argparse.Namespace) -> TrainConfig:
         attack_scale=args.attack_scale,
         gossip_buffers=args.gossip_buffers,
         local_steps=args.local_steps,
+        outer=args.outer,
+        drift=args.drift,
         max_failed_rounds=args.max_failed_rounds,
     )

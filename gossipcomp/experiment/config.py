@@ -15,11 +15,13 @@ from gossipcomp.gossip import ALGORITHMS, make_attack, parse_clip
 from gossipcomp.gossip.byzantine import DEFAULT_SCALE
 from gossipcomp.gossip.specs import MAX_GOSSIP_STEPS, canonical_spec, parse_options
 from gossipcomp.inputs.text import quoted
+from gossipcomp.outer import DriftTracker, OuterSGD, parse_drift, parse_outer
 from gossipcomp.peer import DEFAULT_MAX_FAILED_ROUNDS, MAX_ROUND_TIMEOUT
 from gossipcomp.schedule import make_planner
 from gossipcomp.transport.base import MAX_WIRE_ROUND
 from gossipcomp.workload.data import DATASETS, parse_partition
 from gossipcomp.workload.models import MODELS
+from gossipcomp.workload.pairing import check_pairing
 from gossipcomp.workload.training import DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_MOMENTUM
 
 # an SGD rate this large diverges at once (TrainingDiverged, tests/test_simulate.py); far above
@@ -65,6 +67,10 @@ class TrainConfig:
     local_steps: int = 1  # local optimizer steps between gossip rounds (local SGD)
     # rounds in a row without hearing any neighbour before a peer stops (0: never)
     max_failed_rounds: int = DEFAULT_MAX_FAILED_ROUNDS
+    # outer optimizer after each gossip round (outer/optimizers.py), e.g.
+    # "nesterov:lr=0.7,momentum=0.9"; None: the mixed model as it is (plain local SGD)
+    outer: str | None = None
+    drift: str = "none"  # drift correction of local steps: "none" or "tracking[:rate=R]"
 
     def __post_init__(self) -> None:
         """Refuse any setting that could not train, naming it, before anything runs."""
@@ -119,17 +125,24 @@ class TrainConfig:
             raise ValueError(f"unknown model {quoted(self.model)}; known: {sorted(MODELS)}")
         if not isinstance(self.dataset, str) or self.dataset not in DATASETS:
             raise ValueError(f"unknown dataset {quoted(self.dataset)}; known: {sorted(DATASETS)}")
-        if self.model == "cnn" and self.dataset != "digits":
-            raise ValueError(
-                f"model cnn reads the 8x8 digits images; dataset {self.dataset} is tabular: "
-                "expected model mlp or resmlp"
-            )
+        check_pairing(self.model, self.dataset, self.partition)  # e.g. cnn on digits only
+        if self.outer is not None:
+            parse_outer(self.outer)
+        parse_drift(self.drift)
         make_planner(self.schedule)  # fails naming the planners that exist
         if self.schedule != "per-tensor" and self.algorithm_name not in GROUPED_ALGORITHMS:
             raise ValueError(
                 f"schedule {quoted(self.schedule)}: only {', '.join(GROUPED_ALGORITHMS)} "
                 f"send tensor groups; {self.algorithm_name} takes schedule 'per-tensor'"
             )
+
+    def outer_optimizer(self) -> OuterSGD | None:
+        """A fresh outer optimizer for one peer (None: none)."""
+        return None if self.outer is None else parse_outer(self.outer)
+
+    def drift_correction(self) -> DriftTracker | None:
+        """A fresh drift correction for one peer (None: none)."""
+        return parse_drift(self.drift)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

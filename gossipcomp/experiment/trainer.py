@@ -35,7 +35,7 @@ from gossipcomp.peer import Peer
 from gossipcomp.transport.codec import all_finite
 from gossipcomp.workload.checkpoint import CheckpointStore, LoadedCheckpoint
 from gossipcomp.workload.data import DigitsSplit
-from gossipcomp.workload.training import BatchStream, evaluate_accuracy, local_step, make_optimizer
+from gossipcomp.workload.training import BatchStream, evaluate, local_step, make_optimizer
 
 log = logging.getLogger("gossipcomp.experiment")  # the package's logger, as before the split
 
@@ -124,8 +124,9 @@ class PeerTrainer:
     def max_checkpoint_payload(self) -> int:
         """The most payload bytes a checkpoint of this peer can hold, from its own sizes.
 
-        The model, its momentum buffers and the algorithm's state (at most a copy per
-        neighbour and two more: DEF-ATC) are (degree + 4) model sizes; twice that, as the
+        The model, its momentum buffers, the algorithm's state (at most a copy per
+        neighbour and two more: DEF-ATC) and the outer state (anchor, velocity, drift
+        correction) are (degree + 7) model sizes; twice that, as the
         algorithms keep their copies in float32 (double a half-precision model), plus the batch
         order (8 bytes an example, twice), one history entry per round, and a constant for the
         rest. A DEF-ATC peer on a ring writes about half of this, and so does a large model.
@@ -135,7 +136,7 @@ class PeerTrainer:
         )
         degree = len(self.peer.topology.neighbors(self.peer.rank))
         return (
-            2 * (degree + 4) * model_bytes
+            2 * (degree + 7) * model_bytes
             + 16 * self.stream.num_examples
             + _HISTORY_ENTRY_BYTES * self.config.rounds
             + _PAYLOAD_SLACK
@@ -218,6 +219,7 @@ class PeerTrainer:
             raise TrainingAborted(f"peer {peer.rank} stopped at round {before + 1}")
         for _ in range(config.steps_at(before + 1) - steps):
             local_step(peer.model, self.optimizer, self.stream.next_batch())
+            peer.note_local_step()  # the drift correction's share, when there is one
         # once a round suffices: received NaN/Inf is refused at the door, and anything gossip
         # itself overflowed to is caught after the next local steps
         _check_finite(peer, before + 1, "after the local steps")
@@ -236,13 +238,13 @@ class PeerTrainer:
             on_round(r)
 
     def _evaluate(self) -> None:
-        """Record the test accuracy and bytes sent so far."""
+        """Record the test accuracy and loss and the bytes sent so far."""
         peer = self.peer
-        accuracy = evaluate_accuracy(peer.model, self.data.x_test, self.data.y_test)
+        accuracy, loss = evaluate(peer.model, self.data.x_test, self.data.y_test)
         steps = self.config.steps_at(peer.round)
         seconds = time.perf_counter() - self._started
         sent = peer.stats.bytes_sent_total
-        self.history.append(Evaluation(steps, accuracy, sent, peer.round, seconds))
+        self.history.append(Evaluation(steps, accuracy, sent, peer.round, seconds, loss))
 
 
 def _crossed(before: int, after: int, every: int) -> bool:

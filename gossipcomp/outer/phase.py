@@ -11,7 +11,9 @@ the peer runs exactly as plain local SGD.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,13 +36,19 @@ class LocalPhases:
         optimizer: OuterSGD | None = None,
         drift: DriftTracker | None = None,
     ) -> None:
-        """`trained`: the model's trained parameters (views: updated in place)."""
+        """`trained`: the model's trained parameters (updated in place). `optimizer` and
+        `drift` are taken as specs: this peer uses fresh copies of them."""
         if isinstance(steps_per_phase, bool) or not isinstance(steps_per_phase, int):
             raise ValueError(f"local steps: expected an integer, got {quoted(steps_per_phase)}")
         self.trained = list(trained)
         self.steps_per_phase = steps_per_phase
-        self.optimizer = None if optimizer is None or optimizer.identity else optimizer
-        self.drift = drift
+        # copies with no state: one spec may be given to every peer of a process
+        self.optimizer = (
+            None
+            if optimizer is None or optimizer.identity
+            else dataclasses.replace(optimizer, velocity=[])
+        )
+        self.drift = None if drift is None else dataclasses.replace(drift, correction=[])
         self.steps_in_phase = 0
         self.anchor: list[torch.Tensor] = (
             [p.detach().clone() for p in self.trained] if self.optimizer is not None else []
@@ -89,8 +97,11 @@ class LocalPhases:
             "drift": None if self.drift is None else self.drift.state_dict(),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore, after checking every part; ValueError (and nothing changed) otherwise."""
+    def checked(self, state: Any) -> CheckedPhases:
+        """A saved state checked against this peer's model and settings, ready for
+        `restore`; ValueError naming what is wrong (nothing changes here)."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"outer phases: expected a mapping, got {type(state).__name__}")
         require_keys(state, STATE_KEYS, "outer phases")
         steps = state["steps_in_phase"]
         if (
@@ -104,27 +115,34 @@ class LocalPhases:
             )
         for part, mine in (("optimizer", self.optimizer), ("drift", self.drift)):
             if (state[part] is None) != (mine is None):
+                saved = "has no" if state[part] is None else "has a"
+                now = "uses one" if mine is not None else "does not"
                 raise ValueError(
-                    f"outer phases: the checkpoint {'has no' if state[part] is None else 'has a'} "
-                    f"{part} state, this run {'uses one' if mine is not None else 'does not'}"
+                    f"outer phases: the checkpoint {saved} {part} state, this run {now}"
                 )
-        anchor = (
-            checked_finite("outer anchor", self.trained, state["anchor"])
-            if self.optimizer is not None
-            else checked_finite("outer anchor", [], state["anchor"])
-        )
-        # load into scratch copies first: a bad part must leave everything as it was
+        like = self.trained if self.optimizer is not None else []
+        anchor = checked_finite("outer anchor", like, state["anchor"])
         optimizer = drift = None
-        if self.optimizer is not None:
-            optimizer = OuterSGD(
-                self.optimizer.lr,
-                self.optimizer.momentum,
-                self.optimizer.nesterov,
-                self.optimizer.name,
-            )
+        if self.optimizer is not None:  # scratch copies: a bad part leaves this peer's alone
+            optimizer = dataclasses.replace(self.optimizer, velocity=[])
             optimizer.load_state_dict(state["optimizer"], self.trained)
         if self.drift is not None:
-            drift = DriftTracker(self.drift.rate)
+            drift = dataclasses.replace(self.drift, correction=[])
             drift.load_state_dict(state["drift"], self.trained)
-        self.optimizer, self.drift, self.anchor = optimizer, drift, anchor
-        self.steps_in_phase = steps
+        return CheckedPhases(steps, anchor, optimizer, drift)
+
+    def restore(self, checked: CheckedPhases) -> None:
+        """Take over what `checked` returned."""
+        self.steps_in_phase = checked.steps_in_phase
+        self.anchor = checked.anchor
+        self.optimizer, self.drift = checked.optimizer, checked.drift
+
+
+@dataclass(frozen=True)
+class CheckedPhases:
+    """A checked saved state of `LocalPhases`."""
+
+    steps_in_phase: int
+    anchor: list[torch.Tensor]
+    optimizer: OuterSGD | None
+    drift: DriftTracker | None

@@ -26,7 +26,7 @@ EXPECTED_KEYS = frozenset(
 )
 # absent from older ones; link_levels or broadcast_levels only when peers set levels
 OPTIONAL_KEYS = frozenset(
-    {"saved_at", "seconds_per_round", "schedules", "link_levels", "broadcast_levels"}
+    {"saved_at", "seconds_per_round", "schedules", "link_levels", "broadcast_levels", "outer"}
 )
 COUNTERS = ("bytes_sent", "bytes_received", "failures")
 
@@ -89,10 +89,12 @@ def peer_state(
     links: LinkMonitor,
     schedules: ScheduleBook,
     levels: dict[str, Any],
+    outer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint holds of a peer at `round`: its model, algorithm state, counters
     (`stats`), down edges and pace (`links`), `schedules`, and the `levels` rows of levels set
-    with the neighbours."""
+    with the neighbours, and `outer`: the outer optimizer's and drift correction's state
+    (outer/phase.py), when the peer uses either."""
     state: dict[str, Any] = {
         "round": round,
         "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
@@ -106,6 +108,8 @@ def peer_state(
         "schedules": schedules.state_dict(),
     }
     state.update(levels)  # levels set with the neighbours shape it
+    if outer is not None:
+        state["outer"] = outer
     return state
 
 

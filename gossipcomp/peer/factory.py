@@ -12,6 +12,8 @@ import torch
 
 from gossipcomp.gossip.base import GossipAlgorithm
 from gossipcomp.gossip.turns import ComputeTurns
+from gossipcomp.outer.drift import DriftTracker
+from gossipcomp.outer.optimizers import OuterSGD
 from gossipcomp.peer.deadlines import check_round_timeout
 from gossipcomp.peer.failures import DEFAULT_MAX_FAILED_ROUNDS
 from gossipcomp.peer.links import Backoff
@@ -43,6 +45,8 @@ def over_grpc(
     constant_buffers: bool = True,
     max_failed_rounds: int = DEFAULT_MAX_FAILED_ROUNDS,
     turns: ComputeTurns | None = None,
+    outer: OuterSGD | None = None,
+    drift: DriftTracker | None = None,
 ) -> P:
     """A peer with its own gRPC server at `bind` (default: its address in the topology).
     A stream that carries an envelope must finish within the round's deadline. With
@@ -75,6 +79,8 @@ def over_grpc(
             constant_buffers=constant_buffers,
             max_failed_rounds=max_failed_rounds,
             turns=turns,
+            outer=outer,
+            drift=drift,
         )
     except Exception:
         transport.close()

@@ -42,6 +42,9 @@ from gossipcomp.inputs.text import quoted
 from gossipcomp.levels.edges import EdgeLevels
 from gossipcomp.levels.peer import CompressionLevels
 from gossipcomp.levels.senders import SenderLevels
+from gossipcomp.outer.drift import DriftTracker
+from gossipcomp.outer.optimizers import OuterSGD
+from gossipcomp.outer.phase import CheckedPhases, LocalPhases
 from gossipcomp.peer import factory
 from gossipcomp.peer.checkpoint import check_state, peer_state
 from gossipcomp.peer.deadlines import check_round_timeout
@@ -49,6 +52,7 @@ from gossipcomp.peer.failures import DEFAULT_MAX_FAILED_ROUNDS, FailedRounds
 from gossipcomp.peer.guard import MAX_GOSSIP_MOVE, ModelGuard, check_max_move
 from gossipcomp.peer.links import Backoff, LinkMonitor, RoundPace
 from gossipcomp.peer.rejoin import Rejoin
+from gossipcomp.peer.round_graphs import check_round_graphs
 from gossipcomp.peer.schedules import PeerSchedules
 from gossipcomp.peer.stats import PeerStats, median_send_seconds
 from gossipcomp.schedule.costs import TransferLog
@@ -88,6 +92,8 @@ class Peer:
         constant_buffers: bool = True,
         max_failed_rounds: int = DEFAULT_MAX_FAILED_ROUNDS,
         turns: ComputeTurns | None = None,
+        outer: OuterSGD | None = None,
+        drift: DriftTracker | None = None,
     ) -> None:
         """`ready=False` (a peer about to restore a checkpoint): neighbours' handshakes are
         answered "not ready" until `ready()`, so none is answered from a round about to change.
@@ -112,7 +118,12 @@ class Peer:
         comes after FAILED_ROUNDS_WARNING of them. Losing some neighbours is not a failed round,
         nor is a round with every edge down, waiting for probes or resume rounds. `turns`: the
         compute turns of the peers sharing this process (gossip/turns.py), given up while this
-        peer waits for its neighbours; None: this peer never waits for a turn."""
+        peer waits for its neighbours; None: this peer never waits for a turn. `outer`: the
+        outer optimizer that steps from each phase's anchor by anchor - (gossip's mixed model)
+        after every gossip round (a phase: `local_steps` local steps; None: the mixed model as
+        it is). `drift`: the drift correction added to each local step
+        (`note_local_step`/`after_local_step`) and moved by each gossip round (outer/drift.py).
+        """
         if not 0 <= rank < topology.n:
             raise ValueError(
                 f"rank {rank} out of range for topology {topology.name} (n={topology.n})"
@@ -132,6 +143,9 @@ class Peer:
             raise ValueError(f"local_steps: expected an integer >= 1, got {quoted(local_steps)}")
         self.local_steps = local_steps
         self._steps_taken = 0
+        # the phase's anchor, outer optimizer state and drift correction (outer/phase.py)
+        trained = [p for _, p in model.named_parameters() if p.requires_grad]
+        self._phases = LocalPhases(trained, local_steps, outer, drift)
         self.gossip_buffers = gossip_buffers
         self.constant_buffers = constant_buffers
         self._params: NamedParams = gossiped_tensors(model, gossip_buffers, constant_buffers)
@@ -139,6 +153,7 @@ class Peer:
         self._guard = ModelGuard(
             rank, model, self._params, max_move, gossip_buffers, constant_buffers
         )
+        check_round_graphs(topology, algorithm)
         self._weights = topology.neighbor_weights(rank)
         # the rounds in a row that heard no neighbour, and why each last failed
         self._failures = FailedRounds(rank, self._weights, max_failed_rounds)
@@ -339,11 +354,15 @@ class Peer:
         before, self.round = self.round, target
         self._rejoin.moved(before, target)
 
-    def _neighbourhood(self, links: LinkStats, live: list[int] | None = None) -> Neighbourhood:
+    def _neighbourhood(
+        self, links: LinkStats, live: list[int] | None = None, row: dict[int, float] | None = None
+    ) -> Neighbourhood:
         """This peer's view of the network for the current round: the live neighbours (all by
-        default) with their weights; the weight of any neighbour left out stays with the peer,
-        so the live mixing matrix is symmetric and doubly stochastic when both ends agree."""
-        weights = self._weights if live is None else {j: self._weights[j] for j in live}
+        default) with their weights (`row`: the round's, else the topology's); the weight of any
+        neighbour left out stays with the peer, so the live mixing matrix is symmetric and
+        doubly stochastic when both ends agree."""
+        row = self._weights if row is None else row
+        weights = row if live is None else {j: row[j] for j in live if j in row}
         return Neighbourhood(
             rank=self.rank,
             round=self.round,
@@ -354,6 +373,7 @@ class Peer:
             links=links,
             schedule_epoch=self.schedules.current.epoch,
             turns=self.turns,
+            period=self.topology.period,
         )
 
     def _link_failed(self, neighbour: int, reason: str) -> None:
@@ -368,11 +388,19 @@ class Peer:
         self._comm_seconds += hood.comm_seconds
         return result
 
+    def note_local_step(self) -> None:
+        """Count one local optimizer step of the phase and add its share of the drift
+        correction (when there is one), without gossiping: for loops that call `gossip()`
+        themselves at the end of each phase."""
+        self._phases.local_step()
+
     def after_local_step(self) -> bool:
-        """Count one local optimizer step; gossip when `local_steps` of them have been taken
-        since the last round. Returns whether this call gossiped."""
+        """Count one local optimizer step (`note_local_step`); gossip when `local_steps` of
+        them have been taken since the last round (the phase ends on its own). Returns whether
+        this call gossiped."""
         self._steps_taken += 1
-        if self._steps_taken % self.local_steps:
+        self._phases.local_step()
+        if self._phases.steps_in_phase < self.local_steps:
             return False
         self.gossip()
         return True
@@ -401,8 +429,10 @@ class Peer:
         self._levels.switch_due(self.round)
         resumed = self._rejoin.resume_edges(self.round, self._exchange)  # edges back now
         self._levels.decide(self.round, self._links.sends)
-        hood = self._neighbourhood(self._links, self.links.live())
+        row, _ = self.topology.round_weights(self.rank, self.round)  # this round's graph
+        hood = self._neighbourhood(self._links, self.links.live(), row)
         before = self._guard.snapshot()
+        ends = self._phases.ends()
         self.algorithm.step(self._params, hood)
         for j, reason in hood.failed.items():
             self._link_failed(j, reason)
@@ -414,10 +444,12 @@ class Peer:
             for j in blamed:
                 self._link_failed(j, reason)
             heard = []
+        self._phases.finish(ends)  # the outer step from the mixed model, the drift's move
         self.links.in_step(heard, self.round)
         self._in_step_since = now if heard else None
         failed = set(hood.failed) | set(hood.weights).difference(heard)
-        self._failures.report_isolation(hood.weights, failed, self.round)
+        if row:  # a round whose graph gives this peer no neighbour is not isolation
+            self._failures.report_isolation(hood.weights, failed, self.round)
         self._failures.count_round(bool(heard), resumed or bool(hood.weights), self.round)
         self.round += 1
         self._comm_seconds += hood.comm_seconds
@@ -456,6 +488,7 @@ class Peer:
             self.links,
             self.schedules,
             self._levels.state_dict(),
+            self._phases.state_dict() if self._phases.active else None,
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -466,6 +499,7 @@ class Peer:
         schedules = self._schedules.checked_book(state, round)
         levels = self._levels.checked(state.get("link_levels"), state.get("broadcast_levels"))
         specs = self._schedules.specs_in_use(schedules, levels.book)  # checks they fit
+        phases = self._checked_phases(state.get("outer"))
         self._levels.load_algorithm(state["algorithm"], schedules.current, levels)
         # everything below was checked above: nothing can fail half-way
         if isinstance(self.algorithm, Regroupable):
@@ -475,11 +509,25 @@ class Peer:
         self.transport.inbox.forget_epochs_before(schedules.current.epoch)
         self._schedules.refresh_replies()
         self.model.load_state_dict(checked.model)
+        if phases is not None:
+            self._phases.restore(phases)
         self.round = round
         self._links.bytes_sent = checked.counters["bytes_sent"]
         self._links.bytes_received = checked.counters["bytes_received"]
         self._links.failures = checked.counters["failures"]
         self._rejoin.restored(round, checked.down, checked.saved_at, checked.seconds_per_round)
+
+    def _checked_phases(self, saved: Any) -> CheckedPhases | None:
+        """A checkpoint's outer state checked against this peer's outer settings (None: the
+        checkpoint has none, and this peer uses none)."""
+        if saved is None and not self._phases.active:
+            return None
+        if saved is None:
+            raise ValueError(
+                "peer checkpoint: holds no outer optimizer or drift state, and this peer uses "
+                "one (written by a run without --outer/--drift?)"
+            )
+        return self._phases.checked(saved)
 
     @property
     def transfers(self) -> TransferLog:

@@ -126,6 +126,9 @@ class _Setup:
                     gossip_buffers=self.config.gossip_buffers,
                     link_rates=self.link_rates,
                     max_failed_rounds=_failed_rounds_bound(self.config, rank),
+                    local_steps=self.config.local_steps,
+                    outer=self.config.outer_optimizer(),
+                    drift=self.config.drift_correction(),
                     turns=turns,
                 )
             )

@@ -91,6 +91,9 @@ def run_peer(
         ready=checkpoints is None,
         gossip_buffers=config.gossip_buffers,
         max_failed_rounds=_failed_rounds_bound(config, rank),
+        local_steps=config.local_steps,
+        outer=config.outer_optimizer(),
+        drift=config.drift_correction(),
     ) as peer:
         if peer_levels is not None:
             peer.adapt_levels(peer_levels.round_budget)
