@@ -1,7 +1,7 @@
 """`gossipcomp allreduce`: train digits in all-reduce mode and report like `simulate`.
 
-`gossipcomp allreduce --nproc N [--compressor SPEC] [--sync ddp-hook|merged|marsit|ssd]
-[--report PATH]` starts N local processes (gloo on CPU; the launching process hosts the
+`gossipcomp allreduce --nproc N [--compressor SPEC] [--sync ddp-hook|merged|marsit|ssd|
+diloco:steps=H,outer=(SPEC),compressor=(SPEC)] [--report PATH]` starts N local processes (gloo on CPU; the launching process hosts the
 rendezvous store). Without --nproc it is one rank of a job started by torchrun (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT; NCCL when CUDA is available) and rank 0 writes the report.
 Exit status: 0 done; 2 the command cannot run as given (one line on stderr); 1 training failed
@@ -48,7 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=integer("nproc", 1, MAX_NPROC),
         help="start this many local processes (default: be one rank of a torchrun job)",
     )
-    parser.add_argument("--sync", default=d.sync, choices=SYNCS, help="how gradients are averaged")
+    parser.add_argument(
+        "--sync",
+        default=d.sync,
+        help=f"how the ranks are kept in step: {', '.join(SYNCS[:-1])} (every step), or "
+        "diloco[:steps=H,outer=(nesterov:lr=0.7,momentum=0.9),compressor=(SPEC)]: H local "
+        "steps, then compressed, error-fed pseudo-gradients averaged and an outer step",
+    )
     parser.add_argument(
         "--compressor",
         default=d.compressor,

@@ -347,6 +347,23 @@ def parse_hook_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name.strip(), values
 
 
+def powersgd_options(values: Mapping[str, str]) -> tuple[int, bool]:
+    """PowerSGD's rank and warm start from a hook spec's key=value pairs, checked."""
+    known = {"rank", "warm_start"}
+    if set(values) - known:
+        raise ValueError(f"powersgd takes {sorted(known)}, got {sorted(values)}")
+    try:
+        rank = int(values.get("rank", "1"))
+    except ValueError:
+        raise ValueError(f"powersgd rank: expected an integer, got {values['rank']!r}") from None
+    if rank < 1:
+        raise ValueError(f"powersgd rank: expected >= 1, got {rank}")
+    warm = values.get("warm_start", "true").lower()
+    if warm not in ("true", "false"):
+        raise ValueError(f"powersgd warm_start: expected true or false, got {warm!r}")
+    return rank, warm == "true"
+
+
 def make_state(
     spec: str,
     names: dict[int, str],
@@ -361,20 +378,7 @@ def make_state(
     before compression (module docstring)."""
     name, values = parse_hook_spec(spec)
     if name == POWERSGD:
-        known = {"rank", "warm_start"}
-        if set(values) - known:
-            raise ValueError(f"powersgd takes {sorted(known)}, got {sorted(values)}")
-        try:
-            rank = int(values.get("rank", "1"))
-        except ValueError:
-            raise ValueError(
-                f"powersgd rank: expected an integer, got {values['rank']!r}"
-            ) from None
-        if rank < 1:
-            raise ValueError(f"powersgd rank: expected >= 1, got {rank}")
-        warm = values.get("warm_start", "true").lower()
-        if warm not in ("true", "false"):
-            raise ValueError(f"powersgd warm_start: expected true or false, got {warm!r}")
+        rank, warm = powersgd_options(values)
         state: HookState = PowerSGDState(
             names,
             order,
@@ -383,7 +387,7 @@ def make_state(
             momentum=momentum,
             rank=rank,
             error_feedback=error_feedback,
-            warm_start=warm == "true",
+            warm_start=warm,
         )
         return state, powersgd_hook  # type: ignore[return-value]
     compressor = parse_spec(spec)
@@ -401,6 +405,21 @@ def make_state(
         error_feedback=error_feedback and not exact,
     )
     return state, compressed_hook  # type: ignore[return-value]
+
+
+def sync_flat(
+    state: CompressedState | PowerSGDState,
+    buffer: torch.Tensor,
+    names: Names,
+    shapes: Sequence[tuple[int, ...]],
+    round_: int,
+) -> torch.Tensor:
+    """Outside DDP: average the flat float32 `buffer` (this rank's values of the parameters
+    `names`, shaped `shapes`, in order) over the ranks through `state`'s compressor and error
+    feedback, as the hook does a bucket, in place; returns it. `round_` seeds the compressor's
+    randomness (the same on every rank). Called from one thread with nothing submitted."""
+    first = min(state.order[name] for name in names)
+    return state.sync(_Bucket(buffer, names, tuple(tuple(s) for s in shapes), first, round_))
 
 
 def takes_momentum(spec: str) -> bool:

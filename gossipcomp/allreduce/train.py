@@ -8,7 +8,10 @@ sync:
 - merged: MergedSync with groups from `planner` (per-tensor, single, mgwfbp, mergecomp, strategy,
   or "threshold");
 - marsit: MarsitSync (the compressor is Marsit's sign ring);
-- ssd: SSDSGD over plain all-reduce, k = ssd_k, warm-up ssd_warmup steps.
+- ssd: SSDSGD over plain all-reduce, k = ssd_k, warm-up ssd_warmup steps;
+- diloco[:steps=H,outer=(SPEC),compressor=(SPEC)]: DiLoCoSync (diloco.py), H local steps with
+  this rank's own optimizer, then the compressed, error-fed pseudo-gradients averaged and an
+  outer step; a last, shorter phase ends the run when H does not divide the steps.
 Every rank builds the same model from the seed and trains on its share of the data; ranks
 given different configurations refuse together before the first collective (agreement.py).
 """
@@ -30,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gossipcomp.allreduce import reference
 from gossipcomp.allreduce.agreement import check_same_setup
 from gossipcomp.allreduce.comm import Communicator, Traffic
+from gossipcomp.allreduce.diloco import DiLoCoSync, is_diloco, parse_diloco
 from gossipcomp.allreduce.hooks import register, takes_momentum
 from gossipcomp.allreduce.launch import Session
 from gossipcomp.allreduce.marsit import MarsitSync
@@ -41,11 +45,12 @@ from gossipcomp.allreduce.merged import (
     threshold_groups,
 )
 from gossipcomp.allreduce.ssd import SSDSGD
+from gossipcomp.inputs.text import quoted
 from gossipcomp.workload.data import load_digits_split, parse_partition, partition_indices
 from gossipcomp.workload.models import build_mlp, build_resmlp
 from gossipcomp.workload.training import BatchStream, evaluate_accuracy, make_optimizer
 
-SYNCS = ("ddp-hook", "merged", "marsit", "ssd")
+SYNCS = ("ddp-hook", "merged", "marsit", "ssd", "diloco")  # diloco takes a spec (diloco.py)
 MODELS: dict[str, Callable[[int], nn.Module]] = {
     "mlp": build_mlp,
     "resmlp": build_resmlp,
@@ -60,7 +65,7 @@ TIMED_AFTER = 5  # steps left out of the step-time median (start-up, DDP's bucke
 class AllreduceConfig:
     """One all-reduce training run (module docstring for sync)."""
 
-    sync: str = "ddp-hook"
+    sync: str = "ddp-hook"  # or a diloco spec
     compressor: str = "identity"
     planner: str = "mergecomp"  # merged: a gossipcomp.schedule planner, or "threshold"
     steps: int = 300
@@ -78,8 +83,23 @@ class AllreduceConfig:
     error_feedback: bool = True
 
     def __post_init__(self) -> None:
-        if self.sync not in SYNCS:
-            raise ValueError(f"sync {self.sync!r}: expected one of {', '.join(SYNCS)}")
+        if is_diloco(self.sync):
+            steps = parse_diloco(self.sync).steps
+            if steps > self.steps:
+                raise ValueError(
+                    f"--sync diloco steps={steps} exceeds --steps {self.steps}: no phase would "
+                    "end before the run does"
+                )
+            if self.compressor != AllreduceConfig.compressor:
+                raise ValueError(
+                    f"--compressor {quoted(self.compressor)} with --sync diloco: diloco takes "
+                    "its compressor in its spec (diloco:compressor=(SPEC))"
+                )
+        elif self.sync not in SYNCS:
+            raise ValueError(
+                f"sync {quoted(self.sync)}: expected one of {', '.join(SYNCS)} "
+                "(diloco with its spec: diloco:steps=H,outer=(SPEC),compressor=(SPEC))"
+            )
         if self.model not in MODELS:
             raise ValueError(f"model {self.model!r}: expected one of {', '.join(MODELS)}")
         if self.steps < 1 or self.batch_size < 1:
@@ -178,6 +198,20 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     elif config.sync == "marsit":
         marsit = MarsitSync(model, comm, config.seed, momentum=in_sync)
         after_backward, waited = marsit.synchronize, lambda: marsit.wait_seconds
+    elif is_diloco(config.sync):
+        diloco = DiLoCoSync(
+            model,
+            parse_diloco(config.sync),
+            comm,
+            seed=config.seed,
+            error_feedback=config.error_feedback,
+        )
+
+        def local_step() -> None:
+            optimizer.step()
+            diloco.local_step()
+
+        step, waited = local_step, lambda: diloco.wait_seconds
     else:
         ssd = SSDSGD(model, optimizer, comm, config.ssd_k, config.ssd_warmup)
         step, waited = ssd.step, lambda: ssd.wait_seconds
@@ -201,6 +235,10 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
                 history.append((number, accuracy, comm.traffic.link_bytes))
     if config.sync == "ssd":
         ssd.pull()
+    if is_diloco(config.sync) and diloco.steps_in_phase:
+        start = time.perf_counter()
+        diloco.synchronize()  # the last, shorter phase: every rank ends on the same model
+        durations[-1] += time.perf_counter() - start
     comm.close()
     total = sum(durations)
     comm_s = min(total, waited())
