@@ -41,8 +41,9 @@ _KEY = "gossipcomp/peer/{rank}/address"
 _WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 
 
-class RendezvousError(RuntimeError):
-    """The rendezvous could not give this peer every rank's address; the message says why."""
+class RendezvousError(ConnectionError):
+    """The rendezvous could not give this peer every rank's address; the message says why (an
+    OSError, so the command line reports it in one line like an unreachable port)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,286 @@
+"""Peer addresses from torch's rendezvous store instead of a `peers:` block (issue 27, part 3):
+threads announcing and collecting addresses through a real TCPStore, a missing rank named at the
+deadline, hostile store and environment values refused with bounded messages, the topology built
+equal to the one a static `peers:` block gives (peers handshake over real gRPC with it), and four
+`gossipcomp peer` processes started by torchrun with no address in their file, each writing its
+own report."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from helpers import benchmark
+
+from gossipcomp.cli import main
+from gossipcomp.rendezvous import (
+    Launch,
+    RendezvousError,
+    exchange_addresses,
+    parse_launch,
+    rendezvous_topology,
+    reserved_port,
+)
+from gossipcomp.topology import Topology, topology_from_dict
+from gossipcomp.topology.checks import TopologyError
+from gossipcomp.transport.base import Identity
+from gossipcomp.transport.grpc_transport import GrpcTransport
+
+ROOT = Path(__file__).resolve().parents[1]
+RING4 = {"name": "ring4", "kind": "ring", "n": 4}
+
+
+def _store() -> dist.TCPStore:
+    """A store this test hosts on a free loopback port, as rank 0 of a launch would."""
+    return dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+
+
+def _client(master: dist.TCPStore) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", master.port, None, False, timedelta(seconds=30))
+
+
+def _in_threads(n: int, work: Callable[[int], Any]) -> list[Any]:
+    """work(rank) for ranks 0..n-1 at once; each result, or the exception it raised."""
+
+    def caught(rank: int) -> Any:
+        try:
+            return work(rank)
+        except Exception as error:  # returned, so every thread's outcome can be checked
+            return error
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(caught, range(n)))
+
+
+def test_threads_exchange_addresses_and_build_the_static_topology() -> None:
+    master = _store()
+    addresses = [f"127.0.0.1:{41000 + r}" for r in range(4)]
+    got = _in_threads(
+        4, lambda r: exchange_addresses(_client(master), r, 4, addresses[r], 30.0, "test")
+    )
+    assert got == [tuple(addresses)] * 4
+    rendezvoused = topology_from_dict(RING4).with_addresses(got[0])
+    static = topology_from_dict({**RING4, "peers": dict(enumerate(addresses))})
+    assert rendezvoused.addresses == static.addresses
+    assert rendezvoused.hash == static.hash
+
+
+def test_a_missing_rank_is_named_at_the_deadline() -> None:
+    master = _store()
+    got = _in_threads(
+        3, lambda r: exchange_addresses(_client(master), r, 4, f"127.0.0.1:{42000 + r}", 1.0, "s")
+    )
+    for error in got:
+        assert isinstance(error, RendezvousError), error
+        assert "no address from rank(s) 3 (1 of 4) within 1 s" in str(error)
+
+
+def _hostile(value: bytes, rank: int = 2) -> RendezvousError:
+    """What the honest ranks say when rank `rank`'s key holds `value`."""
+    master = _store()
+    master.set(f"gossipcomp/peer/{rank}/address", value)
+    honest = [r for r in range(3) if r != rank]
+    got = _in_threads(
+        len(honest),
+        lambda i: exchange_addresses(
+            _client(master), honest[i], 3, f"127.0.0.1:{43000 + i}", 10.0, "s"
+        ),
+    )
+    assert all(isinstance(error, RendezvousError) for error in got), got
+    return got[0]
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (b"h" * 100_000 + b":1", "rank 2 announced an address of 100002 bytes; expected"),
+        (b"\xff\xfe:50100", "not ASCII"),
+        (b"evil host:50100", "is not host:port"),
+        (b"127.0.0.1:99999", "is not host:port"),
+        (b"127.0.0.1", "is not host:port"),
+        (b"[::1:50100", "is not host:port"),
+    ],
+)
+def test_hostile_addresses_in_the_store_are_refused(value: bytes, said: str) -> None:
+    message = str(_hostile(value))
+    assert said in message and "rank 2" in message
+    assert len(message) < 400  # never the whole value
+
+
+def test_a_second_process_for_one_rank_is_refused() -> None:
+    master = _store()
+    master.set("gossipcomp/peer/0/address", b"10.0.0.9:50100")
+    with pytest.raises(RendezvousError) as caught:
+        exchange_addresses(_client(master), 0, 2, "127.0.0.1:45000", 5.0, "s")
+    message = str(caught.value)
+    assert "rank 0 was already announced at b'10.0.0.9:50100' by another process" in message
+
+
+def test_two_ranks_at_one_address_are_refused_by_the_topology() -> None:
+    master = _store()
+    got = _in_threads(
+        2, lambda r: exchange_addresses(_client(master), r, 2, "127.0.0.1:44000", 5.0, "s")
+    )
+    two = topology_from_dict({"kind": "ring", "n": 2})
+    with pytest.raises(TopologyError, match="duplicate address '127.0.0.1:44000' for ranks 0"):
+        two.with_addresses(got[0])
+
+
+ENV = {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500", "RANK": "2", "WORLD_SIZE": "4"}
+SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "MASTER_ADDR": "node1", "MASTER_PORT": "29400"}
+
+
+@pytest.mark.parametrize(
+    ("url", "rank", "environ", "expected"),
+    [
+        ("env://", None, ENV, Launch("env", "10.1.2.3", 29500, 2, 4)),
+        ("env://", 1, ENV, Launch("env", "10.1.2.3", 29500, 1, 4)),  # --rank over RANK
+        ("tcp://h:7", None, ENV, Launch("tcp", "h", 7, 2, 4)),  # the URL's store over MASTER_*
+        ("tcp://[::1]:7", 0, {}, Launch("tcp", "::1", 7, 0, 4)),  # world: the topology's n
+        ("slurm", None, SLURM, Launch("slurm", "node1", 29400, 3, 4)),
+        ("slurm://s:9", None, {**SLURM, "RANK": "0"}, Launch("slurm", "s", 9, 3, 4)),
+    ],
+)
+def test_a_launch_takes_flags_over_the_environment(
+    url: str, rank: int | None, environ: dict[str, str], expected: Launch
+) -> None:
+    assert parse_launch(url, rank, 4, environ) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "rank", "environ", "said"),
+    [
+        (
+            "env://",
+            None,
+            {**ENV, "WORLD_SIZE": "8"},
+            "WORLD_SIZE=8 (environment): the topology has 4",
+        ),
+        ("env://", None, {**ENV, "RANK": "7" * 60}, "RANK='777"),
+        ("env://", None, {**ENV, "RANK": "-1"}, "RANK='-1' (environment): expected an integer"),
+        ("env://", None, {"RANK": "0", "WORLD_SIZE": "4"}, "MASTER_ADDR/MASTER_PORT not both set"),
+        ("env://", None, {**ENV, "MASTER_PORT": "70000"}, "MASTER_PORT='70000'"),
+        ("env://h:1", None, ENV, "env:// takes the store from MASTER_ADDR"),
+        ("tcp://", 0, {}, "expected tcp://HOST:PORT"),
+        ("tcp://h:0", 0, {}, "is not host:port"),
+        ("udp://h:1", 0, {}, "expected env:// (torchrun), tcp://HOST:PORT or slurm"),
+        ("slurm", None, {"SLURM_PROCID": "0", **ENV}, "SLURM_NTASKS is not set"),
+        ("tcp://h:1", 4, {}, "rank 4: the topology has ranks 0 to 3"),
+        ("x" * 10_000, 0, {}, "characters)"),
+    ],
+)
+def test_bad_launches_are_refused_naming_the_value(
+    url: str, rank: int | None, environ: dict[str, str], said: str
+) -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_launch(url, rank, 4, environ)
+    assert said in str(caught.value) and len(str(caught.value)) < 400
+
+
+def test_a_reserved_port_is_taken_by_the_peer_server_and_by_no_one_else() -> None:
+    with reserved_port("127.0.0.1", 0) as port:
+        intruder = socket.socket()
+        with pytest.raises(OSError):
+            intruder.bind(("127.0.0.1", port))
+        intruder.close()
+        transport = GrpcTransport(Identity(0, "h", "s"), [1], bind=f"127.0.0.1:{port}")
+        try:
+            assert transport.address == f"127.0.0.1:{port}"
+        finally:
+            transport.close()
+
+
+def test_peers_rendezvous_through_torch_and_handshake_over_grpc() -> None:
+    """Four ranks in threads: torch's tcp:// rendezvous (rank 0 hosts the store), each holds a
+    free port, and the topologies they build agree (hash and addresses), so their gRPC servers,
+    bound at the announced ports, accept each other's handshakes."""
+    (endpoint_port,) = benchmark("faults").free_ports(1)
+    base = topology_from_dict(RING4)
+
+    def peer(rank: int) -> tuple[Topology, str, dict[int, Any]]:
+        launch = Launch("tcp", "127.0.0.1", endpoint_port, rank, 4)
+        with rendezvous_topology(base, launch, "127.0.0.1:0", None, 60.0) as (topology, bound):
+            identity = Identity(rank, topology.hash, "model")
+            transport = GrpcTransport(identity, topology.neighbors(rank), bind=bound)
+            try:
+                assert transport.address == topology.addresses[rank] == bound
+                neighbours = {j: topology.addresses[j] for j in topology.neighbors(rank)}
+                answers = transport.connect(neighbours, timeout=60.0)
+            finally:
+                transport.close()
+        return topology, bound, answers
+
+    got = _in_threads(4, peer)
+    for result in got:
+        assert not isinstance(result, Exception), result
+    topologies = [topology for topology, _, _ in got]
+    assert len({t.hash for t in topologies}) == 1
+    assert topologies[0].addresses == tuple(bound for _, bound, _ in got)
+    assert all(sorted(answers) == t.neighbors(r) for r, (t, _, answers) in enumerate(got))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "environ", "said"),
+    [
+        (["--advertise", "h"], {}, "--advertise: expected --rendezvous with it"),
+        (["--rendezvous", "env://"], {**ENV, "WORLD_SIZE": "3"}, "WORLD_SIZE=3 (environment)"),
+        (["--rendezvous", "tcp://127.0.0.1:9", "--bind", "h"], {}, "--bind 'h': expected HOST"),
+        (["--rendezvous", "tcp://127.0.0.1:{port}", "--rank", "1"], {}, "rank 1: rendezvous "
+         "store at 127.0.0.1:{port} not reached by all 4 ranks within 2 s"),
+    ],
+)  # fmt: skip
+def test_the_peer_command_names_a_failed_rendezvous_in_one_line(
+    arguments: list[str],
+    environ: dict[str, str],
+    said: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every mistake exits with status 2 before training, the rank with no store after the
+    --startup-timeout bound."""
+    (port,) = benchmark("faults").free_ports(1)  # nobody hosts a store there
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    (tmp_path / "ring4.yaml").write_text("kind: ring\nn: 4\n")
+    argv = ["peer", "--topology", str(tmp_path / "ring4.yaml"), "--startup-timeout", "2"]
+    argv += [a.format(port=port) for a in arguments] + ["--dataset", "iris", "--quiet"]
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and said.format(port=port) in lines[0], lines
+
+
+def test_four_peer_processes_started_by_torchrun_write_their_own_reports(tmp_path: Path) -> None:
+    """torchrun's c10d rendezvous (--standalone: its store on a free local port) starts four
+    `gossipcomp peer` processes from one command line and a file with no address in it; each
+    finds its neighbours through the store, trains, and writes its own report."""
+    (tmp_path / "ring4.yaml").write_text("name: ring4\nkind: ring\nn: 4\n")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        "-m", "gossipcomp", "peer", "--topology", "ring4.yaml", "--rendezvous", "env://",
+        "--dataset", "iris", "--rounds", "4", "--eval-every", "0", "--round-timeout", "20",
+        "--startup-timeout", "150", "--quiet", "--report", "report.json",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, timeout=240, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (tmp_path / "report.json").exists()
+    for rank in range(4):
+        report = json.loads((tmp_path / f"report.rank{rank}.json").read_text())
+        (mine,) = report["per_peer"]
+        assert mine["rank"] == rank and report["rounds"] == 4
+        assert mine["failed_exchanges"] == 0 and mine["bytes_received"] > 0
