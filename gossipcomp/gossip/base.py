@@ -84,6 +84,9 @@ class Neighbourhood:
     links: LinkStats
     schedule_epoch: int = 0
     turns: ComputeTurns | None = None  # peers of one process taking turns: given up while waiting
+    # rounds after which the graph repeats (topology.period: 1 static, None never): an edge of a
+    # time-varying graph is active once a period, so per-edge alternations count periods
+    period: int | None = 1
     comm_seconds: float = 0.0
     exchanges: int = 0  # exchanges made this round
     failed: dict[int, str] = field(default_factory=dict)  # neighbour -> why it failed this round
@@ -94,6 +97,12 @@ class Neighbourhood:
     @property
     def neighbours(self) -> list[int]:
         return sorted(self.weights)
+
+    @property
+    def sweep(self) -> int:
+        """The round counted in periods of the graph (the round itself when static or never
+        repeating): what alternates from one activation of an edge to its next."""
+        return self.round // self.period if self.period else self.round
 
     def exchange(self, phase: str, outgoing: Mapping[int, Payload] | Payload) -> ExchangeResult:
         """Send `outgoing` (one payload for all, or one per neighbour) and collect replies."""

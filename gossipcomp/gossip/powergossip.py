@@ -31,7 +31,9 @@ O(m r^2) whatever r is. (A Gram-Schmidt loop in Python made each step cost O(r^2
 iterations: at r = 256, a quarter of a second per matrix per neighbour, so a large --rank, capped
 to 256 on the demo's 256x256 layer, ran ten times slower than rank 1.)
 
-Step k of the run (k = round * power_steps + s) is a right step when k is even. Its phase is
+Step k of the run (k = sweep * power_steps + s, the sweep being the round, or on a
+time-varying graph the round // its period, so an edge active once a period alternates sides
+and its warm start is used) is a right step when k is even. Its phase is
 named "right{s}" or "left{s}", so both ends expect the same shapes. If an edge fails, neither
 end's vector for that side advances; the next step of the other side uses its own last vector,
 so the two ends stay in agreement when both see the failure. When an edge resumes after a
@@ -345,7 +347,7 @@ class PowerGossip:
 
     def step(self, params: NamedParams, hood: Neighbourhood) -> None:
         for s in range(self.power_steps):
-            k = hood.round * self.power_steps + s
+            k = hood.sweep * self.power_steps + s  # the side alternates between activations
             self._power_step(params, hood, RIGHT if k % 2 == 0 else LEFT, s)
 
     def _power_step(self, params: NamedParams, hood: Neighbourhood, side: str, s: int) -> None:

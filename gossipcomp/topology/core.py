@@ -28,6 +28,7 @@ from gossipcomp.topology.checks import (
     _fail,
     _is_int,
 )
+from gossipcomp.topology.rounds import RoundGraphs
 from gossipcomp.topology.spectrum import _sparse_extremes
 
 _HASH_TAG = b"gossipcomp topology v2\0"
@@ -44,6 +45,9 @@ class Topology:
     addresses: tuple[str, ...]  # "host:port" per rank
     public_keys: tuple[str | None, ...] = field(repr=False)  # per rank, None if not given
     source: str = "<dict>"  # file path or "<dict>", used in error messages
+    # time-varying topologies: W of every round (then `graph` is their union and `mixing` their
+    # mean); None: `mixing` every round
+    rounds: RoundGraphs | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         n = self.graph.number_of_nodes()
@@ -63,6 +67,11 @@ class Topology:
                 problem = f"peers {listed[key]} and {rank} have the same public key {key}"
                 raise _fail(self.source, problem, "one key per peer")
         object.__setattr__(self, "public_keys", keys)
+        if self.rounds is not None:
+            union = sorted(self.rounds.union_edges())
+            if self.rounds.n != n or union != self.edges():
+                problem = "the per-round graphs' union is not the topology's graph"
+                raise _fail(self.source, problem, "the union of the rounds' edges as graph")
         # W is symmetric, stochastic and connected, so 1 is a simple eigenvalue; -1 is one exactly
         # when the support of W (self weights as loops) is bipartite: decided without a spectrum
         if not self._diagonal.any() and nx.is_bipartite(g):
@@ -95,6 +104,29 @@ class Topology:
     def self_weight(self, rank: int) -> float:
         """w_ii: the weight a peer keeps on its own model."""
         return float(self._diagonal[self._rank(rank)])
+
+    @property
+    def time_varying(self) -> bool:
+        """Whether the graph changes from round to round (`round_weights`)."""
+        return self.rounds is not None
+
+    @property
+    def period(self) -> int | None:
+        """Rounds after which the per-round graphs repeat: 1 for a static topology, None for
+        random matchings (which never repeat)."""
+        return 1 if self.rounds is None else self.rounds.period
+
+    def round_weights(self, rank: int, round: int) -> tuple[dict[int, float], float]:
+        """({j: w_ij}, w_ii) of round `round` for `rank`: the neighbours it mixes with that
+        round (a subset of `neighbors`) and its self weight. A static topology gives
+        `neighbor_weights` and `self_weight` every round; every peer derives the same."""
+        i = self._rank(rank)
+        if not _is_int(round) or round < 0:
+            raise _fail(self.source, f"round {round!r}", "an int >= 0")
+        if self.rounds is None:
+            return self.neighbor_weights(i), self.self_weight(i)
+        row = self.rounds.row(i, int(round))
+        return row, 1.0 - sum(row.values())
 
     def edges(self) -> list[tuple[int, int]]:
         """All edges as sorted (i, j) pairs with i < j."""
@@ -167,6 +199,10 @@ class Topology:
             np.rint(self._diagonal * 1e12),
         ):
             digest.update(np.ascontiguousarray(part, dtype="<i8").tobytes())
+        if self.rounds is not None:  # static topologies keep the hash they always had
+            digest.update(b"rounds\0")
+            for part in self.rounds.hash_parts():
+                digest.update(np.ascontiguousarray(part, dtype="<i8").tobytes())
         return digest.hexdigest()
 
     def _dense_only(self, what: str) -> None:
@@ -180,7 +216,7 @@ class Topology:
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle through the constructor, so a copy is re-validated and W stays read-only."""
         fields = (self.name, self.kind, self.graph, self.mixing, self.addresses)
-        return (Topology, (*fields, self.public_keys, self.source))
+        return (Topology, (*fields, self.public_keys, self.source, self.rounds))
 
     def with_addresses(self, addresses: Sequence[str]) -> Topology:
         """A copy listening on ``addresses`` (one "host:port" per rank, validated)."""

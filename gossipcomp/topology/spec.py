@@ -27,11 +27,19 @@ from gossipcomp.topology.checks import (
     _is_int,
 )
 from gossipcomp.topology.core import Topology
+from gossipcomp.topology.rounds import (
+    MAX_PERIOD,
+    Pairs,
+    RoundGraphs,
+    base_k,
+    one_peer_exponential,
+    upper_pairs,
+)
 
 DEFAULT_BASE_PORT = 50100
 _TOP_KEYS = tuple(
-    "name kind n rows cols dim degree p seed edges weights weights_matrix base_port peers "
-    "allowlist".split()
+    "name kind n rows cols dim degree p seed edges k rounds weights weights_matrix base_port "
+    "peers allowlist".split()
 )
 # kind -> (required parameters, optional parameters)
 _KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -44,7 +52,13 @@ _KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "random_regular": (("n", "degree"), ("seed",)),
     "erdos_renyi": (("n", "p"), ("seed",)),
     "edges": (("edges",), ("n",)),
+    # time-varying (rounds.py): a graph per round
+    "one-peer-exponential": (("n",), ()),
+    "base-k": (("n", "k"), ()),
+    "random-matching": (("n",), ("seed",)),
+    "rounds": (("n", "rounds"), ()),
 }
+_TIME_VARYING = ("one-peer-exponential", "base-k", "random-matching", "rounds")
 _PARAMS = {p for required, optional in _KINDS.values() for p in required + optional}
 WEIGHT_SCHEMES = ("metropolis", "uniform", "explicit")
 
@@ -88,6 +102,58 @@ def _exponential(n: int) -> nx.Graph:
     hops = [2**k for k in range(n.bit_length()) if 2**k < n]
     g.add_edges_from((i, (i + s) % n) for i in range(n) for s in hops if (i + s) % n != i)
     return g
+
+
+def _round_list(spec: Mapping[str, Any], n: int, scheme: object, source: str) -> list[Pairs]:
+    """`rounds`: a list of rounds, each a non-empty list of [i, j] edges, weighted per round
+    by `scheme` (metropolis or uniform)."""
+    raw, expected = spec["rounds"], "a list of rounds, each a non-empty list of [i, j] pairs"
+    if not isinstance(raw, list | tuple) or not raw:
+        raise _fail(source, f"rounds is {quoted(raw)}", expected)
+    if len(raw) > MAX_PERIOD:
+        problem = f"rounds lists {len(raw)} rounds, over MAX_PERIOD ({MAX_PERIOD})"
+        raise _fail(source, problem, f"at most {MAX_PERIOD} rounds in a period")
+    if scheme not in ("metropolis", "uniform"):
+        raise _fail(source, f"weights {quoted(scheme)} for kind 'rounds'", "metropolis or uniform")
+    total = sum(len(r) if isinstance(r, list | tuple) else 0 for r in raw)
+    _check_edge_count(total, f"rounds list {total} edges in all", source)
+    rounds = []
+    for t, edges in enumerate(raw):
+        if not isinstance(edges, list | tuple) or not edges:
+            raise _fail(source, f"round {t} is {quoted(edges)}", expected)
+        graph = _edge_list({"edges": edges, "n": n}, f"{source} (round {t})")
+        rounds.append(upper_pairs(_weights(graph, scheme, {}, source)))
+    return rounds
+
+
+def _round_graphs(kind: str, spec: Mapping[str, Any], source: str) -> RoundGraphs:
+    """The per-round graphs of a time-varying kind (their weights are part of the kind, except
+    for an explicit `rounds` list: metropolis or uniform per round)."""
+    n = _int(spec, "n", source, kind, 2)
+    if kind != "rounds" and "weights" in spec:
+        problem = f"weights given for kind {kind!r}"
+        raise _fail(source, problem, "no weights key: this kind's rounds carry their own weights")
+    if kind == "random-matching":
+        _check_edge_count(
+            n * (n - 1) // 2, f"random matchings on {n} peers (complete union)", source
+        )
+        seed = _int(spec, "seed", source, kind, 0) if "seed" in spec else 0
+        if seed >= 2**63:
+            raise _fail(source, f"seed {seed} (too large)", f"an integer in 0..{2**63 - 1}")
+        return RoundGraphs.random_matching(n, seed, source)
+    if kind == "one-peer-exponential":
+        if n & (n - 1):
+            problem = f"one-peer-exponential on n={n} peers, not a power of two"
+            raise _fail(source, problem, "n a power of two (any n: kind base-k with k: 1)")
+        return RoundGraphs.periodic(n, one_peer_exponential(n), source)
+    if kind == "base-k":
+        k = _int(spec, "k", source, kind, 1)
+        if k >= n:
+            raise _fail(source, f"base-k with k={k} on {n} peers", f"k in 1..{n - 1}")
+        return RoundGraphs.periodic(n, base_k(range(n), k), source)
+    return RoundGraphs.periodic(
+        n, _round_list(spec, n, spec.get("weights", "metropolis"), source), source
+    )
 
 
 def _build_graph(kind: str, spec: Mapping[str, Any], source: str) -> nx.Graph:
@@ -236,7 +302,7 @@ def _allowlisted(raw: object, keys: list[str | None], source: str) -> list[str |
 
 def topology_from_dict(spec: Mapping[str, Any], source: str = "<dict>") -> Topology:
     """Build a Topology from a parsed spec. Keys: name, kind, kind parameters (n, rows, cols, dim,
-    degree, p, seed, edges), weights (metropolis | uniform | explicit, with weights_matrix),
+    degree, p, seed, edges, k, rounds), weights (metropolis | uniform | explicit, with weights_matrix),
     base_port (default 50100: rank r at 127.0.0.1:base_port+r), peers (rank -> "host:port"
     or {address, public_key}) and allowlist (a YAML file of rank -> public key, relative to the
     topology file)."""
@@ -258,9 +324,15 @@ def topology_from_dict(spec: Mapping[str, Any], source: str = "<dict>") -> Topol
     stray = sorted(k for k in spec if k in _PARAMS and k not in required + optional)
     if stray:
         raise _fail(source, f"parameter(s) {stray} do not apply to kind {kind!r}", takes)
-    graph = _build_graph(kind, spec, source)  # validated with W by Topology.__post_init__
+    rounds = _round_graphs(kind, spec, source) if kind in _TIME_VARYING else None
+    if rounds is not None:  # the union graph, the mean W (validated by Topology.__post_init__)
+        graph = nx.empty_graph(rounds.n)
+        graph.add_edges_from(rounds.union_edges())
+        w: sparse.csr_array | np.ndarray = rounds.mean()
+    else:
+        graph = _build_graph(kind, spec, source)  # validated with W by Topology.__post_init__
+        w = _weights(graph, spec.get("weights", "metropolis"), spec, source)
     n = graph.number_of_nodes()
-    w = _weights(graph, spec.get("weights", "metropolis"), spec, source)
     base_port = spec.get("base_port", DEFAULT_BASE_PORT)
     if not _is_int(base_port) or not 1 <= base_port <= 65536 - n:
         raise _fail(source, f"base_port is {quoted(base_port)}", f"an integer in 1..{65536 - n}")
@@ -271,7 +343,7 @@ def topology_from_dict(spec: Mapping[str, Any], source: str = "<dict>") -> Topol
         name = Path(source).stem if source != "<dict>" else f"{kind}{n}"
     if not isinstance(name, str) or not name:
         raise _fail(source, f"name is {quoted(name)}", "a non-empty string")
-    return Topology(name, kind, graph, w, tuple(addresses), tuple(keys), source)
+    return Topology(name, kind, graph, w, tuple(addresses), tuple(keys), source, rounds)
 
 
 def build_topology(

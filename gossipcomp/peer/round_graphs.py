@@ -1,0 +1,27 @@
+"""A peer's side of time-varying topologies: which algorithms can follow a graph per round.
+
+Every peer derives round t's graph from the topology itself (Topology.round_weights). An
+algorithm whose state lives per edge (D-PSGD has none; PowerGossip's warm-start vectors) keeps
+an inactive edge's state for its next activation, so it runs on any graph sequence. A
+broadcasting algorithm (Choco-SGD, DEF-ATC) keeps one public copy per peer that every neighbour
+tracks from every round's message: a neighbour not in the round would miss an update and its
+copy would no longer match, so those are refused on a time-varying topology, before the start.
+"""
+
+from __future__ import annotations
+
+from gossipcomp.gossip.base import GossipAlgorithm
+from gossipcomp.gossip.broadcast import BroadcastGossip
+from gossipcomp.topology import Topology
+
+
+def check_round_graphs(topology: Topology, algorithm: GossipAlgorithm) -> None:
+    """Raise ValueError when `algorithm` cannot follow `topology`'s per-round graphs."""
+    inner = getattr(algorithm, "inner", algorithm)  # an attack wrapping an algorithm
+    if topology.time_varying and isinstance(inner, BroadcastGossip):
+        raise ValueError(
+            f"{inner.label} cannot run on the time-varying topology {topology.name} "
+            f"(kind {topology.kind}): every neighbour tracks a peer's public copy from every "
+            "round's message, and a neighbour outside a round's graph would miss one; expected "
+            "a static topology, or D-PSGD / PowerGossip on this one"
+        )
