@@ -176,6 +176,11 @@ def exchange_addresses(
     """Announce `address` as rank `rank`'s, then wait at most `timeout` seconds for every
     rank's and return them in rank order, each checked. RendezvousError names the ranks still
     missing at the deadline, another process announcing this rank, or a malformed address."""
+    if len(address) > MAX_ADDRESS_BYTES:
+        raise RendezvousError(
+            f"{source}: this peer's address {quoted(address)} is longer than "
+            f"{MAX_ADDRESS_BYTES} bytes; expected a shorter --advertise host"
+        )
     _check_address(address, f"rank {rank}'s own", source)
     keys = [_KEY.format(rank=r) for r in range(world_size)]
     held = store.compare_set(keys[rank], "", address)  # set only if no one announced it yet
@@ -210,21 +215,26 @@ def advertised_host(bind_host: str, advertise: str | None) -> str:
 @contextmanager
 def reserved_port(host: str, port: int) -> Iterator[int]:
     """Hold `host`:`port` (0: a free one the system picks) for this peer's gRPC server until
-    the block ends: the socket never listens, and with SO_REUSEPORT (which gRPC sets on its
-    own listening socket) the server binds the same port while no other program can take it.
-    Yields the port actually bound."""
+    the block ends, and yield the port. A first socket without SO_REUSEPORT proves the port
+    free (a server already there, gRPC's included, makes it fail); the holder that replaces it
+    sets SO_REUSEPORT, as gRPC does on its listening socket, so the server binds the same port
+    while no other program can take it. The holder never listens."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    holder = socket.socket(family, socket.SOCK_STREAM)
-    try:
+    address = host.strip("[]")
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, port))
+        except OSError as error:
+            raise RendezvousError(f"cannot bind {host}:{port} for this peer: {error}") from None
+        port = probe.getsockname()[1]
+    with socket.socket(family, socket.SOCK_STREAM) as holder:
         if hasattr(socket, "SO_REUSEPORT"):
             holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
-            holder.bind((host.strip("[]"), port))
-        except OSError as error:
-            raise RendezvousError(f"cannot bind {host}:{port} for this peer: {error}") from None
-        yield holder.getsockname()[1]
-    finally:
-        holder.close()
+            holder.bind((address, port))
+        except OSError as error:  # taken in the moment between the two binds
+            raise RendezvousError(f"cannot hold {host}:{port} for this peer: {error}") from None
+        yield port
 
 
 @contextmanager
@@ -239,10 +249,9 @@ def rendezvous_topology(
     with reserved_port(bind_host, int(bind_port)) as port:
         own = f"{advertised_host(bind_host, advertise)}:{port}"
         start = time.monotonic()
-        store = open_store(launch, timeout)
+        store = open_store(launch, timeout)  # held until the block ends: rank 0 may host it
         remaining = timeout - (time.monotonic() - start)
         addresses = exchange_addresses(
             store, launch.rank, launch.world_size, own, remaining, source
         )
         yield topology.with_addresses(addresses), f"{bind_host}:{port}"
-        del store

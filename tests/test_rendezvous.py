@@ -200,6 +200,25 @@ def test_a_reserved_port_is_taken_by_the_peer_server_and_by_no_one_else() -> Non
             transport.close()
 
 
+def test_a_port_a_server_already_serves_is_not_held_twice() -> None:
+    """gRPC's server sets SO_REUSEPORT: a holder that set it alone would share its port."""
+    serving = GrpcTransport(Identity(0, "h", "s"), [1], bind="127.0.0.1:0")
+    try:
+        port = int(serving.address.rpartition(":")[2])
+        with pytest.raises(RendezvousError, match=f"cannot bind 127.0.0.1:{port} for this peer"):
+            with reserved_port("127.0.0.1", port):
+                pass
+    finally:
+        serving.close()
+
+
+def test_an_overlong_advertised_host_is_refused_before_it_is_announced() -> None:
+    master = _store()
+    with pytest.raises(RendezvousError, match="longer than 262 bytes; expected a shorter"):
+        exchange_addresses(_client(master), 0, 2, "h" * 300 + ":1", 5.0, "s")
+    assert not master.check(["gossipcomp/peer/0/address"])
+
+
 def test_peers_rendezvous_through_torch_and_handshake_over_grpc() -> None:
     """Four ranks in threads: torch's tcp:// rendezvous (rank 0 hosts the store), each holds a
     free port, and the topologies they build agree (hash and addresses), so their gRPC servers,
