@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--rank",
         type=integer("rank", 0),
         default=None,
-        help="this peer's rank (default: the RANK environment variable, as set by torchrun)",
+        help="this peer's rank (default: the RANK environment variable, as set by torchrun; "
+        "SLURM_PROCID with --rendezvous slurm)",
     )
     peer.add_argument(
         "--bind",
