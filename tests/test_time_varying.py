@@ -6,10 +6,13 @@ per-edge state kept across the rounds its edge is inactive, broadcasting algorit
 from __future__ import annotations
 
 import pickle
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from conftest import build_network, gossip_round, stacked
 from helpers import close_all, mlp_models
 
@@ -49,6 +52,7 @@ def test_one_peer_exponential_averages_exactly_in_log2_n_rounds(n):
     # any log2 n consecutive rounds average exactly, not only those from round 0
     assert _product_error(topology, log_n + 2, seed=1) < 1e-6
     assert topology.rounds.contraction < 1e-9
+    assert topology.optimal_consensus_step == 1.0  # D-PSGD's "auto" step then averages exactly
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -263,3 +267,11 @@ def test_broadcasting_algorithms_are_refused_on_time_varying_topologies():
     static = build_topology("ring", n=4)  # the same algorithm on a static topology is fine
     _, peers = _memory_network(static, lambda: Choco(parse_spec("topk:ratio=0.1")), mlp_models(4))
     close_all(peers)
+
+
+def test_the_guides_time_varying_examples_are_valid_topologies():
+    guide = (Path(__file__).resolve().parent.parent / "docs/guides/topologies.md").read_text()
+    section = guide.split("## Time-varying topologies", 1)[1]
+    blocks = re.findall(r"```yaml\n(.*?)```", section, flags=re.DOTALL)
+    kinds = {topology_from_dict(yaml.safe_load(block)).kind for block in blocks}
+    assert kinds == {"one-peer-exponential", "base-k", "random-matching", "rounds"}

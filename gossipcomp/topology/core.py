@@ -178,7 +178,12 @@ class Topology:
     @property
     def optimal_consensus_step(self) -> float:
         """gamma* = 2 / (2 - lambda_2 - lambda_min): the step of x <- x + gamma (W x - x) that
-        minimises the spectral radius on the disagreement subspace (1.308 on an 8-ring)."""
+        minimises the spectral radius on the disagreement subspace (1.308 on an 8-ring). A
+        time-varying topology's is 1: its rounds are built to average with their own weights
+        (exactly over a period for one-peer exponential and base-k graphs), which the mean W's
+        spectrum does not describe."""
+        if self.rounds is not None:
+            return 1.0
         second, smallest = self._extreme_eigenvalues
         return 2.0 / (2.0 - second - smallest)
 
