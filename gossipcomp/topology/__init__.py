@@ -6,9 +6,10 @@ checked against MAX_PEERS and MAX_EDGES before any graph is built, and the spect
 only when asked: exactly from the dense W up to MAX_DENSE_PEERS peers, by sparse methods above.
 
 The package: checks.py (limits, TopologyError, the checks of graph, W and addresses), core.py
-(the Topology class), spectrum.py (extreme eigenvalues of a large sparse W), spec.py (a spec
-mapping -> Topology), files.py (a file or a shipped name -> Topology). Its names are imported
-from here.
+(the Topology class), rounds.py (the per-round W of time-varying topologies: one-peer
+exponential, base-k, random matchings, explicit rounds), spectrum.py (extreme eigenvalues of a
+large sparse W), spec.py (a spec mapping -> Topology), files.py (a file or a shipped name ->
+Topology). Its names are imported from here.
 """
 
 from gossipcomp.topology.checks import MAX_DENSE_PEERS, MAX_EDGES, MAX_PEERS, TopologyError
