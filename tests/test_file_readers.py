@@ -33,6 +33,7 @@ from gossipcomp.security import TlsFiles, new_ca, new_peer_certificate
 from gossipcomp.security.signing_keys import load_signing_key, read_allowlist
 from gossipcomp.topology import load_topology
 from gossipcomp.workload.checkpoint import CheckpointStore
+from gossipcomp.workload.text import read_source_start
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gossipcomp"
 SECONDS = 10.0  # a refusal is immediate; the bound leaves room for a machine under load
@@ -109,6 +110,11 @@ READERS: dict[str, Reader] = {
         lambda p, _: yaml_files.load_yaml_file(p, "yaml", "a YAML file"),
         ("inputs.yaml_files.load_yaml_file",),
         ("wrong top level",),
+    ),
+    "python source (pysource)": Reader(
+        lambda p, _: read_source_start(p, 2**30),
+        ("workload.text.read_source_start",),
+        ("deep json", "deep yaml", "not utf-8", "wrong top level"),
     ),
     "text": Reader(
         lambda p, _: files.read_text_file(p, "text", "a text file", 2**30),

@@ -15,13 +15,15 @@ from gossipcomp.peer import PeerStats
 class Evaluation:
     """Test accuracy and cumulative bytes sent after `round` local steps and `gossip_round`
     gossip rounds (the same with one local step per round), `seconds` into the run (0 in an
-    older checkpoint's entries)."""
+    older checkpoint's entries), and the test loss (mean cross-entropy in nats a prediction: a
+    language model's validation loss; None in an older checkpoint's entries)."""
 
     round: int
     test_accuracy: float
     bytes_sent: int
     gossip_round: int
     seconds: float = 0.0
+    test_loss: float | None = None
 
 
 @dataclass
@@ -32,6 +34,11 @@ class PeerOutcome:
     test_accuracy: float
     stats: PeerStats
     history: list[Evaluation] = field(default_factory=list)
+
+    @property
+    def test_loss(self) -> float | None:
+        """The test loss of the last evaluation (None without one, or from an older checkpoint)."""
+        return self.history[-1].test_loss if self.history else None
 
 
 class TrainingAborted(RuntimeError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
@@ -14,6 +15,8 @@ from rich.table import Table
 
 from gossipcomp.experiment import PeerOutcome
 from gossipcomp.inputs.atomic_files import write_atomically
+
+MAX_EXP = math.log(1e300)  # a larger loss's perplexity is reported as inf (JSON: Infinity)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,9 @@ class PeerReport:
     send_seconds: dict[int, float] = field(default_factory=dict)
     # each change of the level it broadcasts at (choco, def under --adaptive): {round, level}
     peer_levels: list[dict[str, Any]] = field(default_factory=list)
+    # mean cross-entropy on the test set, nats a prediction (a language model's validation
+    # loss, a character each); None where it was not measured (all-reduce mode)
+    test_loss: float | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class HistoryPoint:
     gossip_round: int = 0  # gossip rounds the furthest peer had run by then
     max_test_accuracy: float = 0.0  # with min: the per-peer spread
     wall_seconds: float = 0.0  # seconds into the run of the slowest peer
+    mean_test_loss: float | None = None  # None: some peer's entry had no loss (older run)
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,13 @@ class Report:
     # every change of a reported link's compression level (--adaptive), in round order:
     # {round, link: [i, j], level}, the level in force on that link from that round on
     link_levels: list[dict[str, Any]] = field(init=False)
+    # test loss (mean cross-entropy, nats a prediction) of the reported peers (mean) and of
+    # the network-average model, and their perplexities exp(loss) (a language model's
+    # figures); None where not measured
+    final_test_loss: float | None = None
+    average_model_test_loss: float | None = None
+    final_test_perplexity: float | None = field(init=False)
+    average_model_test_perplexity: float | None = field(init=False)
 
     def __post_init__(self) -> None:
         mean, minimum = honest_accuracy(self.per_peer)
@@ -94,6 +108,9 @@ class Report:
         object.__setattr__(self, "schedule_epochs", epochs)
         changes = {(c["round"], tuple(c["link"])): c for p in self.per_peer for c in p.link_levels}
         object.__setattr__(self, "link_levels", [changes[k] for k in sorted(changes)])
+        object.__setattr__(self, "final_test_perplexity", perplexity(self.final_test_loss))
+        average = perplexity(self.average_model_test_loss)
+        object.__setattr__(self, "average_model_test_perplexity", average)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,6 +140,17 @@ class Report:
             return f"peer {self.per_peer[0].rank} accuracy {self.final_test_accuracy:.4f}"
         return f"mean accuracy {self.final_test_accuracy:.4f}, min {self.min_test_accuracy:.4f}"
 
+    def _loss_caption(self) -> str:
+        """The test loss and perplexity, where measured (of the peers, then the average)."""
+        if self.final_test_loss is None:
+            return ""
+        text = (
+            f", test loss {self.final_test_loss:.4f} (perplexity {self.final_test_perplexity:.2f})"
+        )
+        if self.average_model_test_loss is not None:
+            text += f", average model's {self.average_model_test_loss:.4f}"
+        return text
+
     def summary_table(self) -> Table:
         table = Table(
             title=f"{self.algorithm} on {self.topology}, {self.rounds} local steps, "
@@ -131,7 +159,7 @@ class Report:
                 f"{self._accuracy_caption()}, average model "
                 f"{self.average_model_test_accuracy:.4f}, consensus distance "
                 f"{self.consensus_distance:.3e}, {self.bytes_sent_total / 1e6:.2f} MB sent, "
-                f"{self.wall_seconds:.1f} s" + self._honest_caption()
+                f"{self.wall_seconds:.1f} s" + self._loss_caption() + self._honest_caption()
             ),
         )
         for column in ("peer", "test acc", "MB sent", "MB recv", "compute s", "comm s", "fails"):
@@ -147,6 +175,21 @@ class Report:
                 str(p.failed_exchanges),
             )
         return table
+
+
+def perplexity(loss: float | None) -> float | None:
+    """exp(loss), the perplexity of a mean cross-entropy in nats (inf where it overflows)."""
+    if loss is None:
+        return None
+    return math.exp(loss) if loss < MAX_EXP else math.inf
+
+
+def mean_loss(losses: Sequence[float | None]) -> float | None:
+    """The mean of `losses`, None if any is None (not measured everywhere) or there are none."""
+    known = [loss for loss in losses if loss is not None]
+    if not known or len(known) != len(losses):
+        return None
+    return sum(known) / len(known)
 
 
 def flat(params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -183,6 +226,7 @@ def peer_reports(
             link_levels=[dict(c) for c in o.stats.link_levels],
             send_seconds=dict(o.stats.send_seconds),
             peer_levels=[dict(c) for c in o.stats.peer_levels],
+            test_loss=o.test_loss,
         )
         for o, d in zip(outcomes, distances, strict=True)
     ]
@@ -198,10 +242,16 @@ def honest_accuracy(per_peer: Sequence[PeerReport]) -> tuple[float | None, float
 
 def merge_history(outcomes: Sequence[PeerOutcome]) -> list[HistoryPoint]:
     """Network-wide accuracy and bytes at each checkpoint round all peers recorded."""
-    by_round: dict[int, list[tuple[float, int, int, float]]] = {}
+    by_round: dict[int, list[tuple[float, int, int, float, float | None]]] = {}
     for outcome in outcomes:
         for point in outcome.history:
-            row = (point.test_accuracy, point.bytes_sent, point.gossip_round, point.seconds)
+            row = (
+                point.test_accuracy,
+                point.bytes_sent,
+                point.gossip_round,
+                point.seconds,
+                point.test_loss,
+            )
             by_round.setdefault(point.round, []).append(row)
     return [
         HistoryPoint(
@@ -212,6 +262,7 @@ def merge_history(outcomes: Sequence[PeerOutcome]) -> list[HistoryPoint]:
             gossip_round=max(row[2] for row in rows),
             max_test_accuracy=max(row[0] for row in rows),
             wall_seconds=max(row[3] for row in rows),
+            mean_test_loss=mean_loss([row[4] for row in rows]),
         )
         for r, rows in sorted(by_round.items())
         if len(rows) == len(outcomes)

@@ -7,6 +7,7 @@ a CheckpointError naming the file and the part, so the store tries an older file
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Set
 from contextlib import contextmanager
 from dataclasses import fields
@@ -148,18 +149,23 @@ def _history(saved: Any, round: int, config: TrainConfig) -> list[Evaluation]:
         raise ValueError(f"expected a list, got {type(saved).__name__}")
     history = []
     for index, entry in enumerate(saved):
-        _require_keys(entry, {"round", "test_accuracy", "bytes_sent"}, {"gossip_round", "seconds"})
+        optional = {"gossip_round", "seconds", "test_loss"}
+        _require_keys(entry, {"round", "test_accuracy", "bytes_sent"}, optional)
         at, accuracy, sent = entry["round"], entry["test_accuracy"], entry["bytes_sent"]
         gossip_round, seconds = entry.get("gossip_round", at), entry.get("seconds", 0.0)
+        loss = entry.get("test_loss")
         try:
             _number("seconds", seconds, 0.0, MAX_RUN_SECONDS, closed_low=True)
+            if loss is not None:  # None: an older checkpoint's entry
+                _number("test_loss", loss, 0.0, math.inf, closed_low=True, closed_high=False)
             _integer("round", at, 0, config.steps_at(round))
             _integer("gossip_round", gossip_round, 0, round)
             _number("test_accuracy", accuracy, 0.0, 1.0, closed_low=True)
             _integer("bytes_sent", sent, 0)
         except ValueError as error:
             raise ValueError(f"[{index}] {error}") from None
-        history.append(Evaluation(at, float(accuracy), sent, gossip_round, float(seconds)))
+        loss = None if loss is None else float(loss)
+        history.append(Evaluation(at, float(accuracy), sent, gossip_round, float(seconds), loss))
     return history
 
 

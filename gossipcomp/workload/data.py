@@ -1,9 +1,12 @@
-"""Real training data for peers: scikit-learn's bundled data sets, split across peers.
+"""Real training data for peers: scikit-learn's bundled data sets and a text corpus, split
+across peers.
 
 digits (8x8 images, 10 classes), wine (13 features, 3 classes), breast-cancer (30 features, 2
-classes) and iris (4 features, 3 classes) ship with scikit-learn, so nothing is downloaded. Every
-function here is deterministic in the seed it is given: peers that agree on a seed agree on the
-data layout without talking to each other.
+classes) and iris (4 features, 3 classes) ship with scikit-learn, and pysource (the Python
+standard library's own source files, for a character-level language model, workload/text.py)
+ships with the interpreter, so nothing is downloaded. Every function here is deterministic in
+the seed it is given: peers that agree on a seed agree on the data layout without talking to
+each other.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 from sklearn.datasets import load_breast_cancer, load_digits, load_iris, load_wine
 from sklearn.model_selection import train_test_split
 
+from gossipcomp.workload.text import VOCABULARY_SIZE, python_source_windows
+
 PartitionKind = Literal["iid", "by-label", "dirichlet"]
 
 #: Accepted textual forms of a partition, for error messages and CLI help.
@@ -26,21 +31,25 @@ PARTITION_FORMS = ('"iid"', '"by-label"', '"dirichlet:ALPHA" with ALPHA > 0')
 
 @dataclass(frozen=True)
 class DatasetSplit:
-    """A stratified train/test split: float32 features, int64 labels."""
+    """A train/test split: float32 features and int64 labels (stratified by label), or for
+    text (`vocabulary` set) int64 windows of character ids and their next-character targets."""
 
-    x_train: torch.Tensor  # float32 [N_train, features]
-    y_train: torch.Tensor  # int64 [N_train]
-    x_test: torch.Tensor  # float32 [N_test, features]
-    y_test: torch.Tensor  # int64 [N_test]
+    x_train: torch.Tensor  # float32 [N_train, features]; text: int64 ids [N_train, context]
+    y_train: torch.Tensor  # int64 [N_train]; text: int64 next ids [N_train, context]
+    x_test: torch.Tensor  # float32 [N_test, features]; text: int64 ids [N_test, context]
+    y_test: torch.Tensor  # int64 [N_test]; text: int64 next ids [N_test, context]
+    vocabulary: int | None = None  # text: the number of character ids; None: labelled rows
 
     @property
     def num_features(self) -> int:
-        """Input width (64 pixels for digits)."""
+        """Input width (64 pixels for digits; the context length for text)."""
         return int(self.x_train.shape[1])
 
     @property
     def num_classes(self) -> int:
-        """Number of distinct labels (10 for digits)."""
+        """Number of distinct labels (10 for digits; the vocabulary's size for text)."""
+        if self.vocabulary is not None:
+            return self.vocabulary
         return int(torch.cat([self.y_train, self.y_test]).max().item()) + 1
 
 
@@ -58,12 +67,26 @@ class DatasetInfo:
     pixels: bool = False
 
 
-DATASETS: dict[str, DatasetInfo] = {
+@dataclass(frozen=True)
+class TextDatasetInfo:
+    """A text corpus for a character-level language model: `windows(seed, test_fraction)`
+    gives its training and validation windows (workload/text.py)."""
+
+    windows: Callable[[int, float], Any]
+
+
+DATASETS: dict[str, DatasetInfo | TextDatasetInfo] = {
     "digits": DatasetInfo(load_digits, pixels=True),
     "wine": DatasetInfo(load_wine),
     "breast-cancer": DatasetInfo(load_breast_cancer),
     "iris": DatasetInfo(load_iris),
+    "pysource": TextDatasetInfo(python_source_windows),
 }
+
+
+def is_text(name: str) -> bool:
+    """Whether the registered data set `name` is text (windows with next-character targets)."""
+    return isinstance(DATASETS.get(name), TextDatasetInfo)
 
 
 def load_split(name: str, seed: int = 0, test_fraction: float = 0.2) -> DatasetSplit:
@@ -75,6 +98,11 @@ def load_split(name: str, seed: int = 0, test_fraction: float = 0.2) -> DatasetS
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
     info = DATASETS[name]
+    if isinstance(info, TextDatasetInfo):
+        train, test = info.windows(seed, test_fraction)
+        return DatasetSplit(
+            train.inputs, train.targets, test.inputs, test.targets, vocabulary=VOCABULARY_SIZE
+        )
     bunch = info.load()
     x = np.asarray(bunch.data, dtype=np.float32)
     y = np.asarray(bunch.target, dtype=np.int64)
@@ -163,11 +191,15 @@ def partition_indices(
       example from the largest part so every part is non-empty.
 
     Parts are disjoint, cover every index, are sorted int64 arrays, and depend only on
-    ``(labels, n_parts, spec, seed)``.
+    ``(labels, n_parts, spec, seed)``. iid reads only how many examples there are, so it also
+    deals text windows (whose targets are a row each); the others need one label an example.
     """
     labels = np.asarray(labels)
-    if labels.ndim != 1:
-        raise ValueError(f"labels must be 1-D, got shape {labels.shape}")
+    if labels.ndim < 1 or (spec.kind != "iid" and labels.ndim != 1):
+        raise ValueError(
+            f"partition {spec} needs one label per example (1-D labels), got shape "
+            f"{labels.shape}; text windows have a row of targets each: expected partition iid"
+        )
     n = int(labels.shape[0])
     if n_parts < 1:
         raise ValueError(f"n_parts must be >= 1, got {n_parts}")

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gossipcomp.inputs.text import quoted
@@ -167,6 +168,124 @@ def build_cnn(
     return model
 
 
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which position t sees positions 0..t only.
+
+    The causal mask is a boolean buffer registered non-persistent: not in the state_dict, so
+    never gossiped, never checkpointed and not a constant buffer (models.gossiped_tensors); a
+    peer's copy is rebuilt with the model. Boolean, so no -inf value exists to be averaged."""
+
+    def __init__(self, width: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width, device="meta")
+        self.out = nn.Linear(width, width, device="meta")
+        self.register_buffer("mask", causal_mask(context), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = (
+            part.reshape(batch, length, self.heads, width // self.heads).transpose(1, 2)
+            for part in self.qkv(x).split(width, dim=-1)
+        )
+        mask = self.mask[:length, :length]
+        mixed = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(mixed.transpose(1, 2).reshape(batch, length, width))
+
+
+def causal_mask(context: int) -> torch.Tensor:
+    """[context, context] booleans, True where a query position may attend to a key position
+    (the key is not later)."""
+    return torch.ones(context, context, dtype=torch.bool).tril()
+
+
+class TransformerBlock(nn.Module):
+    """Pre-normalised: x + attention(LayerNorm(x)), then x + MLP(LayerNorm(x)) (4x wide, GELU)."""
+
+    def __init__(self, width: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width, device="meta")
+        self.attention = CausalSelfAttention(width, heads, context)
+        self.norm2 = nn.LayerNorm(width, device="meta")
+        self.up = nn.Linear(width, 4 * width, device="meta")
+        self.down = nn.Linear(4 * width, width, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class CharTransformer(nn.Module):
+    """A character-level language model: ids [B, T] (T <= context) to next-character logits
+    [B, T, vocabulary]. Token embedding plus a learned position embedding, `depth` blocks, a
+    final LayerNorm, and the output layer tied to the token embedding (its transpose: one
+    tensor, trained and gossiped once)."""
+
+    def __init__(self, vocabulary: int, context: int, width: int, depth: int, heads: int):
+        super().__init__()
+        self.context = context
+        self.embed = nn.Embedding(vocabulary, width, device="meta")
+        self.position = nn.Parameter(torch.empty(context, width, device="meta"))
+        self.blocks = nn.Sequential(
+            *(TransformerBlock(width, heads, context) for _ in range(depth))
+        )
+        self.norm = nn.LayerNorm(width, device="meta")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.ndim != 2 or ids.shape[1] > self.context or ids.is_floating_point():
+            raise ValueError(
+                f"chartransformer reads integer character ids [batch, at most {self.context}], "
+                f"got {ids.dtype} of shape {tuple(ids.shape)}; expected a text data set "
+                "(pysource)"
+            )
+        h = self.embed(ids) + self.position[: ids.shape[1]]
+        return F.linear(self.norm(self.blocks(h)), self.embed.weight)
+
+
+def build_chartransformer(
+    seed: int,
+    input_dim: int = 64,
+    num_classes: int = 101,
+    width: int = 48,
+    depth: int = 2,
+    heads: int = 4,
+) -> nn.Module:
+    """A small character-level transformer (about 64 thousand parameters by default) for a
+    context of `input_dim` characters and a vocabulary of `num_classes`, initialised only from
+    `seed` (private generator, as `build_mlp`): embeddings and linear weights N(0, 0.02), the
+    residual branches' output layers N(0, 0.02 / sqrt(2 depth)) as in GPT-2, biases 0,
+    LayerNorm at scale 1, shift 0."""
+    if min(input_dim, num_classes, width, depth, heads) < 1 or width % heads:
+        raise ValueError(
+            f"context, vocabulary, width, depth and heads must be >= 1 and heads must divide "
+            f"width, got context={input_dim}, vocabulary={num_classes}, width={width}, "
+            f"depth={depth}, heads={heads}"
+        )
+    model = CharTransformer(num_classes, input_dim, width, depth, heads).to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    branch_outputs = {m for block in model.blocks for m in (block.attention.out, block.down)}
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                std = 0.02 / math.sqrt(2 * depth) if module in branch_outputs else 0.02
+                module.weight.normal_(0.0, std, generator=generator)
+                module.bias.zero_()
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                module.weight.normal_(0.0, 0.02, generator=generator)
+            elif isinstance(module, CausalSelfAttention):  # to_empty left it uninitialised
+                module.mask.copy_(causal_mask(input_dim))
+        model.position.normal_(0.0, 0.02, generator=generator)
+    return model
+
+
+#: The models that read text (integer character ids, next-character targets); every other
+#: model reads rows of float features with one label each.
+LANGUAGE_MODELS = frozenset({"chartransformer"})
+
+
 def gossiped_tensors(
     model: nn.Module, gossip_buffers: bool = True, constant_buffers: bool = True
 ) -> list[tuple[str, torch.Tensor]]:
@@ -269,6 +388,7 @@ MODELS: dict[str, ModelFactory] = {
     "wide-mlp": build_wide_mlp,
     "cnn": build_cnn,
     "resmlp": build_resmlp,
+    "chartransformer": build_chartransformer,
 }
 
 

@@ -38,7 +38,8 @@ def derive_seed(*parts: int) -> int:
 
 
 class BatchStream:
-    """Endless minibatches over one peer's examples.
+    """Endless minibatches over one peer's examples (rows of `x` with their labels, or text
+    windows with their rows of next-character targets).
 
     Each epoch is a fresh permutation, drawn from a private generator seeded by ``(seed, rank)``,
     cut into batches of ``batch_size``; the last batch of an epoch may be smaller, so every
@@ -46,7 +47,7 @@ class BatchStream:
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int, rank: int):
-        if x.ndim < 1 or y.ndim != 1 or x.shape[0] != y.shape[0]:
+        if x.ndim < 1 or y.ndim < 1 or x.shape[0] != y.shape[0]:
             raise ValueError(
                 f"x and y must have the same first dimension, got {tuple(x.shape)} and "
                 f"{tuple(y.shape)}"
@@ -139,28 +140,58 @@ def local_step(
     optimizer: torch.optim.Optimizer,
     batch: tuple[torch.Tensor, torch.Tensor],
 ) -> float:
-    """One cross-entropy SGD step on ``batch``; mutates the parameters and optimizer state.
+    """One cross-entropy SGD step on ``batch`` (`prediction_loss`: a label a row, or a target
+    a position); mutates the parameters and optimizer state.
 
     Returns the minibatch loss before the step.
     """
     x, y = batch
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(x), y)
+    loss = prediction_loss(model(x), y)
     loss.backward()
     optimizer.step()
     return float(loss.detach())
 
 
-def evaluate_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Top-1 accuracy on ``(x, y)`` in eval mode without gradients; restores the prior mode."""
+def prediction_loss(
+    logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
+) -> torch.Tensor:
+    """Cross-entropy of `logits` [..., classes] against `targets` [...]: one label a row
+    (a classifier's [N, classes] against [N]) or one a position (a language model's
+    [N, T, vocabulary] against next-character ids [N, T])."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction
+    )
+
+
+#: Predictions (rows times positions) evaluated in one forward pass: bounds the memory of
+#: evaluating a language model on its whole validation set; digits' 360 rows take one pass.
+EVALUATION_CHUNK = 2**15
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Top-1 accuracy and mean cross-entropy (nats a prediction) on ``(x, y)``, in eval mode
+    without gradients, a chunk of rows at a time; restores the prior mode. A language model's
+    predictions are its next characters, every position of every window counted once."""
     if x.shape[0] == 0:
         raise ValueError("cannot evaluate on an empty set")
+    per_row = max(1, y[0].numel())
+    rows = max(1, EVALUATION_CHUNK // per_row)
+    correct, loss = 0, 0.0
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            predictions = model(x).argmax(dim=1)
+            for start in range(0, x.shape[0], rows):
+                logits, targets = model(x[start : start + rows]), y[start : start + rows]
+                correct += int((logits.argmax(dim=-1) == targets).sum())
+                loss += float(prediction_loss(logits, targets, "sum").to(torch.float64))
     finally:
         model.train(was_training)
-    return float((predictions == y).to(torch.float64).mean())
+    return correct / y.numel(), loss / y.numel()
+
+
+def evaluate_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Top-1 accuracy on ``(x, y)`` (see `evaluate`)."""
+    return evaluate(model, x, y)[0]
