@@ -15,6 +15,7 @@ from gossipcomp.compress import parse_spec
 from gossipcomp.experiment import TrainConfig
 from gossipcomp.gossip import DPSGD, Choco
 from gossipcomp.outer import DriftTracker, LocalPhases, OuterSGD, parse_drift, parse_outer
+from gossipcomp.outer.drift import safe_tracking_rate
 from gossipcomp.topology import build_topology, load_topology
 from gossipcomp.workload.models import build_mlp
 
@@ -255,6 +256,40 @@ def test_tracking_corrections_sum_to_zero_under_symmetric_mixing():
         assert float(total.abs().max()) < 1e-12
 
 
+def _tracked_disagreement(rate: float, step: float, rounds: int = 200) -> float:
+    """Exact gossip x <- M (x + d) on ring8 (M = I - step (I - W)), tracking d <- d + rate
+    (x_mix - x_end), no gradients: how much disagreement is left after `rounds`."""
+    w = torch.tensor(load_topology("ring8").weights, dtype=torch.float64)
+    mixing = torch.eye(8, dtype=torch.float64) - step * (torch.eye(8, dtype=torch.float64) - w)
+    x = torch.randn(8, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x -= x.mean()
+    tracker = DriftTracker(rate)
+    tracker.correction = [torch.zeros_like(x)]
+    for _ in range(rounds):
+        end = x + tracker.correction[0]
+        x = mixing @ end
+        tracker.update([end], [x])
+    return float(x.norm())
+
+
+def test_the_default_tracking_rate_keeps_over_relaxed_gossip_stable():
+    """On an 8-ring with the spectral step gamma* = 1.31 (what simulate uses by default), rate
+    0.5 makes tracking diverge (it did on digits); the default rate, set from the topology's
+    smallest eigenvalue and the step, converges; with gamma = 1, 0.5 is safe and is the
+    default."""
+    ring = load_topology("ring8")
+    step = ring.optimal_consensus_step
+    assert step == pytest.approx(1.308, abs=1e-3)
+    safe = safe_tracking_rate(ring.smallest_eigenvalue, step)
+    assert 0.1 < safe < 0.2
+    assert _tracked_disagreement(0.5, step) > 1e3
+    assert _tracked_disagreement(safe, step) < 1e-6
+    assert safe_tracking_rate(ring.smallest_eigenvalue, 1.0) == 0.5
+    assert _tracked_disagreement(0.5, 1.0) < 1e-6
+    with pytest.raises(ValueError, match="does not contract"):
+        safe_tracking_rate(-0.5, 1.5)
+
+
 @pytest.mark.parametrize(
     ("spec", "wrong"),
     [
@@ -292,7 +327,7 @@ def test_hostile_drift_specs_are_refused(spec, wrong):
 
 
 def _phases(trained) -> LocalPhases:
-    return LocalPhases(trained, 4, parse_outer("nesterov"), parse_drift("tracking"))
+    return LocalPhases(trained, 4, parse_outer("nesterov"), parse_drift("tracking:rate=0.5"))
 
 
 @pytest.mark.parametrize(

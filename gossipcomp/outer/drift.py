@@ -14,12 +14,18 @@ every peer moves by the network's average progress. Gossip with a symmetric, dou
 stochastic mixing preserves the sum of the models, so sum_i d_i stays 0 (Choco's compressed
 mixing too): the corrections cancel, and at a fixed point the average gradient is zero. It costs
 no bytes (the correction comes from the exchange the peers make anyway) and works with any
-inner optimizer. rate 1 is K-GT's; with H = 1 it is Exact Diffusion/D^2 with W, which needs
-W's smallest eigenvalue above -1/3, so the default is 0.5 (stable for every doubly stochastic W).
+inner optimizer. rate 1 is K-GT's; with H = 1 and exact gossip (x_mix = M x, M = I - gamma
+(I - W) for a consensus step gamma) it is Exact Diffusion/D^2, and on each eigenvalue lam of M
+the linear recursion is stable only for rate < 2 (1 + lam) / (1 - lam). An over-relaxed step
+(gamma* = 1.31 on an 8-ring, lam_min = -0.74) makes that 0.29, and rate 0.5 diverged there
+(digits, by label). So the rate by default ("tracking") is `safe_tracking_rate`: half that
+bound at the topology's lam_min and the algorithm's step, at most 0.5. Compressed gossip moves
+less than exact gossip (its M is nearer I), so the bound holds for it too.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +36,7 @@ from gossipcomp.inputs.text import quoted
 from gossipcomp.outer.optimizers import checked_finite, spec_of
 
 DRIFT_CORRECTIONS = ("none", "tracking")
-DEFAULT_TRACKING_RATE = 0.5
+MAX_DEFAULT_TRACKING_RATE = 0.5
 MAX_DRIFT_SPEC_CHARS = 100
 
 
@@ -38,11 +44,11 @@ MAX_DRIFT_SPEC_CHARS = 100
 class DriftTracker:
     """The correction d_i of one peer, one tensor per trained parameter."""
 
-    rate: float = DEFAULT_TRACKING_RATE
+    rate: float | None = None  # None: set by the peer (`safe_tracking_rate`)
     correction: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        if (
+        if self.rate is not None and (
             isinstance(self.rate, bool)
             or not isinstance(self.rate, int | float)
             or not 0.0 < self.rate <= 1.0
@@ -53,7 +59,13 @@ class DriftTracker:
 
     @property
     def spec(self) -> str:
-        return f"tracking:rate={self.rate!r}"
+        return "tracking" if self.rate is None else f"tracking:rate={self.rate!r}"
+
+    def for_mixing(self, smallest_eigenvalue: float, consensus_step: float) -> DriftTracker:
+        """This tracker with its rate set (`safe_tracking_rate`) when none was given."""
+        if self.rate is not None:
+            return self
+        return DriftTracker(safe_tracking_rate(smallest_eigenvalue, consensus_step))
 
     def local_step(self, params: Sequence[torch.Tensor], steps_per_phase: int) -> None:
         """Add this phase's share of the correction after one local step."""
@@ -65,6 +77,8 @@ class DriftTracker:
         """Move the correction by what gossip moved the phase's end models."""
         if not self.correction:
             self.correction = [torch.zeros_like(m) for m in mixed]
+        if self.rate is None:
+            raise ValueError("drift tracking: the rate is unset (see DriftTracker.for_mixing)")
         with torch.no_grad():
             for d, end, m in zip(self.correction, ends, mixed, strict=True):
                 d.add_(m - end, alpha=self.rate)
@@ -96,7 +110,7 @@ def parse_drift(spec: str) -> DriftTracker | None:
         raise ValueError(
             f"unknown drift correction {quoted(name)}; known: {', '.join(DRIFT_CORRECTIONS)}"
         )
-    rate = DEFAULT_TRACKING_RATE
+    rate = None
     for item in filter(None, (part.strip() for part in arguments.split(","))):
         key, equals, raw = (piece.strip() for piece in item.partition("="))
         if key != "rate" or not equals:
@@ -108,3 +122,16 @@ def parse_drift(spec: str) -> DriftTracker | None:
                 f"drift correction tracking: rate expected a number, got {quoted(raw)}"
             ) from None
     return DriftTracker(rate)
+
+
+def safe_tracking_rate(smallest_eigenvalue: float, consensus_step: float = 1.0) -> float:
+    """Half the largest stable rate on gossip x <- x + step (W x - x) whose W has
+    `smallest_eigenvalue`, at most MAX_DEFAULT_TRACKING_RATE (see the module's docstring)."""
+    lowest = 1.0 - consensus_step * (1.0 - smallest_eigenvalue)
+    if lowest <= -1.0:
+        raise ValueError(
+            f"drift tracking: gossip with step {consensus_step:g} on a W whose smallest "
+            f"eigenvalue is {smallest_eigenvalue:g} does not contract; expected a smaller step"
+        )
+    bound = 2.0 * (1.0 + lowest) / (1.0 - lowest) if lowest < 1.0 else math.inf
+    return min(MAX_DEFAULT_TRACKING_RATE, bound / 2.0)

@@ -145,6 +145,11 @@ class Peer:
         self._steps_taken = 0
         # the phase's anchor, outer optimizer state and drift correction (outer/phase.py)
         trained = [p for _, p in model.named_parameters() if p.requires_grad]
+        if drift is not None:  # the default rate is what this topology's gossip bears
+            step = getattr(algorithm, "consensus_step", None)
+            drift = drift.for_mixing(
+                topology.smallest_eigenvalue, step if isinstance(step, float) else 1.0
+            )
         self._phases = LocalPhases(trained, local_steps, outer, drift)
         self.gossip_buffers = gossip_buffers
         self.constant_buffers = constant_buffers

@@ -165,6 +165,12 @@ class Topology:
         return _sparse_extremes(self.mixing, self.source)
 
     @property
+    def smallest_eigenvalue(self) -> float:
+        """lambda_min of W (-1 < lambda_min < 1 on a connected graph with self weights): how
+        far averaging overshoots, which bounds what may be fed back on it (outer/drift.py)."""
+        return self._extreme_eigenvalues[1]
+
+    @property
     def second_largest_eigenvalue_modulus(self) -> float:
         """max(|lambda_2|, |lambda_n|): exact gossip shrinks disagreement by this per round."""
         second, smallest = self._extreme_eigenvalues
