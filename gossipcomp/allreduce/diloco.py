@@ -100,14 +100,14 @@ def _unwrapped(value: str, spec: str, key: str) -> str:
 
 def check_compressor(spec: str) -> None:
     """Refuse a pseudo-gradient compressor the hooks cannot build (ValueError naming it)."""
+    if spec.strip().startswith("torch:"):
+        raise ValueError(
+            f"{quoted(spec)}: torch's own hooks work on DDP buckets only; expected a "
+            "gossipcomp compressor spec or powersgd:rank=R"
+        )
     name, values = parse_hook_spec(spec)
     if name == POWERSGD:
         powersgd_options(values)
-    elif name.startswith("torch"):
-        raise ValueError(
-            f"diloco compressor {quoted(spec)}: torch's own hooks work on DDP buckets only; "
-            "expected a gossipcomp compressor spec or powersgd:rank=R"
-        )
     else:
         parse_spec(spec)
 
@@ -144,13 +144,19 @@ def parse_diloco(spec: str) -> DiLoCoSpec:
             )
         steps = int(raw)
     outer = _unwrapped(values["outer"], spec, "outer") if "outer" in values else default.outer
-    parse_outer(outer)
     compressor = (
         _unwrapped(values["compressor"], spec, "compressor")
         if "compressor" in values
         else default.compressor
     )
-    check_compressor(compressor)
+    for key, check, value in (
+        ("outer", parse_outer, outer),
+        ("compressor", check_compressor, compressor),
+    ):
+        try:
+            check(value)
+        except ValueError as error:
+            raise ValueError(f"--sync diloco {key}: {error}") from None
     return DiLoCoSpec(steps, outer, compressor)
 
 
