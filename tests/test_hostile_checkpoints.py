@@ -79,6 +79,7 @@ def restore_skipping_one(
         assert trainer.restore() == OLDER
     assert trainer.peer.round == OLDER
     assert [h.round for h in trainer.history] == [OLDER]
+    assert all(h.test_loss is not None for h in trainer.history)  # the loss is restored too
     warnings = [
         r.getMessage()
         for r in caplog.records
@@ -149,6 +150,18 @@ def test_a_file_bigger_than_the_model_allows_is_refused_before_any_read(
         (
             lambda state: state["history"][0].update(test_accuracy=math.inf),
             "history: [0] test_accuracy must be a finite number in [0, 1], got inf",
+        ),
+        (
+            lambda state: state["history"][0].update(test_loss=-1.0),
+            "history: [0] test_loss must be a finite number in [0, inf), got -1.0",
+        ),
+        (
+            lambda state: state["history"][0].update(test_loss=math.nan),
+            "history: [0] test_loss must be a finite number in [0, inf), got nan",
+        ),
+        (
+            lambda state: state["history"][0].update(test_loss="2.5"),
+            "history: [0] test_loss must be a finite number",
         ),
     ],
 )
