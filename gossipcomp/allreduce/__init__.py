@@ -5,10 +5,13 @@
 - `MergedSync`: merged, overlapped gradient sync in planned groups (merged.py).
 - `MarsitSync` / `marsit_allreduce`: one sign bit per element through a ring (marsit.py).
 - `SSDSGD`: several steps of delay with local updates in between (ssd.py).
+- `DiLoCoSync`: phases of local steps ended by compressed, error-fed pseudo-gradients and an
+  outer optimizer step (diloco.py; `--sync diloco:...`).
 - `init_from_env` (torchrun) and `spawn` (local processes), with dead ranks named (launch.py).
 """
 
 from gossipcomp.allreduce.comm import Communicator, Traffic
+from gossipcomp.allreduce.diloco import DiLoCoSpec, DiLoCoSync, parse_diloco
 from gossipcomp.allreduce.hooks import (
     CompressedState,
     PowerSGDState,
@@ -27,6 +30,8 @@ __all__ = [
     "SSDSGD",
     "Communicator",
     "CompressedState",
+    "DiLoCoSpec",
+    "DiLoCoSync",
     "LaunchError",
     "MarsitSync",
     "MergedSync",
@@ -38,6 +43,7 @@ __all__ = [
     "half_wrapper",
     "init_from_env",
     "marsit_allreduce",
+    "parse_diloco",
     "powersgd_hook",
     "register",
     "spawn",
