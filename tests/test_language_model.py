@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from gossipcomp.allreduce.train import MODELS as ALLREDUCE_MODELS
+from gossipcomp.allreduce.train import AllreduceConfig
 from gossipcomp.cli import main, resolve_topology
 from gossipcomp.experiment import TrainConfig
 from gossipcomp.experiment.simulation import run_simulation
@@ -185,3 +187,28 @@ def test_model_refuses_features_instead_of_character_ids():
         model(torch.zeros(3, 64))
     with pytest.raises(ValueError, match="at most 64"):
         model(torch.zeros(3, 65, dtype=torch.int64))
+
+
+@pytest.mark.parametrize(
+    "model, dataset, message, said",
+    [
+        ("chartransformer", "digits", "model chartransformer is a character-level", None),
+        ("mlp", "pysource", "dataset pysource is text", None),
+        ("resmlp-wide", "pysource", "dataset pysource is text", None),
+        ("mlp", "wine", "dataset 'wine': expected one of digits, pysource", "invalid choice"),
+    ],
+)
+def test_allreduce_refuses_mismatched_model_and_dataset(model, dataset, message, said, capsys):
+    """Refused before any process starts (`said`: the command line's own words, if others)."""
+    with pytest.raises(ValueError, match=message):
+        AllreduceConfig(model=model, dataset=dataset)
+    argv = ["allreduce", "--nproc", "2", "--steps", "1", "--model", model, "--dataset", dataset]
+    assert main(argv) == 2
+    assert (said or message) in capsys.readouterr().err
+
+
+def test_allreduce_builds_the_language_model_for_its_corpus(data):
+    model = ALLREDUCE_MODELS["chartransformer"](0)
+    logits = model(data.x_test[:2])
+    assert logits.shape == (2, data.num_features, data.num_classes)
+    AllreduceConfig(model="chartransformer", dataset="pysource")  # a valid pair

@@ -22,8 +22,15 @@ import torch.distributed as dist
 
 from gossipcomp.allreduce.launch import LaunchError, Session, init_from_env, spawn
 from gossipcomp.allreduce.liveness import RankFailure
-from gossipcomp.allreduce.train import MODELS, SYNCS, AllreduceConfig, RankResult, train_rank
-from gossipcomp.experiment.report import HistoryPoint, PeerReport, Report
+from gossipcomp.allreduce.train import (
+    DATASETS,
+    MODELS,
+    SYNCS,
+    AllreduceConfig,
+    RankResult,
+    train_rank,
+)
+from gossipcomp.experiment.report import HistoryPoint, PeerReport, Report, mean_loss
 from gossipcomp.inputs.arguments import (
     OptimizerFlags,
     Setting,
@@ -107,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default=d.model, choices=sorted(MODELS))
     parser.add_argument(
+        "--dataset",
+        default=d.dataset,
+        choices=DATASETS,
+        help="digits, or pysource (the Python standard library's source) for model chartransformer",
+    )
+    parser.add_argument(
         "--no-error-feedback",
         action="store_true",
         help="ddp-hook, merged: send the compressed gradient without memory",
@@ -131,6 +144,7 @@ def config_of(args: argparse.Namespace) -> AllreduceConfig:
         ssd_warmup=args.ssd_warmup,
         bucket_cap_mb=args.bucket_cap_mb,
         model=args.model,
+        dataset=args.dataset,
         error_feedback=not args.no_error_feedback,
     )
 
@@ -183,6 +197,7 @@ def build_report(config: AllreduceConfig, results: Sequence[RankResult], wall: f
             consensus_distance=r.consensus_distance,
             mismatched_epoch_exchanges=0,  # one plan, fixed before the first step
             schedule_epochs=schedules,
+            test_loss=r.test_loss,
         )
         for r in results
     ]
@@ -221,6 +236,8 @@ def build_report(config: AllreduceConfig, results: Sequence[RankResult], wall: f
         per_peer=per_peer,
         history=history,
         config={**asdict(config), **extra},
+        final_test_loss=mean_loss([r.test_loss for r in results]),
+        average_model_test_loss=first.average_model_test_loss,
     )
 
 

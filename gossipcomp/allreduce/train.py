@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -46,9 +45,17 @@ from gossipcomp.allreduce.merged import (
 )
 from gossipcomp.allreduce.ssd import SSDSGD
 from gossipcomp.inputs.text import quoted
-from gossipcomp.workload.data import load_digits_split, parse_partition, partition_indices
-from gossipcomp.workload.models import build_mlp, build_resmlp
-from gossipcomp.workload.training import BatchStream, evaluate_accuracy, make_optimizer
+from gossipcomp.workload.data import load_split, parse_partition, partition_indices
+from gossipcomp.workload.models import build_chartransformer, build_mlp, build_resmlp
+from gossipcomp.workload.pairing import check_pairing
+from gossipcomp.workload.text import DEFAULT_CONTEXT, VOCABULARY_SIZE
+from gossipcomp.workload.training import (
+    BatchStream,
+    evaluate,
+    evaluate_accuracy,
+    make_optimizer,
+    prediction_loss,
+)
 
 SYNCS = ("ddp-hook", "merged", "marsit", "ssd", "diloco")  # diloco takes a spec (diloco.py)
 MODELS: dict[str, Callable[[int], nn.Module]] = {
@@ -56,7 +63,10 @@ MODELS: dict[str, Callable[[int], nn.Module]] = {
     "resmlp": build_resmlp,
     # the same 102 tensors, 256 wide: a backward long against one collective's fixed cost
     "resmlp-wide": lambda seed: build_resmlp(seed, width=256),
+    # for dataset pysource: windows of 64 characters, 101 character ids (workload/text.py)
+    "chartransformer": lambda seed: build_chartransformer(seed, DEFAULT_CONTEXT, VOCABULARY_SIZE),
 }
+DATASETS = ("digits", "pysource")  # the models above are sized for these
 THRESHOLD = "threshold"
 TIMED_AFTER = 5  # steps left out of the step-time median (start-up, DDP's bucket rebuild)
 
@@ -80,6 +90,7 @@ class AllreduceConfig:
     ssd_warmup: int = 50
     bucket_cap_mb: float = 25.0  # DDP bucket size
     model: str = "mlp"  # mlp (digits MLP), resmlp or resmlp-wide (102 parameter tensors)
+    dataset: str = "digits"  # or pysource, for model chartransformer
     error_feedback: bool = True
 
     def __post_init__(self) -> None:
@@ -104,7 +115,11 @@ class AllreduceConfig:
             raise ValueError(f"model {self.model!r}: expected one of {', '.join(MODELS)}")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch size must be >= 1")
-        parse_partition(self.partition)
+        if self.dataset not in DATASETS:
+            raise ValueError(
+                f"dataset {quoted(self.dataset)}: expected one of {', '.join(DATASETS)}"
+            )
+        check_pairing(self.model, self.dataset, self.partition)  # the partition parsed too
 
 
 @dataclass
@@ -127,6 +142,9 @@ class RankResult:
     steady_link_bytes_per_step: float
     history: list[tuple[int, float, float]] = field(default_factory=list)  # step, acc, link bytes
     predicted_step_seconds: float = 0.0  # merged with a planner: its cost model's step time
+    # test loss (mean cross-entropy, nats a prediction: a language model's validation loss)
+    test_loss: float | None = None
+    average_model_test_loss: float | None = None
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -135,7 +153,7 @@ class RankResult:
 def _data(
     config: AllreduceConfig, rank: int, world: int
 ) -> tuple[BatchStream, torch.Tensor, torch.Tensor]:
-    split = load_digits_split(config.seed)
+    split = load_split(config.dataset, config.seed)
     parts = partition_indices(
         split.y_train.numpy(), world, parse_partition(config.partition), config.seed
     )
@@ -224,7 +242,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
             x, y = (t.to(device, non_blocking=True) for t in stream.next_batch())
             model.train()
             optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(forward(x), y).backward()
+            prediction_loss(forward(x), y).backward()
             after_backward()
             step()
             durations.append(time.perf_counter() - start)
@@ -256,10 +274,12 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     timed = durations[TIMED_AFTER:] or durations
     steady_steps = max(1, config.steps - steady_from[0])
     steady = comm.traffic
+    accuracy, loss = evaluate(model, x_test, y_test)
+    average_accuracy, average_loss = evaluate(average, x_test, y_test)
     return RankResult(
         rank=rank,
-        test_accuracy=evaluate_accuracy(model, x_test, y_test),
-        average_model_test_accuracy=evaluate_accuracy(average, x_test, y_test),
+        test_accuracy=accuracy,
+        average_model_test_accuracy=average_accuracy,
         average_model_norm=float(mean_model.norm()),
         consensus_distance=distance,
         traffic=comm.traffic.copy(),
@@ -273,6 +293,8 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
         steady_link_bytes_per_step=(steady.link_bytes - steady_from[1].link_bytes) / steady_steps,
         history=history,
         predicted_step_seconds=predicted_s,
+        test_loss=loss,
+        average_model_test_loss=average_loss,
     )
 
 
@@ -291,7 +313,7 @@ def _merged(
 
     def backward() -> None:
         model.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        prediction_loss(model(x), y).backward()
 
     tensors, compute_s = measure_backward(model, backward)
     model.zero_grad(set_to_none=True)
