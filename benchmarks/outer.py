@@ -20,6 +20,7 @@ best (the configuration behind each), and runs (every configuration and seed).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import time
@@ -60,18 +61,28 @@ REFERENCE = setting("D-PSGD H=1", algorithm="dpsgd")
 CANDIDATES = {
     "by-label": [
         setting("PowerGossip r1 H=2 tracking", local_steps=2, drift="tracking"),
-        setting("PowerGossip r1 H=4 tracking", local_steps=4, drift="tracking"),
         setting(
-            "PowerGossip r1 H=4 nesterov tracking",
+            "PowerGossip r1 H=2 noloco tracking", local_steps=2, outer="noloco", drift="tracking"
+        ),
+        setting(
+            "PowerGossip r2x4 H=8 tracking",
+            algorithm="powergossip:rank=2,steps=4",
+            local_steps=8,
+            drift="tracking",
+        ),
+        setting(
+            "Choco sign H=4 tracking",
+            algorithm="choco:compressor=sign",
             local_steps=4,
-            outer="nesterov",
             drift="tracking",
         ),
     ],
     "iid": [
         setting("PowerGossip r1 H=8", local_steps=8),
-        setting("PowerGossip r1 H=8 nesterov", local_steps=8, outer="nesterov"),
-        setting("PowerGossip r1 H=16 nesterov", local_steps=16, outer="nesterov"),
+        setting("PowerGossip r1 H=8 noloco", local_steps=8, outer="noloco"),
+        setting(
+            "PowerGossip r1 H=8 noloco tracking", local_steps=8, outer="noloco", drift="tracking"
+        ),
     ],
 }
 
@@ -196,32 +207,57 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--grid-steps", default="1,4,16,64", help="H values of the one-seed grid ('' for none)"
     )
     parser.add_argument(
-        "--partitions", default="by-label,iid", help="partitions of the figures, comma separated"
+        "--partitions", default="by-label,iid", help="partitions of the figures ('' for none)"
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        help="summarise the runs of these earlier --json files instead of running any",
+    )
+    parser.add_argument(
+        "--allreduce-from",
+        type=Path,
+        help="the all-reduce figure: a --json of benchmarks/allreduce_diloco.py",
     )
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)  # diverging grid points warn per peer; the table says it
+    runs: list[dict[str, Any]] = []
+    if args.merge:
+        for path in args.merge:
+            runs += json.loads(path.read_text())["runs"]
+    else:
+        runs = run_all(args)
+    result: dict[str, Any] = {"rounds": args.rounds, "seeds": args.seeds, "topology": args.topology}
+    for partition in sorted({r["partition"] for r in runs if r["label"] == REFERENCE.label}):
+        result.update(summarise(runs, partition))
+    result["allreduce_gap_points"] = result["allreduce_bytes_ratio"] = None
+    if args.allreduce_from is not None:
+        allreduce = json.loads(args.allreduce_from.read_text())
+        for key in ("allreduce_gap_points", "allreduce_bytes_ratio"):
+            result[key] = allreduce[key]
+        result["allreduce_best"] = allreduce.get("best")
+    result["runs"] = runs
+    Console().print(table(runs))
+    save(args.json, result)
+    return result
+
+
+def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The figures' runs (every seed) and the one-seed grid."""
     topology = load_topology(args.topology)
     base = TrainConfig(rounds=args.rounds, eval_every=0)
     if args.reports is not None:
         args.reports.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
-    partitions = [p for p in args.partitions.split(",") if p]
-    for partition in partitions:
+    for partition in [p for p in args.partitions.split(",") if p]:
         for seed in range(args.seeds):
             for item in [REFERENCE, *CANDIDATES[partition]]:
                 runs.append(run_one(item, base, partition, seed, topology, args.reports))
     steps = tuple(int(h) for h in args.grid_steps.split(",") if h)
     for item in grid(steps):
-        if not any(r["label"] == item.label and r["partition"] == "by-label" for r in runs):
-            runs.append(run_one(item, base, "by-label", 0, topology, args.reports))
-    result: dict[str, Any] = {"rounds": args.rounds, "seeds": args.seeds, "topology": args.topology}
-    for partition in partitions:
-        result.update(summarise(runs, partition))
-    result["allreduce_gap_points"] = result["allreduce_bytes_ratio"] = None
-    result["runs"] = runs
-    Console().print(table(runs))
-    save(args.json, result)
-    return result
+        runs.append(run_one(item, base, "by-label", 0, topology, args.reports))
+    return runs
 
 
 if __name__ == "__main__":

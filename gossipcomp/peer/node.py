@@ -148,7 +148,9 @@ class Peer:
         if drift is not None:  # the default rate is what this topology's gossip bears
             step = getattr(algorithm, "consensus_step", None)
             drift = drift.for_mixing(
-                topology.smallest_eigenvalue, step if isinstance(step, float) else 1.0
+                topology.smallest_eigenvalue,
+                step if isinstance(step, float) else 1.0,
+                exact=isinstance(algorithm, DPSGD),
             )
         self._phases = LocalPhases(trained, local_steps, outer, drift)
         self.gossip_buffers = gossip_buffers
