@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from conftest import grpc_network, run_in_threads
+from helpers import benchmark
 
 from gossipcomp.cli import main
 from gossipcomp.compress import parse_spec
@@ -424,3 +425,31 @@ def test_schedules_groups_and_compressors_apply_unchanged_under_an_outer_optimiz
     assert outer["gossip_rounds"] == plain["gossip_rounds"] == 4
     assert outer["bytes_sent_total"] == plain["bytes_sent_total"]
     assert outer["average_model_norm"] != plain["average_model_norm"]
+
+
+def test_the_outer_benchmark_runs_tiny_and_reports_its_keys(tmp_path):
+    """benchmarks/outer.py in a tiny configuration (ring4, 8 steps, one seed, iid): the keys
+    the figures are read from, and a gap and bytes ratio computed from its own runs; --merge
+    summarises the same runs again to the same figures."""
+    outer = benchmark("outer")
+    path = tmp_path / "outer.json"
+    argv = ["--topology", "ring4", "--rounds", "8", "--seeds", "1", "--grid-steps", ""]
+    result = outer.main([*argv, "--partitions", "iid", "--json", str(path)])
+    runs = result["runs"]
+    assert {r["label"] for r in runs} == {outer.REFERENCE.label} | {
+        c.label for c in outer.CANDIDATES["iid"]
+    }
+    reference = next(r for r in runs if r["label"] == outer.REFERENCE.label)
+    within = [r for r in runs if r["bytes"] is not None and r["bytes"] * 500 <= reference["bytes"]]
+    best = max(within, key=lambda r: r["mean_accuracy"], default=None)
+    if best is None:
+        assert result["iid_gap_points"] is None
+    else:
+        assert result["iid_best"] == best["label"]
+        assert result["iid_bytes_ratio"] == best["bytes"] / reference["bytes"]
+        assert result["iid_gap_points"] == pytest.approx(
+            100 * (reference["mean_accuracy"] - best["mean_accuracy"])
+        )
+    assert result["allreduce_gap_points"] is None  # no all-reduce figure given
+    merged = outer.main(["--merge", str(path)])
+    assert merged["iid_gap_points"] == result["iid_gap_points"]
