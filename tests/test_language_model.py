@@ -13,12 +13,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import benchmark
 
 from gossipcomp.allreduce.train import MODELS as ALLREDUCE_MODELS
 from gossipcomp.allreduce.train import AllreduceConfig
-from gossipcomp.cli import main, resolve_topology
+from gossipcomp.cli import main
 from gossipcomp.experiment import TrainConfig
-from gossipcomp.experiment.simulation import run_simulation
 from gossipcomp.workload.data import is_text, load_split, parse_partition, partition_indices
 from gossipcomp.workload.models import (
     build_model,
@@ -34,7 +34,7 @@ from gossipcomp.workload.text import (
     python_source_windows,
     stdlib_sources,
 )
-from gossipcomp.workload.training import BatchStream, evaluate, local_step, make_optimizer
+from gossipcomp.workload.training import evaluate
 
 # a small run: 4 peers x STEPS steps of BATCH windows of 64 characters (about 40 s of CPU); the
 # rate is the largest of 0.3, 0.5, 1.0 with which one model alone did not diverge (momentum 0.9)
@@ -105,35 +105,20 @@ def _unigram_loss(data) -> float:
     return float(-(counts / counts.sum())[data.y_test.reshape(-1)].log().mean())
 
 
-def _alone(data, steps: int) -> float:
-    """Validation loss of one model trained alone on all the training windows."""
-    model = build_model("chartransformer", 0, data.num_features, data.num_classes)
-    optimizer = make_optimizer(model, LR, 0.9)
-    stream = BatchStream(data.x_train, data.y_train, BATCH, 0, 0)
-    for _ in range(steps):
-        local_step(model, optimizer, stream.next_batch())
-    return evaluate(model, data.x_test, data.y_test)[1]
-
-
 @pytest.mark.timeout(300)
 def test_four_peers_over_grpc_train_it_together_with_powergossip_rank_1(data, one_thread):
-    config = TrainConfig(
-        algorithm="powergossip",
-        rank=1,
-        model="chartransformer",
-        dataset="pysource",
-        rounds=STEPS,
-        batch_size=BATCH,
-        lr=LR,
-        eval_every=STEPS // 2,
+    """benchmarks/language_model.py in a tiny configuration: 4 peers on ring4 (simulate, over
+    gRPC on loopback) and one model alone on all the data, as many steps each."""
+    reports, alone = benchmark("language_model").compare(
+        STEPS, BATCH, LR, 0, {"PowerGossip r1": "powergossip:rank=1"}
     )
-    report = run_simulation(config, resolve_topology("ring4"))
+    report = reports["PowerGossip r1"]
     initial = evaluate(
         build_model("chartransformer", 0, data.num_features, data.num_classes),
         data.x_test,
         data.y_test,
     )[1]
-    unigram, alone = _unigram_loss(data), _alone(data, STEPS)
+    unigram = _unigram_loss(data)
     assert initial == pytest.approx(math.log(VOCABULARY_SIZE), abs=0.1)  # near uniform
     # every peer heard its neighbours every round: none trained alone
     for peer in report.per_peer:
@@ -144,13 +129,12 @@ def test_four_peers_over_grpc_train_it_together_with_powergossip_rank_1(data, on
     assert loss < unigram - 0.2, (loss, unigram)
     # no worse than one model alone on all the data for as many steps (the four, mixing
     # four batches a step, usually do better)
-    assert loss < alone + 0.1, (loss, alone)
+    assert loss < alone.test_loss + 0.1, (loss, alone)
     assert report.average_model_test_loss < unigram - 0.2
     assert report.final_test_perplexity == pytest.approx(math.exp(loss))
-    assert [p.round for p in report.history] == [STEPS // 2, STEPS]
-    first, last = report.history
-    assert first.mean_test_loss is not None and last.mean_test_loss == pytest.approx(loss)
-    assert last.mean_test_loss < first.mean_test_loss
+    losses = [point.mean_test_loss for point in report.history]
+    assert [point.round for point in report.history] == [STEPS // 4 * k for k in (1, 2, 3, 4)]
+    assert losses[-1] == pytest.approx(loss) and losses[-1] < losses[0], losses
     assert "test loss" in str(report.summary_table().caption)
 
 
