@@ -71,6 +71,18 @@ CANDIDATES = {
             drift="tracking",
         ),
         setting(
+            "PowerGossip r2x4 H=6 tracking",
+            algorithm="powergossip:rank=2,steps=4",
+            local_steps=6,
+            drift="tracking",
+        ),
+        setting(
+            "PowerGossip r2x4 H=8 noloco",
+            algorithm="powergossip:rank=2,steps=4",
+            local_steps=8,
+            outer="noloco",
+        ),
+        setting(
             "Choco sign H=4 tracking",
             algorithm="choco:compressor=sign",
             local_steps=4,
@@ -191,9 +203,17 @@ def table(runs: list[dict[str, Any]]) -> Table:
                 str(len(mine)),
                 f"{_mean(runs, label, partition, 'mean_accuracy'):.4f}",
                 f"{_mean(runs, label, partition, 'min_accuracy'):.4f}",
-                "diverged" if ratio != ratio else f"1/{1 / ratio:.0f}",
+                _ratio_text(mine, reference_bytes, ratio),
             )
     return t
+
+
+def _ratio_text(runs: list[dict[str, Any]], reference_bytes: float, ratio: float) -> str:
+    if any(r["bytes"] is None for r in runs):
+        return "diverged"
+    if reference_bytes != reference_bytes:  # no reference among these runs (see --merge)
+        return "no reference"
+    return f"1/{1 / ratio:.0f}"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -208,6 +228,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument(
         "--partitions", default="by-label,iid", help="partitions of the figures ('' for none)"
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="LABEL",
+        help="run only these configurations (the reference too only if named); with --merge "
+        "of the other runs afterwards",
     )
     parser.add_argument(
         "--merge",
@@ -253,9 +280,13 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     for partition in [p for p in args.partitions.split(",") if p]:
         for seed in range(args.seeds):
             for item in [REFERENCE, *CANDIDATES[partition]]:
+                if args.only and item.label not in args.only:
+                    continue
                 runs.append(run_one(item, base, partition, seed, topology, args.reports))
     steps = tuple(int(h) for h in args.grid_steps.split(",") if h)
     for item in grid(steps):
+        if args.only and item.label not in args.only:
+            continue
         runs.append(run_one(item, base, "by-label", 0, topology, args.reports))
     return runs
 
