@@ -5,6 +5,7 @@ per-edge state kept across the rounds its edge is inactive, broadcasting algorit
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import build_network, gossip_round, stacked
+from conftest import build_network, gossip_round, run_in_threads, stacked
 from helpers import close_all, mlp_models
 
 from gossipcomp.cli import main
@@ -275,3 +276,40 @@ def test_the_guides_time_varying_examples_are_valid_topologies():
     blocks = re.findall(r"```yaml\n(.*?)```", section, flags=re.DOTALL)
     kinds = {topology_from_dict(yaml.safe_load(block)).kind for block in blocks}
     assert kinds == {"one-peer-exponential", "base-k", "random-matching", "rounds"}
+
+
+def test_a_peer_starting_late_joins_partners_that_ran_ahead_of_it():
+    """One-peer exponential on 4 peers over gRPC: peers 0 and 1 finish round 0 together (their
+    round-0 edge) while peer 3 has not started. Peer 3's handshake then reaches peer 1 at
+    round 1 on an edge that is up but has never exchanged: it agrees a resume round (it was
+    refused as if it would park a working edge, so peer 3 could not start, which made
+    `simulate` over worker processes fail after 30 s)."""
+    topology = build_topology("one-peer-exponential", n=4)
+    peers = [
+        Peer.over_grpc(m, topology, r, DPSGD(), bind="127.0.0.1:0", round_timeout=10)
+        for r, m in enumerate(mlp_models(4))
+    ]
+    try:
+        addresses = {p.rank: p.address for p in peers}
+        run_in_threads([lambda p=p: p.start(10, addresses) for p in peers[:3]])
+        run_in_threads([peers[0].gossip, peers[1].gossip])  # round 0: 0 with 1, 2 waits for 3
+        assert (peers[0].round, peers[1].round) == (1, 1)
+        peers[3].start(5, addresses)  # the handshake with peer 1 (round 1) is answered
+    finally:
+        close_all(peers)
+
+
+def test_simulate_runs_a_time_varying_topology_over_worker_processes(tmp_path):
+    """8 peers over 2 worker processes, each starting its peers one after another: a peer
+    whose partners are ready runs rounds ahead while a neighbour is still starting, and that
+    neighbour's handshake (at an earlier round) must agree a resume round rather than be
+    refused as if it parked a working edge (it was refused, and simulate failed after 30 s)."""
+    spec = tmp_path / "op8.yaml"
+    spec.write_text("name: op8\nkind: one-peer-exponential\nn: 8\n")
+    report = tmp_path / "op8.json"
+    argv = ["simulate", "--quiet", "--topology", str(spec), "--workers", "2", "--rounds", "24"]
+    argv += ["--algorithm", "dpsgd", "--local-steps", "4", "--eval-every", "0"]
+    assert main([*argv, "--report", str(report)]) == 0
+    result = json.loads(report.read_text())
+    assert all(p["gossip_rounds"] >= 6 for p in result["per_peer"])
+    assert result["final_test_accuracy"] > 0.5

@@ -74,6 +74,7 @@ class _Link:
     probe: Future[HelloAnswer] | None = None
     in_step_round: int = 0  # the last round both ends completed together ...
     in_step_at: float = 0.0  # ... and when (monotonic seconds)
+    used: bool = False  # an exchange on the edge has been tried (succeeded or failed)
 
 
 @dataclass
@@ -203,6 +204,7 @@ class LinkMonitor:
             for j in neighbours:
                 link = self._links[j]
                 link.in_step_round, link.in_step_at = round, now
+                link.used = True
                 if link.offered is not None and round >= link.offered:
                     link.offered = None  # exchanged past it: the claim was not the neighbour's
 
@@ -288,6 +290,7 @@ class LinkMonitor:
         wait). An edge a handshake put back meanwhile keeps its agreed resume round."""
         with self._lock:
             link = self._links[neighbour]
+            link.used = True
             if link.state is LinkState.UP:
                 offered, link.offered = link.offered, None
                 if offered is not None and offered > round:  # it did restart: resume as offered
@@ -376,11 +379,14 @@ class LinkMonitor:
         this peer's round. A neighbour that really lost the edge stops exchanging on it, so
         this end's next exchange fails, the edge goes down here, and the neighbour's next
         handshake is answered: the claim is confirmed on the edge's own connection (one that
-        says it is alone, restarted, is answered at once: `offer_resume`)."""
+        says it is alone, restarted, is answered at once: `offer_resume`). An edge no exchange
+        has been tried on yet is not working: on a time-varying topology a peer's rounds go
+        on with its other partners while a neighbour is still starting, and that neighbour's
+        handshake, at an earlier round, agrees a resume round as after any restart."""
         with self._lock:
             link = self._links[sender]
             in_step = proposed == 0 and sender_round == round
-            return link.state is LinkState.UP and not in_step
+            return link.state is LinkState.UP and link.used and not in_step
 
     def offer_resume(self, sender: int, round: int) -> HelloAnswer:
         """Answer a neighbour that says it is alone (restarted) on an edge that still exchanges

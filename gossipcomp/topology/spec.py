@@ -347,10 +347,14 @@ def topology_from_dict(spec: Mapping[str, Any], source: str = "<dict>") -> Topol
 
 
 def build_topology(
-    kind: str, *, name: str | None = None, weights: str = "metropolis", **params: Any
+    kind: str, *, name: str | None = None, weights: str | None = None, **params: Any
 ) -> Topology:
-    """Programmatic form of a spec, e.g. ``build_topology("torus", rows=4, cols=4)``."""
-    spec = {"kind": kind, "weights": weights, **params}
+    """Programmatic form of a spec, e.g. ``build_topology("torus", rows=4, cols=4)``
+    (weights: the file's default, metropolis, when not given; time-varying kinds other than
+    `rounds` take none)."""
+    spec: dict[str, Any] = {"kind": kind, **params}
+    if weights is not None:
+        spec["weights"] = weights
     if name is not None:
         spec["name"] = name
     return topology_from_dict(spec)
