@@ -117,12 +117,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
         )
     topology = resolve_topology(args.topology)
     server = CoordinatorServer(make_coordinator(args, topology), args.address, tls)
-    console.print(
-        f"coordinator for {topology.name} ({topology.n} peers) at {server.address}, "
-        f"planner {args.planner}; peers join with --coordinator {server.address}"
-    )
+    # before the address is printed: a script that reads it may kill the coordinator at once
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
+        console.print(
+            f"coordinator for {topology.name} ({topology.n} peers) at {server.address}, "
+            f"planner {args.planner}; peers join with --coordinator {server.address}"
+        )
         server.wait()
     except _Terminated:
         console.print("coordinator: terminated (SIGTERM); stopped serving")
