@@ -108,7 +108,8 @@ def test_a_peer_switching_a_round_early_fails_those_exchanges_and_they_are_count
     envelopes between them are sent under different epochs, so those exchanges fail (nothing
     is used under two epochs), are counted, and are named in the link log."""
     models = _models(4)
-    peers = build_network(RING4, models, _choco, round_timeout=0.5)
+    # 2 s: under a loaded CI machine, 0.5 s let the rounds time out before any epoch mismatch
+    peers = build_network(RING4, models, _choco, round_timeout=2.0)
     try:
         names = _names(models[0])
         peers[0].apply(_single(names, 1, 2))
