@@ -59,12 +59,6 @@ class LocalPhases:
         """Whether anything happens besides plain local SGD."""
         return self.optimizer is not None or self.drift is not None
 
-    def restart(self) -> None:
-        """Take the model as it is now as the phase's anchor (a peer made or restored)."""
-        if self.optimizer is not None:
-            self.anchor = [p.detach().clone() for p in self.trained]
-        self.steps_in_phase = 0
-
     def local_step(self) -> None:
         """Count one local step, applying its share of the drift correction."""
         if self.drift is not None and self.drift.correction:
