@@ -356,7 +356,8 @@ def test_a_peer_whose_exchanges_all_fail_warns_then_stops_while_its_neighbours_t
     assert peers[1].failed_rounds < bound and peers[2].failed_rounds < bound
     warnings = [r.getMessage() for r in caplog.records if "rounds in a row" in r.getMessage()]
     assert any(m.startswith("peer 0:") and "in 3 rounds in a row" in m for m in warnings)
-    assert not any(m.startswith(("peer 1:", "peer 2:")) for m in warnings)
+    # peers 1 and 2 may warn too on a loaded machine (in a CI run their one live edge missed
+    # its deadline three rounds running); what they must not do is stop, checked above
 
 
 def test_max_failed_rounds_zero_never_stops_and_bad_bounds_are_refused(one_thread):
