@@ -15,7 +15,15 @@ scheduling) that no level changes, with spells where a few sends take ten times 
   the last half of them, of what each send took beyond the latency, per byte; the slower of
   the two counts, so a link that slows down shows within three of four sends while one that
   speeds up must do so for the whole window, and a busy spell of a minority of sends is not a
-  slow link.
+  slow link;
+- a send shows a per-byte cost only when it took longer than the latency by more than the
+  sends' own noise (`NOISE_MADS` median absolute deviations of each size's times, `send_noise`);
+  one that did not counts 0 seconds per byte. A send of a few hundred bytes takes the latency
+  plus noise, and that noise over so few bytes read as seconds per byte predicted every larger
+  level far over budget: the level stepped down, the next sends were smaller still and their
+  reading noisier, to the bottom of the ladder (Choco's top-k on the shaped links of
+  docs/benchmarks.md, run 5). Sends that show no cost let the level rise one step at a time,
+  and the larger sends then show the link's cost.
 
 A level is a number on a ladder of one compressor family, from most compressed to none (for
 PowerGossip the rank: 1, 2, 4, ... up to the rank that averages every matrix exactly). For each
@@ -70,6 +78,7 @@ LATENCY_MEMORY = 8  # separated latencies per link whose median stands in for la
 MAX_BACKOFF = 8  # at most 8 x raise_after decisions before a link that flapped rises again
 LATENCY_BOUND_SHARE = 0.25  # on a link slower than the budget whatever the size: bytes' share
 FIRST_DECISION_ROUND = DEFAULT_WINDOW // 2  # rounds before a first decision (start-up is slow)
+NOISE_MADS = 3.0  # time beyond the latency within this many MADs of a size's times is noise
 
 Link = tuple[int, int]  # (lower rank, higher rank)
 
@@ -131,36 +140,61 @@ def estimate_link(
     latency = 0.0 if bytes_only else separate_latency(sends)
     if latency is None:
         latency = min(latency_s or 0.0, statistics.median(s for _, s in recent))
+    noise = send_noise(recent)
     if settled:
-        return _fit(recent, latency)
+        return _fit(recent, latency, noise)
     at = sum(b for b, _ in recent) / len(recent)
-    fits = (_fit(recent, latency), _fit(recent[-max(2, window // 2) :], latency))
+    fits = (_fit(recent, latency, noise), _fit(recent[-max(2, window // 2) :], latency, noise))
     return max(fits, key=lambda cost: cost.seconds(at))
 
 
-def separate_latency(sends: Sequence[tuple[int, float]]) -> float | None:
-    """The part of a send's time that does not grow with its size, when the sizes lie
-    `SEPARABLE_SPAN` apart: through the (lower) median time of each size sent at least
-    `SIZE_SENDS` times (or, with fewer than two such sizes, through every send), a robust
-    slope, and the lowest time less its bytes' share by that slope. Medians, as a busy CPU
-    holds up a minority of sends whatever their size. None when the sizes lie closer
-    (one level's payloads of near-equal sizes): noise would decide the slope."""
+def send_noise(sends: Sequence[tuple[int, float]]) -> float:
+    """How much a send's time varies for reasons other than its size: `NOISE_MADS` times the
+    median absolute deviation of each send from the median time of its size (sizes sent at
+    least twice; 0 when none is). A median, so a busy spell of a minority of sends does not
+    widen it."""
     by_size: dict[int, list[float]] = {}
     for nbytes, seconds in sends:
         by_size.setdefault(nbytes, []).append(seconds)
-    medians = [(b, statistics.median_low(t)) for b, t in by_size.items() if len(t) >= SIZE_SENDS]
-    points = medians if len(medians) >= 2 else list(sends)
+    deviations = [
+        abs(t - statistics.median(times))
+        for times in by_size.values()
+        if len(times) >= 2
+        for t in times
+    ]
+    return NOISE_MADS * statistics.median(deviations) if deviations else 0.0
+
+
+def separate_latency(sends: Sequence[tuple[int, float]]) -> float | None:
+    """The part of a send's time that does not grow with its size, when sizes sent at least
+    `SIZE_SENDS` times lie `SEPARABLE_SPAN` apart: through the (lower) median time of each
+    such size (never through single sends: two sends of a new size, one held up by a busy
+    CPU, made a slope that put the latency at 0 and every second on the bytes), a robust
+    slope, and the lowest time less its bytes' share by that slope (no share when the slope
+    parts the sizes by no more than the sends' noise, `send_noise`: sizes of a few hundred
+    bytes whose times differ by noise). Medians, as a busy CPU holds up a minority of sends
+    whatever their size. None when the sizes lie closer (one level's payloads of near-equal
+    sizes): noise would decide the slope."""
+    by_size: dict[int, list[float]] = {}
+    for nbytes, seconds in sends:
+        by_size.setdefault(nbytes, []).append(seconds)
+    points = [(b, statistics.median_low(t)) for b, t in by_size.items() if len(t) >= SIZE_SENDS]
     sizes = [b for b, _ in points]
-    if not sizes or max(sizes) < SEPARABLE_SPAN * min(sizes):
+    if len(sizes) < 2 or max(sizes) < SEPARABLE_SPAN * min(sizes):
         return None
     _, per_byte = fit_line([float(b) for b in sizes], [t for _, t in points], "link estimate")
+    if per_byte * (max(sizes) - min(sizes)) <= send_noise(sends):
+        per_byte = 0.0  # the sizes' times differ by no more than noise: all of it is latency
     return max(0.0, min(t - per_byte * b for b, t in points))
 
 
-def _fit(sends: Sequence[tuple[int, float]], latency_s: float) -> LinkCost:
+def _fit(sends: Sequence[tuple[int, float]], latency_s: float, noise_s: float = 0.0) -> LinkCost:
     """`latency_s` and the lower median over `sends` of the seconds per byte left after it:
-    sends held up by a busy CPU are not a slow link unless they are most of them."""
-    per_byte = statistics.median_low(max(0.0, s - latency_s) / b for b, s in sends)
+    sends held up by a busy CPU are not a slow link unless they are most of them. A send that
+    took at most `noise_s` beyond the latency shows no cost per byte (0): too small to show one."""
+    per_byte = statistics.median_low(
+        (s - latency_s) / b if s - latency_s > noise_s else 0.0 for b, s in sends
+    )
     return LinkCost(latency_s, per_byte)
 
 
