@@ -124,6 +124,57 @@ def test_gossip_outer_nesterov_on_a_complete_graph_equals_all_reduce_diloco():
             torch.testing.assert_close(mine, want.detach(), rtol=1e-4, atol=1e-5)
 
 
+def test_tracking_at_rate_1_under_exact_averaging_is_scaffold():
+    """SCAFFOLD (option II control variates, server step 1, every client every round) computed
+    in plain torch: y <- y - lr (g + c - c_i) for h steps, c_i <- c_i - c + (x - y_i) / (h lr),
+    c <- mean c_i, x <- mean y_i. On a complete graph with exact averaging, drift tracking at
+    rate 1 (d_i = -h lr (c - c_i), spread over the phase's steps) is that algorithm: the
+    SCAFFOLD-style control variate is `--drift tracking:rate=1` where gossip averages."""
+    topology = build_topology("complete", n=4, weights="uniform")
+    h, phases, lr = 3, 4, 0.05
+    batches = [_batches(r, h * phases, seed=2) for r in range(4)]
+    peers = grpc_network(
+        topology,
+        [build_mlp(seed=0) for _ in range(4)],
+        DPSGD,
+        drift=parse_drift("tracking:rate=1"),
+        local_steps=h,
+    )
+    try:
+        _train(peers, batches, phases, h, lr)
+        tracked = _params(peers)
+    finally:
+        _close(peers)
+    server = build_mlp(seed=0)
+    shapes = [p.detach() for p in server.parameters()]
+    c_mean = [torch.zeros_like(p) for p in shapes]
+    c_own = [[torch.zeros_like(p) for p in shapes] for _ in range(4)]
+    for phase in range(phases):
+        ends = []
+        for rank in range(4):
+            local = copy.deepcopy(server)
+            for s in range(h):
+                _sgd_step(local, batches[rank][phase * h + s], lr)
+                with torch.no_grad():
+                    for p, c, ci in zip(local.parameters(), c_mean, c_own[rank], strict=True):
+                        p.sub_(c - ci, alpha=lr)
+            ends.append([p.detach().clone() for p in local.parameters()])
+        with torch.no_grad():
+            for rank in range(4):
+                c_own[rank] = [
+                    ci - c + (x - y) / (h * lr)
+                    for ci, c, x, y in zip(
+                        c_own[rank], c_mean, server.parameters(), ends[rank], strict=True
+                    )
+                ]
+            c_mean = [torch.stack(cs).mean(0) for cs in zip(*c_own, strict=True)]
+            for i, x in enumerate(server.parameters()):
+                x.copy_(torch.stack([e[i] for e in ends]).mean(0))
+    for rank in range(4):
+        for mine, want in zip(tracked[rank], server.parameters(), strict=True):
+            torch.testing.assert_close(mine, want.detach(), rtol=1e-4, atol=1e-5)
+
+
 def test_outer_state_and_error_memory_survive_a_checkpoint_bit_for_bit():
     """Save every peer mid-phase (2 of 4 steps taken), go on; restore fresh peers from the
     saved states and go on the same way: the same parameters, bit for bit (outer anchor and

@@ -24,6 +24,14 @@ less than exact gossip (its M is nearer I), so the bound holds for it too. Compr
 disagreement (a rank-r subspace, a compressed copy) that changes every round, and the
 correction then integrates a lagging signal; there, rates above 0.05 diverged on digits, and the
 default is COMPRESSED_TRACKING_RATE (measured; an explicit rate overrides it).
+
+SCAFFOLD's control variates (option II, server step 1) are this update at rate 1 where gossip
+averages exactly: its local step adds -lr (c - c_i), a constant per phase, so d_i = -H lr (c -
+c_i); its update c_i <- c_i - c + (x - y_i) / (H lr) with c <- mean c_i and x <- mean y_i
+gives d_i <- d_i + (mean y - y_i), which is x_mix_i - x_i (tests/test_outer.py checks the two
+against each other). Over sparse gossip, rate 1 is at or past the stability bound above (an
+8-ring's Metropolis W has lam_min = -1/3: bound 1), so a SCAFFOLD-style correction is
+`tracking:rate=1` on a complete graph and the safe rate elsewhere.
 """
 
 from __future__ import annotations
