@@ -59,9 +59,26 @@ def setting(label: str, **changes: Any) -> Setting:
 
 
 REFERENCE = setting("D-PSGD H=1", algorithm="dpsgd")
-# the candidates for the figures, per partition: each within its bytes budget
+# the candidates for the figures, per partition, each within its bytes budget; by label also
+# the drift corrections side by side on exact gossip (over the budget: a comparison, not a
+# candidate): none, tracking at the safe rate (K-GT), and rate 1 (SCAFFOLD, outer/drift.py)
+DRIFT_COMPARISON = [
+    setting(f"D-PSGD H=4 {name}", algorithm="dpsgd", local_steps=4, drift=drift)
+    for name, drift in (
+        ("plain", "none"),
+        ("tracking", "tracking"),
+        ("scaffold", "tracking:rate=1"),
+    )
+]
 CANDIDATES = {
     "by-label": [
+        *DRIFT_COMPARISON,
+        setting(
+            "PowerGossip r2x4 H=6 scaffold",
+            algorithm="powergossip:rank=2,steps=4",
+            local_steps=6,
+            drift="tracking:rate=1",
+        ),
         setting("PowerGossip r1 H=2 tracking", local_steps=2, drift="tracking"),
         setting(
             "PowerGossip r1 H=2 noloco tracking", local_steps=2, outer="noloco", drift="tracking"
@@ -92,6 +109,10 @@ CANDIDATES = {
         ),
     ],
     "iid": [
+        setting("DEF sign H=17", algorithm="def:compressor=sign", local_steps=17),
+        setting(
+            "DEF sign H=17 noloco", algorithm="def:compressor=sign", local_steps=17, outer="noloco"
+        ),
         setting("PowerGossip r1 H=8", local_steps=8),
         setting("PowerGossip r1 H=8 noloco", local_steps=8, outer="noloco"),
         setting(
