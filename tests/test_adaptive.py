@@ -271,7 +271,7 @@ def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_whe
         assert level[drop + 12] <= fits_slow, (level, fits_slow)  # lowered within 12 rounds
         assert level[rounds] > level[back - 1], level  # raised again after the recovery
         # the slow link's transfers fit the budget again before it recovers
-        assert slow_sends and max(slow_sends) <= 1.25 * budget, slow_sends
+        assert slow_sends and max(slow_sends) <= 1.25 * budget, (slow_sends, level)
         assert_clean(peers)
     finally:
         stop_all(clients, server, peers)

@@ -25,6 +25,8 @@ from gossipcomp.levels.rate import LevelCosts
 from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.transport.base import PayloadSpec
 
+FLOOR_DIVISOR = 3  # a rate controller compresses a broadcast at most this much past the configured
+
 if TYPE_CHECKING:  # gossip/ loads Choco and DEF-ATC, which import this module (see `grouping`)
     from gossipcomp.gossip.base import NamedParams
     from gossipcomp.gossip.grouping import Grouping
@@ -47,10 +49,26 @@ class BroadcastLevels:
     def own(self) -> int:
         return self.levels[self.rank]
 
+    @property
+    def floor(self) -> int:
+        """The lowest level the rate controller may choose: the lowest whose payload is at
+        least 1/`FLOOR_DIVISOR` of the configured level's. A broadcast level is the lowest
+        among a peer's links, and with the ladder's bottom allowed the slow link's ends went
+        to top-k ratios of 1e-4 to 2e-3 (100 bytes: no learning; docs/benchmarks.md run 5);
+        a level a few times cheaper than the one configured still learns (top-k 0.02 for the
+        configured 0.05 reaches 0.95 where 0.01 stays at 0.92)."""
+        least = self.ladder.nbytes[self.ladder.default - 1] / FLOOR_DIVISOR
+        return next(level for level, n in enumerate(self.ladder.nbytes, start=1) if n >= least)
+
     def costs(self, exchanges: int) -> LevelCosts:
-        """Bytes one round sends each neighbour at every level (`exchanges` payloads)."""
+        """Bytes one round sends each neighbour at every level from `floor` up (`exchanges`
+        payloads): the levels a rate controller chooses among."""
         return LevelCosts(
-            {level: exchanges * n for level, n in enumerate(self.ladder.nbytes, start=1)},
+            {
+                level: exchanges * n
+                for level, n in enumerate(self.ladder.nbytes, start=1)
+                if level >= self.floor
+            },
             exchanges,
         )
 

@@ -17,7 +17,7 @@ scheduling) that no level changes, with spells where a few sends take ten times 
   speeds up must do so for the whole window, and a busy spell of a minority of sends is not a
   slow link;
 - a send shows a per-byte cost only when it took longer than the latency by more than the
-  sends' own noise (`NOISE_MADS` median absolute deviations of each size's times, `send_noise`);
+  sends' own noise (2.5x the median step between successive sends of a size, `send_noise`);
   one that did not counts 0 seconds per byte. A send of a few hundred bytes takes the latency
   plus noise, and that noise over so few bytes read as seconds per byte predicted every larger
   level far over budget: the level stepped down, the next sends were smaller still and their
@@ -78,7 +78,7 @@ LATENCY_MEMORY = 8  # separated latencies per link whose median stands in for la
 MAX_BACKOFF = 8  # at most 8 x raise_after decisions before a link that flapped rises again
 LATENCY_BOUND_SHARE = 0.25  # on a link slower than the budget whatever the size: bytes' share
 FIRST_DECISION_ROUND = DEFAULT_WINDOW // 2  # rounds before a first decision (start-up is slow)
-NOISE_MADS = 3.0  # time beyond the latency within this many MADs of a size's times is noise
+NOISE_STEPS = 2.5  # time beyond the latency within 2.5x a size's typical send-to-send step: noise
 
 Link = tuple[int, int]  # (lower rank, higher rank)
 
@@ -149,42 +149,38 @@ def estimate_link(
 
 
 def send_noise(sends: Sequence[tuple[int, float]]) -> float:
-    """How much a send's time varies for reasons other than its size: `NOISE_MADS` times the
-    median absolute deviation of each send from the median time of its size (sizes sent at
-    least twice; 0 when none is). A median, so a busy spell of a minority of sends does not
-    widen it."""
-    by_size: dict[int, list[float]] = {}
+    """How much a send's time varies for reasons other than its size: `NOISE_STEPS` times
+    the median difference between each send and the one before it of the same size (0 when
+    there are fewer than `SIZE_SENDS` such steps: one step may be the link changing speed). Successive differences, so a link whose speed changed shows one
+    large step, not a wide spread that would hide the change; a median, so a busy spell of
+    a minority of sends does not widen it."""
+    before: dict[int, float] = {}
+    steps = []
     for nbytes, seconds in sends:
-        by_size.setdefault(nbytes, []).append(seconds)
-    deviations = [
-        abs(t - statistics.median(times))
-        for times in by_size.values()
-        if len(times) >= 2
-        for t in times
-    ]
-    return NOISE_MADS * statistics.median(deviations) if deviations else 0.0
+        if nbytes in before:
+            steps.append(abs(seconds - before[nbytes]))
+        before[nbytes] = seconds
+    return NOISE_STEPS * statistics.median(steps) if len(steps) >= SIZE_SENDS else 0.0
 
 
 def separate_latency(sends: Sequence[tuple[int, float]]) -> float | None:
     """The part of a send's time that does not grow with its size, when sizes sent at least
     `SIZE_SENDS` times lie `SEPARABLE_SPAN` apart: through the (lower) median time of each
-    such size (never through single sends: two sends of a new size, one held up by a busy
-    CPU, made a slope that put the latency at 0 and every second on the bytes), a robust
-    slope, and the lowest time less its bytes' share by that slope (no share when the slope
-    parts the sizes by no more than the sends' noise, `send_noise`: sizes of a few hundred
-    bytes whose times differ by noise). Medians, as a busy CPU holds up a minority of sends
-    whatever their size. None when the sizes lie closer (one level's payloads of near-equal
-    sizes): noise would decide the slope."""
+    such size (through every send only when no size repeats so often; never through the
+    first sends of a new level beside an old one: two sends of a new size, one held up by a
+    busy CPU, made a slope that put the latency at 0 and every second on the bytes), a robust
+    slope, and the lowest time less its bytes' share by that slope. Medians, as a busy CPU
+    holds up a minority of sends whatever their size. None when the sizes lie closer (one
+    level's payloads of near-equal sizes): noise would decide the slope."""
     by_size: dict[int, list[float]] = {}
     for nbytes, seconds in sends:
         by_size.setdefault(nbytes, []).append(seconds)
-    points = [(b, statistics.median_low(t)) for b, t in by_size.items() if len(t) >= SIZE_SENDS]
+    medians = [(b, statistics.median_low(t)) for b, t in by_size.items() if len(t) >= SIZE_SENDS]
+    points = medians or list(sends)
     sizes = [b for b, _ in points]
     if len(sizes) < 2 or max(sizes) < SEPARABLE_SPAN * min(sizes):
         return None
     _, per_byte = fit_line([float(b) for b in sizes], [t for _, t in points], "link estimate")
-    if per_byte * (max(sizes) - min(sizes)) <= send_noise(sends):
-        per_byte = 0.0  # the sizes' times differ by no more than noise: all of it is latency
     return max(0.0, min(t - per_byte * b for b, t in points))
 
 
