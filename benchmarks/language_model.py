@@ -1,6 +1,9 @@
 """The character-level language model on 4 peers against one model alone (issue 26).
 
 Run: python benchmarks/language_model.py --json docs/language_model.json
+     python benchmarks/language_model.py --outer-grid 4,16,64 --json PATH  (benchmarks/outer.py's
+     grid on the language model: plain, outer Nesterov, NoLoCo-style, each with and without
+     drift tracking, at each H; PowerGossip rank 1 on ring4)
 Every run trains model chartransformer on dataset pysource (the Python standard library's own
 source, workload/text.py) for the same local steps, batch size, learning rate and seed: 4 peers
 on ring4 over gRPC on loopback (`simulate`) with each gossip algorithm, and one model alone on all
@@ -17,8 +20,10 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
+from outer import grid, run_one
 from rich.console import Console
 from rich.table import Table
 
@@ -80,6 +85,31 @@ def compare(
     return reports, train_alone(base)
 
 
+def outer_grid(
+    rounds: int, batch_size: int, lr: float, seed: int, steps: tuple[int, ...]
+) -> list[dict[str, Any]]:
+    """benchmarks/outer.py's grid on the language model, 4 peers on ring4: one record per
+    configuration (a diverged one is recorded as such), with its validation loss."""
+    base = replace(base_config(rounds, batch_size, lr, seed), eval_every=0)
+    ring4 = load_topology(ROOT / "gossipcomp" / "topologies" / "ring4.yaml")
+    return [run_one(item, base, "iid", seed, ring4, None) for item in grid(steps)]
+
+
+def grid_table(runs: list[dict[str, Any]]) -> Table:
+    table = Table(title="outer optimizers on the language model (val loss, lower is better)")
+    for column in ("configuration", "val loss", "average model", "MB sent"):
+        table.add_column(column, justify="right")
+    for run in runs:
+        diverged = run.get("error") is not None
+        table.add_row(
+            run["label"],
+            "diverged" if diverged else f"{run['test_loss']:.3f}",
+            "-" if diverged else f"{run['average_model_test_loss']:.3f}",
+            "-" if diverged else f"{run['bytes'] / 1e6:.2f}",
+        )
+    return table
+
+
 def summary(reports: dict[str, Report], alone: Alone) -> dict[str, object]:
     exact = reports.get("D-PSGD (exact)")
     runs = []
@@ -122,8 +152,20 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument(
+        "--outer-grid",
+        metavar="H,H,...",
+        help="run benchmarks/outer.py's grid at these local steps instead of the comparison",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.outer_grid:
+        steps = tuple(int(h) for h in args.outer_grid.split(",") if h)
+        runs = outer_grid(args.rounds, args.batch_size, args.lr, args.seed, steps)
+        Console().print(grid_table(runs))
+        if args.json is not None:
+            args.json.write_text(json.dumps({"outer_grid": runs}, indent=2) + "\n")
+        return
     reports, alone = compare(args.rounds, args.batch_size, args.lr, args.seed, ALGORITHMS)
     result = summary(reports, alone)
     table = Table(

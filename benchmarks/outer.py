@@ -164,6 +164,8 @@ def run_one(
     record.update(
         mean_accuracy=report.final_test_accuracy,
         min_accuracy=report.min_test_accuracy,
+        test_loss=report.final_test_loss,
+        average_model_test_loss=report.average_model_test_loss,
         average_model_accuracy=report.average_model_test_accuracy,
         bytes=report.bytes_sent_total,
         gossip_rounds=report.gossip_rounds,

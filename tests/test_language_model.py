@@ -138,6 +138,24 @@ def test_four_peers_over_grpc_train_it_together_with_powergossip_rank_1(data, on
     assert "test loss" in str(report.summary_table().caption)
 
 
+@pytest.mark.timeout(300)
+def test_the_outer_grid_runs_tiny_on_the_language_model(one_thread):
+    """benchmarks/language_model.py --outer-grid in a tiny configuration (H = 2, 4 steps of 4
+    windows): a record per configuration of benchmarks/outer.py's grid, each with a validation
+    loss or the reason it diverged, and one gossip round every 2 steps."""
+    lm = benchmark("language_model")
+    runs = lm.outer_grid(4, 4, LR, 0, (2,))
+    labels = [r["label"] for r in runs]
+    assert len(labels) == 6 and len(set(labels)) == 6 and all("H=2" in x for x in labels)
+    for run in runs:
+        assert run["local_steps"] == 2
+        if run.get("error") is None:
+            assert run["gossip_rounds"] == 2 and run["bytes"] > 0
+            assert run["test_loss"] > 0 and math.isfinite(run["test_loss"]), run
+    assert any(r.get("error") is None for r in runs)
+    assert lm.grid_table(runs).row_count == 6
+
+
 @pytest.mark.parametrize(
     "model, dataset, partition, message",
     [
