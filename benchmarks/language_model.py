@@ -90,14 +90,16 @@ def outer_grid(
 ) -> list[dict[str, Any]]:
     """benchmarks/outer.py's grid on the language model, 4 peers on ring4: one record per
     configuration (a diverged one is recorded as such), with its validation loss."""
-    base = replace(base_config(rounds, batch_size, lr, seed), eval_every=0)
+    # losses, not times, are compared: a round may wait long on a loaded machine rather than
+    # fail (a failed exchange would make a peer train alone that round)
+    base = replace(base_config(rounds, batch_size, lr, seed), eval_every=0, round_timeout=600.0)
     ring4 = load_topology(ROOT / "gossipcomp" / "topologies" / "ring4.yaml")
     return [run_one(item, base, "iid", seed, ring4, None) for item in grid(steps)]
 
 
 def grid_table(runs: list[dict[str, Any]]) -> Table:
     table = Table(title="outer optimizers on the language model (val loss, lower is better)")
-    for column in ("configuration", "val loss", "average model", "MB sent"):
+    for column in ("configuration", "val loss", "average model", "MB sent", "failed exchanges"):
         table.add_column(column, justify="right")
     for run in runs:
         diverged = run.get("error") is not None
@@ -106,6 +108,7 @@ def grid_table(runs: list[dict[str, Any]]) -> Table:
             "diverged" if diverged else f"{run['test_loss']:.3f}",
             "-" if diverged else f"{run['average_model_test_loss']:.3f}",
             "-" if diverged else f"{run['bytes'] / 1e6:.2f}",
+            "-" if diverged else str(run["failed_exchanges"]),
         )
     return table
 

@@ -164,6 +164,7 @@ def run_one(
     record.update(
         mean_accuracy=report.final_test_accuracy,
         min_accuracy=report.min_test_accuracy,
+        failed_exchanges=sum(p.failed_exchanges for p in report.per_peer),
         test_loss=report.final_test_loss,
         average_model_test_loss=report.average_model_test_loss,
         average_model_accuracy=report.average_model_test_accuracy,

@@ -151,6 +151,7 @@ def test_the_outer_grid_runs_tiny_on_the_language_model(one_thread):
         assert run["local_steps"] == 2
         if run.get("error") is None:
             assert run["gossip_rounds"] == 2 and run["bytes"] > 0
+            assert run["failed_exchanges"] == 0
             assert run["test_loss"] > 0 and math.isfinite(run["test_loss"]), run
     assert any(r.get("error") is None for r in runs)
     assert lm.grid_table(runs).row_count == 6
