@@ -272,7 +272,7 @@ def test_broadcasting_algorithms_are_refused_on_time_varying_topologies():
 
 def test_the_guides_time_varying_examples_are_valid_topologies():
     guide = (Path(__file__).resolve().parent.parent / "docs/guides/topologies.md").read_text()
-    section = guide.split("## Time-varying topologies", 1)[1]
+    section = guide.split("## Time-varying topologies", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```yaml\n(.*?)```", section, flags=re.DOTALL)
     kinds = {topology_from_dict(yaml.safe_load(block)).kind for block in blocks}
     assert kinds == {"one-peer-exponential", "base-k", "random-matching", "rounds"}

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from gossipcomp.cli.common import add_tls_flags, planner_spec, resolve_topology, tls_files
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
+from gossipcomp.coordinator.membership import DEFAULT_MEMBER_TIMEOUT, MAX_MEMBER_TIMEOUT
 from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
 from gossipcomp.schedule import PLANNERS
 from gossipcomp.topology import Topology
@@ -42,6 +43,13 @@ def add_coordinator_flags(group: argparse._ActionsContainer) -> None:
     add_round_budget(
         group,
         "the slowest peer's measured compute time per round, so communication hides behind it",
+    )
+    group.add_argument(
+        "--member-timeout",
+        type=number("member timeout (seconds)", 0.001, MAX_MEMBER_TIMEOUT),
+        default=DEFAULT_MEMBER_TIMEOUT,
+        help="a live topology (`members:`): a member silent this many seconds is removed; make "
+        "it several times --report-every rounds of the slowest round (a round timeout too)",
     )
     group.add_argument(
         "--boost",
@@ -104,6 +112,7 @@ def make_coordinator(args: argparse.Namespace, topology: Topology) -> Coordinato
         adaptive=args.adaptive,
         round_budget=args.round_budget,
         boost=args.boost,
+        member_timeout=args.member_timeout,
     )
 
 

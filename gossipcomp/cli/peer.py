@@ -75,6 +75,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_report_every(peer, "rounds between reports to the coordinator")
     peer.add_argument(
+        "--join",
+        action="store_true",
+        help="a live topology (`members:`): this peer (re)joins a running network; it is a "
+        "member once the coordinator's next schedule names it (a rank not among the initial "
+        "members joins without it; a rank that may have been removed needs it)",
+    )
+    peer.add_argument(
         "--adaptive",
         action="store_true",
         help="bandwidth-adaptive compression without a coordinator: for each edge to a "
@@ -103,6 +110,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise ValueError("--advertise: expected --rendezvous with it (it names this peer there)")
     checked, rank = prepare(args, _peer_rank, "--low-rank")
     assert rank is not None  # prepare asked _peer_rank for it
+    _check_membership(args, checked.topology)
     label = f"peer {rank}: {checked.config.algorithm} on {checked.topology.name}"
     train = partial(
         run_peer,
@@ -113,6 +121,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         insecure=args.insecure,
         coordinator=args.coordinator,
         peer_levels=_peer_levels(args),
+        joining=args.join,
     )
     total = checked.config.gossip_rounds
     if args.rendezvous is None:
@@ -123,6 +132,22 @@ def run(args: argparse.Namespace, console: Console) -> int:
     ) as (topology, bound):
         checked = checked._replace(topology=topology)
         return train_and_finish(args, console, checked, partial(train, bind=bound), total, label)
+
+
+def _check_membership(args: argparse.Namespace, topology: Topology) -> None:
+    """Live membership needs a coordinator: without one nobody decides who is in, and the
+    membership would stay the initial one; ValueError when asked for without one."""
+    if topology.live is not None and args.coordinator is None:
+        raise ValueError(
+            f"--topology {topology.name}: live membership (`members:`) is decided by a "
+            "coordinator; expected --coordinator HOST:PORT (without one the members would stay "
+            "the initial ones: use a topology file without `members:`)"
+        )
+    if args.join and topology.live is None:
+        raise ValueError(
+            f"--join: expected a live topology (a file with `members:`); {topology.name} has a "
+            "fixed membership"
+        )
 
 
 def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:

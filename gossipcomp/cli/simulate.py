@@ -98,6 +98,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     checked, _ = prepare(args, None, "--rank")
     peer_levels = _peer_levels(args)
     config, topology = checked.config, checked.topology
+    if topology.live is not None:
+        raise ValueError(
+            f"--topology {topology.name}: live membership (`members:`) runs with `gossipcomp "
+            "coordinator` and one `gossipcomp peer --coordinator` per rank; simulate runs every "
+            "rank of a fixed topology (expected a topology file without `members:`)"
+        )
     label = f"{config.algorithm} on {topology.name}"
     train = partial(
         run_simulation,

@@ -4,7 +4,9 @@
 - planning.py: `Coordinator`, the network's state: reports -> cost model -> plan -> schedule,
   and the rate controller's link levels;
 - service.py: `CoordinatorServer`, the Report RPC served over gRPC;
-- client.py: `CoordinatorClient`, a peer's non-blocking reports and the schedules it stages.
+- client.py: `CoordinatorClient`, a peer's non-blocking reports and the schedules it stages;
+- membership.py: `MemberLiveness`, who is in a live network (removal of silent members,
+  admission of reporting ranks).
 
 The names are importable from the package itself (``from gossipcomp.coordinator import
 Coordinator``), each from its module on first use, so importing the client (as a peer's trainer
@@ -29,6 +31,7 @@ _EXPORTS = {
         "CoordinatorServer"
     ),
     "gossipcomp.coordinator.client": "CoordinatorClient",
+    "gossipcomp.coordinator.membership": "DEFAULT_MEMBER_TIMEOUT MemberLiveness",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -27,6 +27,13 @@ groups and the new levels. With `boost`, the links of a peer that reports a crit
 phase (Accordion: a layer's gradient norm changed by half or more between windows of rounds,
 schedule/critical.py) go one level above the controller's choice while the phase lasts. At most about three schedules then wait at a peer (MAX_STAGED is 4).
 
+Live membership (a topology with `members:`, topology/members.py): the coordinator decides who
+is in (membership.py: members silent past `member_timeout` seconds are removed, ranks of the
+capacity that report are admitted, a bounded number per change) and publishes each change as a
+schedule naming the members, effective `margin` rounds after the furthest round heard, like any
+schedule; every schedule it publishes on a live topology names them. Planning, the model's
+majority and rate control count the members in force only.
+
 No state survives a restart: membership comes back with the next reports, and epochs continue
 above the highest epoch the peers report holding, so they only ever increase.
 
@@ -52,6 +59,7 @@ from dataclasses import replace
 
 import grpc
 
+from gossipcomp.coordinator.membership import DEFAULT_MEMBER_TIMEOUT, MemberLiveness
 from gossipcomp.coordinator.reports import MAX_MARGIN, MemberReport, ReportRefused, check_report
 from gossipcomp.inputs.text import quoted
 from gossipcomp.levels.rate import FIRST_DECISION_ROUND, Link, RateController
@@ -104,10 +112,14 @@ class Coordinator:
         adaptive: bool = False,
         round_budget: float | None = None,
         boost: bool = False,
+        member_timeout: float = DEFAULT_MEMBER_TIMEOUT,
+        liveness: MemberLiveness | None = None,
     ) -> None:
         """`adaptive`: choose a level per link (module docstring) within `round_budget`
         seconds of transfers per round (None: the slowest peer's compute time per round);
-        `boost`: links of a peer in a critical learning phase go one level higher."""
+        `boost`: links of a peer in a critical learning phase go one level higher. A live
+        topology: members silent for `member_timeout` seconds are removed (`liveness`: the
+        whole rule, membership.py, for tests and callers that set its bounds)."""
         make_planner(planner)  # fails naming the planners that exist
         if round_budget is not None and not (
             math.isfinite(round_budget) and 0 < round_budget <= MAX_BUDGET_S
@@ -139,9 +151,18 @@ class Coordinator:
         self._republished_at: int | None = None  # lead round of the last republication
         self._planned_at: int | None = None  # lead round of this coordinator's last plan
         self._adapted_at: int | None = None  # lead round of the last choice of levels
+        self._members_at: int | None = None  # lead round of the last change of members
         self._rate: RateController | None = None  # made when the first ladder is known
         self._base: dict[Link, int] = {}  # the levels the controller chose, before any boost
         self.published: list[Schedule] = []
+        self._liveness: MemberLiveness | None = None
+        if topology.live is not None:
+            self._liveness = liveness or MemberLiveness(topology.live.initial, member_timeout)
+        elif liveness is not None:
+            raise ValueError(
+                f"member liveness given, but topology {topology.name} has a fixed membership "
+                "(a topology file with `members:` is live)"
+            )
         self._lock = threading.Lock()
 
     def check(self, request: cpb.PeerReport) -> MemberReport:
@@ -171,12 +192,15 @@ class Coordinator:
                 )
             report = replace(report, round=believed.round)
             self._members[report.rank] = report
+            if self._liveness is not None:
+                self._liveness.heard(report.rank)
             self._highest_epoch = max(self._highest_epoch, self._believed_epoch())
             agreed = self._rounds.agreed()
             if agreed is not None:  # the furthest round, at most a margin past two peers' word
                 furthest = max(m.round for m in self._members.values())
                 self._lead = min(furthest, agreed + self.margin)
             self._republish_if_missed(report)
+            self._maybe_change_members()
             self._maybe_plan()
             self._maybe_adapt()
             newest = self.published[-1] if self.published else None
@@ -189,15 +213,62 @@ class Coordinator:
         while no majority agrees."""
         if not self._models:
             return None
-        model, votes = Counter(self._models.values()).most_common(1)[0]
-        return model if votes > self.topology.n // 2 else None
+        members = set(self.members)
+        votes_of = Counter(m for rank, m in self._models.items() if rank in members)
+        if not votes_of:
+            return None
+        model, votes = votes_of.most_common(1)[0]
+        return model if votes > len(members) // 2 else None
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The members of the newest schedule published (every rank of a fixed topology; the
+        initial members of a live one before any)."""
+        live = self.topology.live
+        if live is None:
+            return tuple(range(self.topology.n))
+        newest = self.published[-1] if self.published else None
+        return live.members(newest.members if newest else ())
+
+    def _maybe_change_members(self) -> None:
+        """Publish the members the liveness rule decides, when they change (membership.py);
+        only once the furthest round is agreed, so the change's round is counted from it, and
+        at most one change a `margin` rounds, so each is in force before the next comes (peers
+        hold at most MAX_STAGED schedules waiting)."""
+        if self._liveness is None or self._rounds.agreed() is None:
+            return
+        if self._members_at is not None and 0 <= self._lead - self._members_at < self.margin:
+            return
+        current = self.members
+        members = self._liveness.decide(current)
+        if members is None:
+            return
+        self._members_at = self._lead
+        for rank in set(current) - set(members):
+            self._members.pop(rank, None)  # a removed member's measurements plan nothing
+        log.warning(
+            "coordinator: members %s -> %s (removed: %s; admitted: %s)",
+            list(current),
+            list(members),
+            sorted(set(current) - set(members)),
+            sorted(set(members) - set(current)),
+        )
+        newest = self.published[-1] if self.published else None
+        groups, planner = (newest.groups, newest.planner) if newest else ((), self.planner)
+        links, budget = (newest.links, newest.budget_s) if newest else ((), 0.0)
+        self._publish(groups, planner, links, budget, members)
 
     def _model_members(self) -> list[MemberReport]:
         """The members that report the majority's model."""
         model = self._agreed_model()
         if model is None:
             return []
-        return [m for rank, m in self._members.items() if self._models.get(rank) == model]
+        members = set(self.members)
+        return [
+            m
+            for rank, m in self._members.items()
+            if rank in members and self._models.get(rank) == model
+        ]
 
     def _believed_epoch(self) -> int:
         """The highest epoch the members hold, believed up to MAX_STAGED above the one two of
@@ -247,7 +318,12 @@ class Coordinator:
         planner: str,
         links: tuple[LinkLevel, ...] = (),
         budget_s: float = 0.0,
+        members: tuple[int, ...] | None = None,
     ) -> Schedule:
+        """`members`: those from its round on (None: the members in force; a live topology's
+        schedules always name them)."""
+        if members is None:
+            members = self.members if self.topology.live is not None else ()
         newest = self.published[-1] if self.published else None
         epoch = max(self._highest_epoch, newest.epoch if newest else 0) + 1
         effective = self._lead + self.margin
@@ -255,7 +331,7 @@ class Coordinator:
             # after the newest one, unless that one is further than any margin (published
             # from rounds no longer believed): a newer epoch supersedes it at the peers
             effective = max(effective, newest.effective_round + 1)
-        schedule = Schedule(epoch, effective, groups, planner, links, budget_s)
+        schedule = Schedule(epoch, effective, groups, planner, links, budget_s, members)
         self.published.append(schedule)
         self._highest_epoch = epoch
         log.info(
@@ -270,7 +346,7 @@ class Coordinator:
     def _maybe_plan(self) -> None:
         """Plan when every peer has reported the majority's model: first once, then every
         replan_every rounds (and when the agreed round went back)."""
-        if len(self._model_members()) < self.topology.n:
+        if len(self._model_members()) < len(self.members):
             return
         if self._planned_at is not None and 0 <= self._lead - self._planned_at < self.replan_every:
             return
@@ -284,22 +360,21 @@ class Coordinator:
     def _maybe_adapt(self) -> None:
         """Choose every link's level when every peer has reported and, after the first time,
         the furthest round has moved 2 x report_every rounds on; publish when one changes."""
-        if not self.adaptive or len(self._model_members()) < self.topology.n:
+        if not self.adaptive or len(self._model_members()) < len(self.members):
             return
+        reports = self._model_members()
         if self._adapted_at is not None and (
             0 <= self._lead - self._adapted_at < 2 * self.report_every
         ):
             return
-        if self._adapted_at is None and min(m.round for m in self._members.values()) < (
-            FIRST_DECISION_ROUND
-        ):
+        if self._adapted_at is None and min(m.round for m in reports) < FIRST_DECISION_ROUND:
             return  # start-up sends (handshakes, first rounds) are slow: not the link's speed
-        ladders = [m.levels for m in self._members.values()]
+        ladders = [m.levels for m in reports]
         ladder = ladders[0]
         if ladder is None or any(other != ladder for other in ladders):
             return  # an algorithm without levels, or peers that disagree on the ladder
         self._adapted_at = self._lead
-        budget = self.round_budget or max(m.compute_seconds for m in self._members.values())
+        budget = self.round_budget or max(m.compute_seconds for m in reports)
         if budget <= 0:
             return
         newest = self.published[-1] if self.published else None
@@ -307,14 +382,14 @@ class Coordinator:
             (x.low, x.high): x.level for x in (newest.links if newest else ())
         }
         sends: dict[Link, list[tuple[tuple[int, float], ...]]] = {}
-        for member in self._members.values():
+        for member in reports:
             for j, samples in member.sends.items():
                 sends.setdefault(edge_of(member.rank, j), []).append(samples)
         if self._rate is None or self._rate.costs != ladder:
             self._rate = RateController(ladder)
         self._base = self._rate.update(self._base, sends, budget)
         budget = self._rate.budget_s or budget  # what the levels fit: at least the slowest link's
-        critical = {m.rank for m in self._members.values() if m.critical} if self.boost else set()
+        critical = {m.rank for m in reports if m.critical} if self.boost else set()
         chosen = {
             key: ladder.above(level) if critical.intersection(key) else level
             for key, level in self._base.items()

@@ -47,6 +47,7 @@ def over_grpc(
     turns: ComputeTurns | None = None,
     outer: OuterSGD | None = None,
     drift: DriftTracker | None = None,
+    joining: bool = False,
 ) -> P:
     """A peer with its own gRPC server at `bind` (default: its address in the topology).
     A stream that carries an envelope must finish within the round's deadline. With
@@ -81,6 +82,7 @@ def over_grpc(
             turns=turns,
             outer=outer,
             drift=drift,
+            joining=joining,
         )
     except Exception:
         transport.close()

@@ -141,6 +141,7 @@ class LinkMonitor:
         pace: RoundPace | None = None,
         newest_epoch: Callable[[], int] = lambda: 0,
         on_newer_epoch: Callable[[int], None] = lambda neighbour: None,
+        may_probe: Callable[[int], bool] = lambda neighbour: True,
     ) -> None:
         """`on_resume(neighbour, round)` is called (under the lock, with the final round)
         whenever an edge is agreed to resume at a round: the peer lets that neighbour's
@@ -148,11 +149,13 @@ class LinkMonitor:
         (see `plausible_round`). `newest_epoch`: the newest schedule epoch the peer has; a
         probe answered by a neighbour with a newer one counts as unanswered (the edge resumes
         once this peer has that schedule too), and `on_newer_epoch(neighbour)` is called so
-        the peer can fetch it from that neighbour."""
+        the peer can fetch it from that neighbour. `may_probe(neighbour)`: whether a lost edge
+        to it is probed now (live membership: only between members, peer/membership.py)."""
         self.rank = rank
         self._on_resume = on_resume
         self._newest_epoch = newest_epoch
         self._on_newer_epoch = on_newer_epoch
+        self._may_probe = may_probe
         self.backoff = backoff or Backoff()
         self.pace = pace or RoundPace()
         self._clock = clock
@@ -475,6 +478,8 @@ class LinkMonitor:
                 if due and link.probe is None and self.rank < j:
                     to_send.append((j, round + link.margin))
         for j, proposed in to_send:
+            if not self._may_probe(j):
+                continue
             future = probe(j, round, proposed, alone)
             with self._lock:
                 self._links[j].probe = future

@@ -50,7 +50,8 @@ from gossipcomp.peer.checkpoint import check_state, peer_state
 from gossipcomp.peer.deadlines import check_round_timeout
 from gossipcomp.peer.failures import DEFAULT_MAX_FAILED_ROUNDS, FailedRounds
 from gossipcomp.peer.guard import MAX_GOSSIP_MOVE, ModelGuard, check_max_move
-from gossipcomp.peer.links import Backoff, LinkMonitor, RoundPace
+from gossipcomp.peer.links import Backoff, LinkMonitor, LinkState, RoundPace
+from gossipcomp.peer.membership import PeerMembership
 from gossipcomp.peer.rejoin import Rejoin
 from gossipcomp.peer.round_graphs import check_round_graphs
 from gossipcomp.peer.schedules import PeerSchedules
@@ -94,6 +95,7 @@ class Peer:
         turns: ComputeTurns | None = None,
         outer: OuterSGD | None = None,
         drift: DriftTracker | None = None,
+        joining: bool = False,
     ) -> None:
         """`ready=False` (a peer about to restore a checkpoint): neighbours' handshakes are
         answered "not ready" until `ready()`, so none is answered from a round about to change.
@@ -123,6 +125,9 @@ class Peer:
         after every gossip round (a phase: `local_steps` local steps; None: the mixed model as
         it is). `drift`: the drift correction added to each local step
         (`note_local_step`/`after_local_step`) and moved by each gossip round (outer/drift.py).
+        `joining` (a live topology, topology/members.py): this peer is a member only once a
+        schedule newer than its own names it (a peer restarted after it may have been removed,
+        or a new rank); until then it starts alone and does no rounds (peer/membership.py).
         """
         if not 0 <= rank < topology.n:
             raise ValueError(
@@ -180,6 +185,7 @@ class Peer:
             pace=pace,
             newest_epoch=lambda: self.schedules.newest.epoch,
             on_newer_epoch=self._want_schedules,
+            may_probe=lambda j: self._membership.may_link(j),
         )
         # compression levels: a coordinator's schedules', or set with the neighbours
         self._levels = CompressionLevels(
@@ -201,8 +207,17 @@ class Peer:
         # the schedules it holds, stages, fetches from neighbours and switches to; `specs` is
         # per phase what envelopes hold under the schedule with no groups (epoch 0)
         self._schedules = PeerSchedules(
-            rank, transport, algorithm, self._params, edges, self._levels, specs
+            rank,
+            transport,
+            algorithm,
+            self._params,
+            edges,
+            self._levels,
+            specs,
+            capacity=topology.n if topology.live is not None else None,
         )
+        # who it gossips with, greets and answers on a live topology (peer/membership.py)
+        self._membership = PeerMembership(rank, topology, lambda: self.schedules, joining)
         # handshakes, catching up, resynchronising resumed edges
         self._rejoin = Rejoin(
             rank,
@@ -214,7 +229,9 @@ class Peer:
             algorithm,
             self._params,
             self._failures,
+            self._membership,
         )
+        self._admission_epoch: int | None = None  # the admission counted from (membership.py)
         # start() done: a handshake may no longer take down an edge whose exchanges succeed
         self._started = False
         self._ready = threading.Event()
@@ -226,6 +243,16 @@ class Peer:
     def schedules(self) -> ScheduleBook:
         """The schedules this peer holds: the one in force, those staged, their history."""
         return self._schedules.book
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The members of the network in force at this peer (every rank of a fixed topology)."""
+        return self._membership.members()
+
+    @property
+    def member(self) -> bool:
+        """Whether this peer is a member in force (always, on a fixed topology)."""
+        return self._membership.member()
 
     @property
     def max_move(self) -> float | None:
@@ -351,6 +378,15 @@ class Peer:
         self._last_mark = time.perf_counter()
         self._started = True
 
+    def _await_admission(self) -> None:
+        """Live membership, a peer holding its admission: count the neighbours' rounds from
+        the admission's effective round (peer/membership.py), once per admission."""
+        admission = self._membership.admission()
+        if admission is None or admission.epoch == self._admission_epoch:
+            return
+        self._admission_epoch = admission.epoch
+        self.links.restored(admission.effective_round, 0.0)
+
     def _catch_up(self) -> None:
         """Move to a resuming neighbour's round when rounds disagree (see links.py): forward
         when behind; back as well when this peer has no live edge (its round is its own). The
@@ -380,8 +416,16 @@ class Peer:
             links=links,
             schedule_epoch=self.schedules.current.epoch,
             turns=self.turns,
-            period=self.topology.period,
+            period=self._period(),
         )
+
+    def _period(self) -> int | None:
+        """Rounds after which the graph in force repeats (topology.period; live: the family's
+        over the members in force)."""
+        live = self.topology.live
+        if live is None:
+            return self.topology.period
+        return live.period(self.schedules.current.members)
 
     def _link_failed(self, neighbour: int, reason: str) -> None:
         """Take the edge to `neighbour` down this round, noting why."""
@@ -430,13 +474,22 @@ class Peer:
             self.links.pace.record(now - self._in_step_since)
         self._guard.check_constants(f"before round {self.round}")
         self._fetch_schedules()
+        self._await_admission()
         self.links.poll_probes(self.round, self.transport.probe)
         self._catch_up()
+        epoch = self.schedules.current.epoch
         self._schedules.switch(self.round)
+        if self.schedules.current.epoch != epoch:  # a change of members drops the edges out
+            for j in self._membership.outside(self.topology.neighbors(self.rank)):
+                if self.links.state(j) is not LinkState.DOWN:
+                    self.links.mark_down(j, self.round, "not a member of the network now")
         self._levels.switch_due(self.round)
+        if not self._membership.member():  # no rounds outside the network (membership.py)
+            self._last_mark = time.perf_counter()
+            return
         resumed = self._rejoin.resume_edges(self.round, self._exchange)  # edges back now
         self._levels.decide(self.round, self._links.sends)
-        row, _ = self.topology.round_weights(self.rank, self.round)  # this round's graph
+        row = self._membership.row(self.round)  # this round's graph (over its members)
         hood = self._neighbourhood(self._links, self.links.live(), row)
         before = self._guard.snapshot()
         ends = self._phases.ends()
@@ -465,7 +518,12 @@ class Peer:
 
     def averaging_rounds(self, tolerance: float = 1e-6) -> int:
         """Exact-gossip rounds that shrink disagreement by `tolerance` on this topology."""
-        slem = self.topology.second_largest_eigenvalue_modulus
+        live = self.topology.live
+        slem = (
+            self.topology.second_largest_eigenvalue_modulus
+            if live is None
+            else live.slem(self.schedules.current.members)
+        )
         if slem <= 0.0:
             return 1
         return min(1000, max(1, math.ceil(math.log(tolerance) / math.log(slem))))
@@ -481,7 +539,8 @@ class Peer:
         self._levels.silence()  # no level notice outlives training
         copies = [(name, p.detach().clone()) for name, p in self._params]
         for _ in range(rounds):
-            self._averager.step(copies, self._neighbourhood(LinkStats(), self.links.live()))
+            row = self._membership.row(self.round) if self.topology.live is not None else None
+            self._averager.step(copies, self._neighbourhood(LinkStats(), self.links.live(), row))
             self.round += 1
         return [p for _, p in copies]
 
@@ -512,6 +571,7 @@ class Peer:
         if isinstance(self.algorithm, Regroupable):
             self.algorithm.regroup(self._params, schedules.current.groups or None)
         self._schedules.restore(schedules, specs)
+        self._membership.restarted_from(schedules.newest.epoch)
         self._levels.restore(levels, schedules.current)
         self.transport.inbox.forget_epochs_before(schedules.current.epoch)
         self._schedules.refresh_replies()

@@ -14,6 +14,7 @@ from gossipcomp.gossip.base import RESUME_PHASE, GossipAlgorithm, NamedParams, R
 from gossipcomp.levels.peer import CompressionLevels
 from gossipcomp.peer.failures import FailedRounds
 from gossipcomp.peer.links import RESUME_MARGIN, LinkMonitor
+from gossipcomp.peer.membership import PeerMembership
 from gossipcomp.peer.schedules import PeerSchedules
 from gossipcomp.topology import Topology
 from gossipcomp.transport.base import (
@@ -44,6 +45,7 @@ class Rejoin:
         algorithm: GossipAlgorithm,
         params: NamedParams,
         failures: FailedRounds,
+        membership: PeerMembership,
     ) -> None:
         self.rank = rank
         self.topology = topology
@@ -54,6 +56,7 @@ class Rejoin:
         self.algorithm = algorithm
         self.params = params
         self.failures = failures
+        self.membership = membership
 
     def answer_hello(
         self,
@@ -68,6 +71,9 @@ class Rejoin:
         """The answer to `sender`'s handshake, this peer being at `round` (`started`: its own
         handshake is done); PeerNotReady while the edge may not be agreed yet."""
         newest = self.schedules.book.newest.epoch
+        refusal = self.membership.refusal(sender)
+        if refusal is not None:  # live membership: edges only between members
+            raise PeerNotReady(refusal)
         if epoch > newest:  # the edge resumes once this peer has that schedule too
             self.schedules.want(sender)  # asked at its own address: a forged claim costs that
             raise PeerNotReady(
@@ -89,12 +95,19 @@ class Rejoin:
         schedule epoch is taken down until this peer has fetched it; one at another round
         agrees a resume round."""
         book = addresses or dict(enumerate(self.topology.addresses))
-        restored = round > 0  # its round is stale: adopt the neighbours'
+        neighbours = self.topology.neighbors(self.rank)
+        greeted = self.membership.greeted(round, neighbours)  # None: every neighbour
+        if greeted is not None:  # live: ranks not given (not started yet) from the file
+            book = {**dict(enumerate(self.topology.addresses)), **book}
+        for j in neighbours if greeted is not None else ():
+            if j not in greeted:  # live membership: probed once both ends are members
+                self.links.mark_down(j, round, "not greeted at start (live membership)")
+        restored = round > 0 or greeted == frozenset()  # its round is stale: adopt theirs
         proposals = {j: round + RESUME_MARGIN for j in self.links.not_up()}
         answers = self.transport.connect(
-            {j: book[j] for j in self.topology.neighbors(self.rank)},
+            {j: book[j] for j in neighbours},
             timeout,
-            Greeting(round, proposals, alone=restored),
+            Greeting(round, proposals, alone=restored, among=greeted),
         )
         for j, answer in answers.items():
             if answer.schedule_epoch > self.schedules.book.newest.epoch:

@@ -5,7 +5,8 @@ algorithm whose state lives per edge (D-PSGD has none; PowerGossip's warm-start 
 an inactive edge's state for its next activation, so it runs on any graph sequence. A
 broadcasting algorithm (Choco-SGD, DEF-ATC) keeps one public copy per peer that every neighbour
 tracks from every round's message: a neighbour not in the round would miss an update and its
-copy would no longer match, so those are refused on a time-varying topology, before the start.
+copy would no longer match, so those are refused on a time-varying topology, before the start,
+and on a live one (topology/members.py), whose graph changes with its members.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from gossipcomp.topology import Topology
 def check_round_graphs(topology: Topology, algorithm: GossipAlgorithm) -> None:
     """Raise ValueError when `algorithm` cannot follow `topology`'s per-round graphs."""
     inner = getattr(algorithm, "inner", algorithm)  # an attack wrapping an algorithm
+    if topology.live is not None and isinstance(inner, BroadcastGossip):
+        raise ValueError(
+            f"{inner.label} cannot run on the live topology {topology.name}: its graph changes "
+            "with its members, and a neighbour that joins has not tracked a peer's public copy "
+            "from every round's message; expected a fixed membership, or D-PSGD / PowerGossip"
+        )
     if topology.time_varying and isinstance(inner, BroadcastGossip):
         raise ValueError(
             f"{inner.label} cannot run on the time-varying topology {topology.name} "

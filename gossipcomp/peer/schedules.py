@@ -37,7 +37,9 @@ class PeerSchedules:
         edges: list[tuple[int, int]],
         levels: CompressionLevels,
         base_specs: dict[str, PayloadSpec],
+        capacity: int | None = None,
     ) -> None:
+        """`capacity`: a live topology's (schedules may name members below it); None: fixed."""
         self.rank = rank
         self.transport = transport
         self.algorithm = algorithm
@@ -45,6 +47,7 @@ class PeerSchedules:
         self.edges = edges
         self.levels = levels
         self.base_specs = base_specs
+        self.capacity = capacity
         self.book = self.fresh_book()
         # neighbours whose newer schedules this peer wants, and the fetches under way
         self._lock = threading.Lock()
@@ -57,7 +60,7 @@ class PeerSchedules:
 
     def fresh_book(self) -> ScheduleBook:
         """An empty book for this peer's gossiped tensors and topology's edges."""
-        return ScheduleBook([name for name, _ in self.params], self.edges)
+        return ScheduleBook([name for name, _ in self.params], self.edges, self.capacity)
 
     def want(self, neighbour: int) -> None:
         """`neighbour` holds a newer schedule epoch (its handshake said so): fetch its schedules
@@ -143,6 +146,7 @@ class PeerSchedules:
         does not fit this peer's model or algorithm."""
         schedule.check([name for name, _ in self.params])
         schedule.check_links(self.edges)
+        schedule.check_members(self.capacity)
         specs = dict(self.base_specs)
         leveled = self.levels.schedule_specs(schedule, book)
         if leveled is not None:

@@ -26,6 +26,7 @@ def schedule_to_proto(schedule: Schedule) -> cpb.Schedule:
         groups=[cpb.ScheduleGroup(names=g.names, compressor=g.compressor) for g in schedule.groups],
         links=[cpb.LinkLevel(low=x.low, high=x.high, level=x.level) for x in schedule.links],
         budget_s=schedule.budget_s,
+        members=schedule.members,
     )
 
 
@@ -35,7 +36,13 @@ def schedule_from_proto(message: cpb.Schedule) -> Schedule:
     groups = tuple(TensorGroup(tuple(g.names), g.compressor) for g in message.groups)
     links = tuple(LinkLevel(x.low, x.high, x.level) for x in message.links)
     return Schedule(
-        message.epoch, message.effective_round, groups, message.planner, links, message.budget_s
+        message.epoch,
+        message.effective_round,
+        groups,
+        message.planner,
+        links,
+        message.budget_s,
+        tuple(message.members),
     )
 
 

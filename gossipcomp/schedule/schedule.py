@@ -21,6 +21,12 @@ most about one a round). A newer epoch supersedes every staged schedule that wou
 at or after its round: a restarted coordinator, whose epochs continue above the newest any peer
 reports holding, is told apart by its epoch alone and replaces whatever its predecessor (or a
 rogue) left staged.
+
+Membership travels the same way (live membership, topology/members.py): a schedule may name the
+ranks in the network from its effective round (`members`, sorted, each below the topology's
+capacity), so who is in the network is versioned, bounded, checked before use and passed from
+peer to peer by the very mechanisms above; no second path carries it. A schedule naming none
+keeps the topology's own (every rank of a fixed topology; the initial members of a live one).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ MAX_GROUPS = 1 << 16  # groups in one schedule: far above any model's parameter 
 MAX_PLANNER_NAME = 64  # characters of the planner label kept in reports
 MAX_LINKS = 1 << 20  # links in one schedule: far above any topology's edge count
 MAX_BUDGET_S = 86_400.0  # a round budget beyond a day is a lie or a bug
+MAX_MEMBERS = 1 << 20  # ranks one schedule may name (topology.checks.MAX_PEERS bounds them again)
 DEFAULT_PLANNER = "per-tensor"
 
 
@@ -92,6 +99,9 @@ class Schedule:
     planner: str = DEFAULT_PLANNER  # what made it, for reports
     links: tuple[LinkLevel, ...] = ()  # sorted, one per edge at most
     budget_s: float = 0.0  # the round budget the levels were chosen for (0: no levels)
+    # live membership: the ranks in the network from effective_round on, sorted (empty: the
+    # topology's own)
+    members: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _integer("epoch", self.epoch, MAX_EPOCH)
@@ -113,6 +123,20 @@ class Schedule:
         if edges != sorted(set(edges)):
             raise ScheduleRefused(
                 f"schedule epoch {self.epoch}: links must be sorted, each edge at most once"
+            )
+        if len(self.members) > MAX_MEMBERS:
+            raise ScheduleRefused(
+                f"schedule epoch {self.epoch}: {len(self.members)} members, at most {MAX_MEMBERS}"
+            )
+        for rank in self.members:
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < MAX_MEMBERS:
+                raise ScheduleRefused(
+                    f"schedule epoch {self.epoch} members: expected ranks in [0, {MAX_MEMBERS}), "
+                    f"got {quoted(rank)}"
+                )
+        if list(self.members) != sorted(set(self.members)):
+            raise ScheduleRefused(
+                f"schedule epoch {self.epoch}: members must be sorted, each rank at most once"
             )
         budget = self.budget_s
         if (
@@ -139,6 +163,23 @@ class Schedule:
                     f"schedule epoch {self.epoch}: link {x.low}-{x.high} is not an edge of the "
                     "topology"
                 )
+
+    def check_members(self, capacity: int | None) -> None:
+        """Raise ScheduleRefused unless the members are ranks of a live topology of
+        `capacity` ranks (None: a fixed topology, where a schedule names no members)."""
+        if not self.members:
+            return
+        if capacity is None:
+            raise ScheduleRefused(
+                f"schedule epoch {self.epoch}: names members, but the topology's membership is "
+                "fixed; expected no members (a topology file with `members:` is live)"
+            )
+        outside = [rank for rank in self.members if rank >= capacity]
+        if outside:
+            raise ScheduleRefused(
+                f"schedule epoch {self.epoch}: member {outside[0]} is outside the topology's "
+                f"capacity; expected ranks 0..{capacity - 1}"
+            )
 
     def check(self, names: Sequence[str]) -> None:
         """Raise ScheduleRefused unless the groups cover `names` (the model's parameters)
@@ -167,17 +208,19 @@ class Schedule:
             "groups": [{"names": list(g.names), "compressor": g.compressor} for g in self.groups],
             "links": [[x.low, x.high, x.level] for x in self.links],
             "budget_s": self.budget_s,
+            "members": list(self.members),
         }
 
     @classmethod
     def from_dict(cls, value: Any) -> Schedule:
-        """The inverse of `to_dict`; ScheduleRefused naming the field when malformed. Links
-        and budget may be missing (schedules saved before there were levels)."""
+        """The inverse of `to_dict`; ScheduleRefused naming the field when malformed. Links,
+        budget and members may be missing (schedules saved before there were levels or live
+        membership)."""
         required = {"epoch", "effective_round", "planner", "groups"}
         if not isinstance(value, Mapping) or not required <= set(value) <= _KEYS:
             found = sorted(map(str, value)) if isinstance(value, Mapping) else type(value).__name__
             raise ScheduleRefused(
-                f"schedule: expected keys {sorted(_KEYS)} (links and budget_s optional), "
+                f"schedule: expected keys {sorted(_KEYS)} (links, budget_s, members optional), "
                 f"got {quoted(found)}"
             )
         groups = value["groups"]
@@ -207,6 +250,9 @@ class Schedule:
                     f"schedule link {index}: expected [low, high, level], got {quoted(item)}"
                 )
             levels.append(LinkLevel(*item))
+        members = value.get("members", [])
+        if not isinstance(members, list) or len(members) > MAX_MEMBERS:
+            raise ScheduleRefused(f"schedule members: expected a list of at most {MAX_MEMBERS}")
         return cls(
             value["epoch"],
             value["effective_round"],
@@ -214,10 +260,11 @@ class Schedule:
             value["planner"],
             tuple(levels),
             value.get("budget_s", 0.0),
+            tuple(members),
         )
 
 
-_KEYS = {"epoch", "effective_round", "planner", "groups", "links", "budget_s"}
+_KEYS = {"epoch", "effective_round", "planner", "groups", "links", "budget_s", "members"}
 
 
 def _integer(field: str, value: Any, high: int) -> None:
@@ -236,11 +283,18 @@ class ScheduleBook:
     """One peer's schedules: the one in force and those staged for later rounds (at most
     MAX_STAGED), in order of epoch and effective round."""
 
-    def __init__(self, names: Sequence[str], edges: Sequence[tuple[int, int]] = ()) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        edges: Sequence[tuple[int, int]] = (),
+        capacity: int | None = None,
+    ) -> None:
         """`names`: the model's parameters; `edges`: the topology's, lower rank first (the
-        only links a schedule may set a level for)."""
+        only links a schedule may set a level for); `capacity`: the ranks a live topology
+        may hold (None: its membership is fixed, and schedules name no members)."""
         self._names = list(names)
         self._edges = list(edges)
+        self._capacity = capacity
         self.current = Schedule(0, 0)
         self.history: list[Schedule] = [self.current]  # every schedule that took effect
         self._staged: list[Schedule] = []
@@ -309,6 +363,7 @@ class ScheduleBook:
     def _check(self, schedule: Schedule) -> None:
         schedule.check(self._names)
         schedule.check_links(self._edges)
+        schedule.check_members(self._capacity)
 
     def due(self, round: int) -> Schedule | None:
         """The schedule that takes effect by `round`, now in force (None when the one in force

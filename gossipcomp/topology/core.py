@@ -28,6 +28,7 @@ from gossipcomp.topology.checks import (
     _fail,
     _is_int,
 )
+from gossipcomp.topology.members import LiveMembers
 from gossipcomp.topology.rounds import RoundGraphs
 from gossipcomp.topology.spectrum import _sparse_extremes
 
@@ -48,6 +49,9 @@ class Topology:
     # time-varying topologies: W of every round (then `graph` is their union and `mixing` their
     # mean); None: `mixing` every round
     rounds: RoundGraphs | None = field(default=None, repr=False)
+    # live membership (members.py): the family over the members in force (then `graph` is the
+    # complete graph on the capacity n and `mixing` its uniform W); None: a fixed membership
+    live: LiveMembers | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         n = self.graph.number_of_nodes()
@@ -72,6 +76,9 @@ class Topology:
             if self.rounds.n != n or union != self.edges():
                 problem = "the per-round graphs' union is not the topology's graph"
                 raise _fail(self.source, problem, "the union of the rounds' edges as graph")
+        if self.live is not None and (self.live.capacity != n or self.rounds is not None):
+            problem = f"live membership over capacity {self.live.capacity}"
+            raise _fail(self.source, problem, f"the capacity n={n} and no per-round graphs")
         # W is symmetric, stochastic and connected, so 1 is a simple eigenvalue; -1 is one exactly
         # when the support of W (self weights as loops) is bipartite: decided without a spectrum
         if not self._diagonal.any() and nx.is_bipartite(g):
@@ -115,6 +122,19 @@ class Topology:
         """Rounds after which the per-round graphs repeat: 1 for a static topology, None for
         random matchings (which never repeat)."""
         return 1 if self.rounds is None else self.rounds.period
+
+    def member_weights(self, rank: int, round: int, members: Sequence[int]) -> dict[int, float]:
+        """{j: w_ij} of `rank` at `round` on a live topology whose members are `members` (a
+        schedule's list; empty: the initial members): the family over them; {} when `rank`
+        is not a member. A fixed topology: `round_weights`' row (members must be empty)."""
+        i = self._rank(rank)
+        if self.live is None:
+            if members:
+                raise _fail(self.source, "members named", "none: this topology's are fixed")
+            return self.round_weights(i, round)[0]
+        if not _is_int(round) or round < 0:
+            raise _fail(self.source, f"round {round!r}", "an int >= 0")
+        return self.live.row(i, int(round), members)
 
     def round_weights(self, rank: int, round: int) -> tuple[dict[int, float], float]:
         """({j: w_ij}, w_ii) of round `round` for `rank`: the neighbours it mixes with that
@@ -188,7 +208,7 @@ class Topology:
         time-varying topology's is 1: its rounds are built to average with their own weights
         (exactly over a period for one-peer exponential and base-k graphs), which the mean W's
         spectrum does not describe."""
-        if self.rounds is not None:
+        if self.rounds is not None or self.live is not None:
             return 1.0
         second, smallest = self._extreme_eigenvalues
         return 2.0 / (2.0 - second - smallest)
@@ -214,6 +234,10 @@ class Topology:
             digest.update(b"rounds\0")
             for part in self.rounds.hash_parts():
                 digest.update(np.ascontiguousarray(part, dtype="<i8").tobytes())
+        if self.live is not None:
+            digest.update(b"members\0")
+            for part in self.live.hash_parts():
+                digest.update(np.ascontiguousarray(part, dtype="<i8").tobytes())
         return digest.hexdigest()
 
     def _dense_only(self, what: str) -> None:
@@ -227,7 +251,7 @@ class Topology:
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle through the constructor, so a copy is re-validated and W stays read-only."""
         fields = (self.name, self.kind, self.graph, self.mixing, self.addresses)
-        return (Topology, (*fields, self.public_keys, self.source, self.rounds))
+        return (Topology, (*fields, self.public_keys, self.source, self.rounds, self.live))
 
     def with_addresses(self, addresses: Sequence[str]) -> Topology:
         """A copy listening on ``addresses`` (one "host:port" per rank, validated)."""

@@ -9,6 +9,7 @@ addresses and the public keys; Topology then checks the whole.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from gossipcomp.topology.checks import (
     _is_int,
 )
 from gossipcomp.topology.core import Topology
+from gossipcomp.topology.members import LIVE_KINDS, LiveMembers
 from gossipcomp.topology.rounds import (
     MAX_PERIOD,
     Pairs,
@@ -39,7 +41,7 @@ from gossipcomp.topology.rounds import (
 DEFAULT_BASE_PORT = 50100
 _TOP_KEYS = tuple(
     "name kind n rows cols dim degree p seed edges k rounds weights weights_matrix base_port "
-    "peers allowlist".split()
+    "peers allowlist members".split()
 )
 # kind -> (required parameters, optional parameters)
 _KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -154,6 +156,46 @@ def _round_graphs(kind: str, spec: Mapping[str, Any], source: str) -> RoundGraph
     return RoundGraphs.periodic(
         n, _round_list(spec, n, spec.get("weights", "metropolis"), source), source
     )
+
+
+@dataclass(frozen=True)
+class _Family:
+    """The graph family of a live topology, built over any number of positions (picklable,
+    so a topology travels to simulate's worker processes)."""
+
+    kind: str
+    params: tuple[tuple[str, Any], ...]  # the kind's parameters other than n
+    source: str
+
+    def __call__(self, m: int) -> sparse.csr_array | RoundGraphs:
+        spec = {**dict(self.params), "n": m}
+        if self.kind == "base-k":
+            spec["k"] = min(spec["k"], m - 1)  # fewer members than k + 1: one clique
+        where = f"{self.source} (over {m} members)"
+        if self.kind in _TIME_VARYING:
+            return _round_graphs(self.kind, spec, where)
+        graph = _build_graph(self.kind, spec, where)
+        return sparse.csr_array(_weights(graph, "metropolis", {}, where))
+
+
+def _live(kind: str, spec: Mapping[str, Any], source: str) -> LiveMembers:
+    """The live membership `members:` asks for: the initial member ranks of a family that can
+    be built over any number of them, within the capacity n."""
+    raw = spec["members"]
+    if kind not in LIVE_KINDS:
+        problem = f"members given for kind {kind!r}"
+        raise _fail(source, problem, f"a kind built over any member count: {list(LIVE_KINDS)}")
+    if "weights" in spec and spec["weights"] != "metropolis":
+        raise _fail(source, f"weights {quoted(spec['weights'])} with members", "metropolis")
+    n = _int(spec, "n", source, kind, 2)
+    _check_edge_count(n * (n - 1) // 2, f"live membership over {n} ranks (complete union)", source)
+    expected = f"a non-empty list of distinct ranks in 0..{n - 1}"
+    if not isinstance(raw, list | tuple) or not 1 <= len(raw) <= n:
+        raise _fail(source, f"members is {quoted(raw)}", expected)
+    if not all(_is_int(r) and 0 <= r < n for r in raw) or len(set(raw)) != len(raw):
+        raise _fail(source, f"members {quoted(raw)}", expected)
+    params = tuple(sorted((k, spec[k]) for k in ("k", "seed") if k in spec))
+    return LiveMembers(kind, n, tuple(sorted(int(r) for r in raw)), _Family(kind, params, source))
 
 
 def _build_graph(kind: str, spec: Mapping[str, Any], source: str) -> nx.Graph:
@@ -302,7 +344,9 @@ def _allowlisted(raw: object, keys: list[str | None], source: str) -> list[str |
 
 def topology_from_dict(spec: Mapping[str, Any], source: str = "<dict>") -> Topology:
     """Build a Topology from a parsed spec. Keys: name, kind, kind parameters (n, rows, cols, dim,
-    degree, p, seed, edges, k, rounds), weights (metropolis | uniform | explicit, with weights_matrix),
+    degree, p, seed, edges, k, rounds), members (live membership: the initial member ranks, n
+    being the capacity; topology/members.py), weights (metropolis | uniform | explicit, with
+    weights_matrix),
     base_port (default 50100: rank r at 127.0.0.1:base_port+r), peers (rank -> "host:port"
     or {address, public_key}) and allowlist (a YAML file of rank -> public key, relative to the
     topology file)."""
@@ -324,8 +368,13 @@ def topology_from_dict(spec: Mapping[str, Any], source: str = "<dict>") -> Topol
     stray = sorted(k for k in spec if k in _PARAMS and k not in required + optional)
     if stray:
         raise _fail(source, f"parameter(s) {stray} do not apply to kind {kind!r}", takes)
-    rounds = _round_graphs(kind, spec, source) if kind in _TIME_VARYING else None
-    if rounds is not None:  # the union graph, the mean W (validated by Topology.__post_init__)
+    live = _live(kind, spec, source) if "members" in spec else None
+    rounds = _round_graphs(kind, spec, source) if kind in _TIME_VARYING and not live else None
+    if live is not None:  # every pair may become neighbours: the complete graph, uniform W
+        live.build(live.capacity)  # the family must build over the whole capacity
+        graph = nx.complete_graph(live.capacity)
+        w = _weights(graph, "uniform", {}, source)
+    elif rounds is not None:  # the union graph, the mean W (validated by Topology.__post_init__)
         graph = nx.empty_graph(rounds.n)
         graph.add_edges_from(rounds.union_edges())
         w: sparse.csr_array | np.ndarray = rounds.mean()
@@ -343,7 +392,7 @@ def topology_from_dict(spec: Mapping[str, Any], source: str = "<dict>") -> Topol
         name = Path(source).stem if source != "<dict>" else f"{kind}{n}"
     if not isinstance(name, str) or not name:
         raise _fail(source, f"name is {quoted(name)}", "a non-empty string")
-    return Topology(name, kind, graph, w, tuple(addresses), tuple(keys), source, rounds)
+    return Topology(name, kind, graph, w, tuple(addresses), tuple(keys), source, rounds, live)
 
 
 def build_topology(

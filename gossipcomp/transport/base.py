@@ -170,11 +170,14 @@ class HelloAnswer:
 class Greeting:
     """What a peer tells each neighbour when it connects: its `round` (non-zero when restored
     from a checkpoint), `proposals` (neighbour -> the round at which it asks to resume their
-    edge), and `alone`: it has no live edge (restored), so its round is not to be followed."""
+    edge), and `alone`: it has no live edge (restored), so its round is not to be followed.
+    `among`: the neighbours to greet (None: every one); a live topology greets the members
+    only, and the others' edges come up later by probes (topology/members.py)."""
 
     round: int = 0
     proposals: Mapping[int, int] = field(default_factory=dict)
     alone: bool = False
+    among: frozenset[int] | None = None
 
 
 HelloHandler = Callable[[int, int, int, bool, int], HelloAnswer]

@@ -216,7 +216,8 @@ class GrpcTransport:
         self.inbox.open_round(greeting.round)
         answers: dict[int, HelloAnswer] = {}
         deadline = time.monotonic() + timeout
-        pending = set(self._neighbours)
+        among = greeting.among
+        pending = {j for j in self._neighbours if among is None or j in among}
         last_error: dict[int, str] = {}
         backoff = 0.05
         while pending:

@@ -156,8 +156,10 @@ class InMemoryTransport:
         greeting = greeting or Greeting()
         self.inbox.open_round(greeting.round)
         deadline = time.monotonic() + timeout
+        among = greeting.among
+        greeted = [j for j in self._neighbours if among is None or j in among]
         while True:
-            missing = [j for j in self._neighbours if self._hub.lookup(j) is None]
+            missing = [j for j in greeted if self._hub.lookup(j) is None]
             if not missing:
                 break
             if time.monotonic() >= deadline:
@@ -175,7 +177,7 @@ class InMemoryTransport:
             ):
                 raise HandshakeError(f"peer {self.rank}: peer {j} has identity {other.identity}")
         answers = {}
-        for j in self._neighbours:
+        for j in greeted:
             other = self._hub.lookup(j)
             if other is not None:
                 proposed = greeting.proposals.get(j, 0)

@@ -61,6 +61,7 @@ def run_peer(
     coordinator: str | None = None,
     report_every: int = 10,
     peer_levels: PeerLevels | None = None,
+    joining: bool = False,
 ) -> Report:
     """Train one peer of `topology` at its address; its neighbours run elsewhere. With
     `checkpoints`, it continues from its newest valid checkpoint and keeps writing them; with
@@ -70,7 +71,8 @@ def run_peer(
     unless `insecure` (GrpcOptions.insecure: plaintext trusts whoever reaches the port). With
     `coordinator` (HOST:PORT), it reports there every `report_every` rounds (over `tls` when
     given) and takes the schedules published there; with `peer_levels` instead, it sets its
-    links' levels with its neighbours (each must do the same)."""
+    links' levels with its neighbours (each must do the same). `joining`: it (re)joins a live
+    network (Peer's `joining`)."""
     if signing_key is not None and tls is None:
         raise ValueError(
             "peer authentication (--key) needs mutual TLS (--tls-cert, --tls-key, --tls-ca): "
@@ -94,6 +96,7 @@ def run_peer(
         local_steps=config.local_steps,
         outer=config.outer_optimizer(),
         drift=config.drift_correction(),
+        joining=joining,
     ) as peer:
         if peer_levels is not None:
             peer.adapt_levels(peer_levels.round_budget)

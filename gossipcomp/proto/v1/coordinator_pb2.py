@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fgossipcomp/v1/coordinator.proto\x12\rgossipcomp.v1\"2\n\rScheduleGroup\x12\r\n\x05names\x18\x01 \x03(\t\x12\x12\n\ncompressor\x18\x02 \x01(\t\"\xac\x01\n\x08Schedule\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x17\n\x0f\x65\x66\x66\x65\x63tive_round\x18\x02 \x01(\x03\x12\x0f\n\x07planner\x18\x03 \x01(\t\x12,\n\x06groups\x18\x04 \x03(\x0b\x32\x1c.gossipcomp.v1.ScheduleGroup\x12\'\n\x05links\x18\x05 \x03(\x0b\x32\x18.gossipcomp.v1.LinkLevel\x12\x10\n\x08\x62udget_s\x18\x06 \x01(\x01\"5\n\tLinkLevel\x12\x0b\n\x03low\x18\x01 \x01(\x05\x12\x0c\n\x04high\x18\x02 \x01(\x05\x12\r\n\x05level\x18\x03 \x01(\x05\"3\n\tLevelCost\x12\r\n\x05level\x18\x01 \x01(\x05\x12\x17\n\x0f\x62ytes_per_round\x18\x02 \x01(\x03\")\n\nTensorSize\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05numel\x18\x02 \x01(\x03\"@\n\x0bLinkSamples\x12\x11\n\tneighbour\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x03(\x03\x12\x0f\n\x07seconds\x18\x03 \x03(\x01\"\xe0\x03\n\nPeerReport\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06sender\x18\x02 \x01(\x05\x12\x15\n\rtopology_hash\x18\x03 \x01(\t\x12\x17\n\x0fmodel_signature\x18\x04 \x01(\t\x12\r\n\x05round\x18\x05 \x01(\x03\x12\x16\n\x0eschedule_epoch\x18\x06 \x01(\x03\x12\x17\n\x0f\x63ompute_seconds\x18\x07 \x01(\x01\x12 \n\x18\x63ompressor_fixed_seconds\x18\x08 \x01(\x01\x12\"\n\x1a\x63ompressor_element_seconds\x18\t \x01(\x01\x12\x12\n\ncompressor\x18\n \x01(\t\x12*\n\x07tensors\x18\x0b \x03(\x0b\x32\x19.gossipcomp.v1.TensorSize\x12)\n\x05links\x18\x0c \x03(\x0b\x32\x1a.gossipcomp.v1.LinkSamples\x12)\n\x05sends\x18\r \x03(\x0b\x32\x1a.gossipcomp.v1.LinkSamples\x12-\n\x0blevel_costs\x18\x0e \x03(\x0b\x32\x18.gossipcomp.v1.LevelCost\x12\x1b\n\x13\x65xchanges_per_round\x18\x0f \x01(\x05\x12\x10\n\x08\x63ritical\x18\x10 \x01(\x08\"N\n\x0bReportReply\x12\x14\n\x0chas_schedule\x18\x01 \x01(\x08\x12)\n\x08schedule\x18\x02 \x01(\x0b\x32\x17.gossipcomp.v1.Schedule2N\n\x0b\x43oordinator\x12?\n\x06Report\x12\x19.gossipcomp.v1.PeerReport\x1a\x1a.gossipcomp.v1.ReportReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fgossipcomp/v1/coordinator.proto\x12\rgossipcomp.v1\"2\n\rScheduleGroup\x12\r\n\x05names\x18\x01 \x03(\t\x12\x12\n\ncompressor\x18\x02 \x01(\t\"\xbd\x01\n\x08Schedule\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x17\n\x0f\x65\x66\x66\x65\x63tive_round\x18\x02 \x01(\x03\x12\x0f\n\x07planner\x18\x03 \x01(\t\x12,\n\x06groups\x18\x04 \x03(\x0b\x32\x1c.gossipcomp.v1.ScheduleGroup\x12\'\n\x05links\x18\x05 \x03(\x0b\x32\x18.gossipcomp.v1.LinkLevel\x12\x10\n\x08\x62udget_s\x18\x06 \x01(\x01\x12\x0f\n\x07members\x18\x07 \x03(\x05\"5\n\tLinkLevel\x12\x0b\n\x03low\x18\x01 \x01(\x05\x12\x0c\n\x04high\x18\x02 \x01(\x05\x12\r\n\x05level\x18\x03 \x01(\x05\"3\n\tLevelCost\x12\r\n\x05level\x18\x01 \x01(\x05\x12\x17\n\x0f\x62ytes_per_round\x18\x02 \x01(\x03\")\n\nTensorSize\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05numel\x18\x02 \x01(\x03\"@\n\x0bLinkSamples\x12\x11\n\tneighbour\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x03(\x03\x12\x0f\n\x07seconds\x18\x03 \x03(\x01\"\xe0\x03\n\nPeerReport\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06sender\x18\x02 \x01(\x05\x12\x15\n\rtopology_hash\x18\x03 \x01(\t\x12\x17\n\x0fmodel_signature\x18\x04 \x01(\t\x12\r\n\x05round\x18\x05 \x01(\x03\x12\x16\n\x0eschedule_epoch\x18\x06 \x01(\x03\x12\x17\n\x0f\x63ompute_seconds\x18\x07 \x01(\x01\x12 \n\x18\x63ompressor_fixed_seconds\x18\x08 \x01(\x01\x12\"\n\x1a\x63ompressor_element_seconds\x18\t \x01(\x01\x12\x12\n\ncompressor\x18\n \x01(\t\x12*\n\x07tensors\x18\x0b \x03(\x0b\x32\x19.gossipcomp.v1.TensorSize\x12)\n\x05links\x18\x0c \x03(\x0b\x32\x1a.gossipcomp.v1.LinkSamples\x12)\n\x05sends\x18\r \x03(\x0b\x32\x1a.gossipcomp.v1.LinkSamples\x12-\n\x0blevel_costs\x18\x0e \x03(\x0b\x32\x18.gossipcomp.v1.LevelCost\x12\x1b\n\x13\x65xchanges_per_round\x18\x0f \x01(\x05\x12\x10\n\x08\x63ritical\x18\x10 \x01(\x08\"N\n\x0bReportReply\x12\x14\n\x0chas_schedule\x18\x01 \x01(\x08\x12)\n\x08schedule\x18\x02 \x01(\x0b\x32\x17.gossipcomp.v1.Schedule2N\n\x0b\x43oordinator\x12?\n\x06Report\x12\x19.gossipcomp.v1.PeerReport\x1a\x1a.gossipcomp.v1.ReportReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULEGROUP']._serialized_start=50
   _globals['_SCHEDULEGROUP']._serialized_end=100
   _globals['_SCHEDULE']._serialized_start=103
-  _globals['_SCHEDULE']._serialized_end=275
-  _globals['_LINKLEVEL']._serialized_start=277
-  _globals['_LINKLEVEL']._serialized_end=330
-  _globals['_LEVELCOST']._serialized_start=332
-  _globals['_LEVELCOST']._serialized_end=383
-  _globals['_TENSORSIZE']._serialized_start=385
-  _globals['_TENSORSIZE']._serialized_end=426
-  _globals['_LINKSAMPLES']._serialized_start=428
-  _globals['_LINKSAMPLES']._serialized_end=492
-  _globals['_PEERREPORT']._serialized_start=495
-  _globals['_PEERREPORT']._serialized_end=975
-  _globals['_REPORTREPLY']._serialized_start=977
-  _globals['_REPORTREPLY']._serialized_end=1055
-  _globals['_COORDINATOR']._serialized_start=1057
-  _globals['_COORDINATOR']._serialized_end=1135
+  _globals['_SCHEDULE']._serialized_end=292
+  _globals['_LINKLEVEL']._serialized_start=294
+  _globals['_LINKLEVEL']._serialized_end=347
+  _globals['_LEVELCOST']._serialized_start=349
+  _globals['_LEVELCOST']._serialized_end=400
+  _globals['_TENSORSIZE']._serialized_start=402
+  _globals['_TENSORSIZE']._serialized_end=443
+  _globals['_LINKSAMPLES']._serialized_start=445
+  _globals['_LINKSAMPLES']._serialized_end=509
+  _globals['_PEERREPORT']._serialized_start=512
+  _globals['_PEERREPORT']._serialized_end=992
+  _globals['_REPORTREPLY']._serialized_start=994
+  _globals['_REPORTREPLY']._serialized_end=1072
+  _globals['_COORDINATOR']._serialized_start=1074
+  _globals['_COORDINATOR']._serialized_end=1152
 # @@protoc_insertion_point(module_scope)

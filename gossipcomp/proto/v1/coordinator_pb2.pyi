@@ -15,20 +15,22 @@ class ScheduleGroup(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ..., compressor: _Optional[str] = ...) -> None: ...
 
 class Schedule(_message.Message):
-    __slots__ = ("epoch", "effective_round", "planner", "groups", "links", "budget_s")
+    __slots__ = ("epoch", "effective_round", "planner", "groups", "links", "budget_s", "members")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_ROUND_FIELD_NUMBER: _ClassVar[int]
     PLANNER_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_S_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     effective_round: int
     planner: str
     groups: _containers.RepeatedCompositeFieldContainer[ScheduleGroup]
     links: _containers.RepeatedCompositeFieldContainer[LinkLevel]
     budget_s: float
-    def __init__(self, epoch: _Optional[int] = ..., effective_round: _Optional[int] = ..., planner: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[ScheduleGroup, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkLevel, _Mapping]]] = ..., budget_s: _Optional[float] = ...) -> None: ...
+    members: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[int] = ..., effective_round: _Optional[int] = ..., planner: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[ScheduleGroup, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkLevel, _Mapping]]] = ..., budget_s: _Optional[float] = ..., members: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LinkLevel(_message.Message):
     __slots__ = ("low", "high", "level")

@@ -1,0 +1,92 @@
+"""Who is in a live network (topology/members.py), as the coordinator decides it.
+
+Only the coordinator's own clock decides: a member whose last accepted report is older than
+`timeout` seconds is removed; a rank of the capacity that reports while not a member (a new
+rank, or one removed earlier that came back) is admitted. A report speaks only for its sender:
+nothing in it names another peer's departure or arrival, so no peer can remove or admit
+another. Admissions are bounded: at most `admit_per_change` ranks come in with one change, and
+changes are at least `min_interval` seconds apart, so a flood of joining ranks (each must still
+pass the door: a rank of the capacity, the network's protocol, topology and model) grows the
+network at a bounded pace, and every change is a schedule epoch the peers apply at its
+effective round (planning.py publishes it).
+
+The coordinator keeps no membership state across a restart: it starts from the topology's
+initial members, removes those it does not hear from within `timeout`, and admits the others
+as they report.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+DEFAULT_MEMBER_TIMEOUT = 30.0  # seconds of silence after which a member is removed
+MAX_MEMBER_TIMEOUT = 86_400.0
+DEFAULT_ADMIT_PER_CHANGE = 4  # ranks admitted by one membership change at most
+
+
+class MemberLiveness:
+    """The coordinator's view of which ranks are alive: when each was last heard."""
+
+    def __init__(
+        self,
+        initial: tuple[int, ...],
+        timeout: float = DEFAULT_MEMBER_TIMEOUT,
+        *,
+        admit_per_change: int = DEFAULT_ADMIT_PER_CHANGE,
+        min_interval: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`min_interval`: seconds between two membership changes at least (0: one a
+        decision)."""
+        if not (math.isfinite(timeout) and 0 < timeout <= MAX_MEMBER_TIMEOUT):
+            raise ValueError(
+                f"member timeout: expected seconds in (0, {MAX_MEMBER_TIMEOUT:g}], got {timeout!r}"
+            )
+        if isinstance(admit_per_change, bool) or not 1 <= admit_per_change <= 1 << 20:
+            raise ValueError(
+                f"admit_per_change: expected an integer >= 1, got {admit_per_change!r}"
+            )
+        if not (math.isfinite(min_interval) and min_interval >= 0):
+            raise ValueError(f"min_interval: expected seconds >= 0, got {min_interval!r}")
+        self.initial = initial
+        self.timeout = timeout
+        self.admit_per_change = admit_per_change
+        self.min_interval = min_interval
+        self._clock = clock
+        self._started = clock()
+        self._heard: dict[int, float] = {}  # rank -> when its last accepted report came
+        self._changed_at: float | None = None
+
+    def heard(self, rank: int) -> None:
+        """An accepted report from `rank` (checked: a rank of the capacity) just came."""
+        self._heard[rank] = self._clock()
+
+    def silent(self, members: tuple[int, ...]) -> list[int]:
+        """The members not heard within the timeout (counted from the coordinator's start for
+        one never heard)."""
+        now = self._clock()
+        return [r for r in members if now - self._heard.get(r, self._started) > self.timeout]
+
+    def decide(self, members: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The members from now on, or None when they stay `members`: silent ones out, ranks
+        heard within the timeout that are not members in (at most `admit_per_change`, lowest
+        first). Never empties the network (the last members stay while nobody else is
+        heard)."""
+        now = self._clock()
+        if self._changed_at is not None and now - self._changed_at < self.min_interval:
+            return None
+        silent = set(self.silent(members))
+        waiting = sorted(
+            r for r, at in self._heard.items() if r not in members and now - at <= self.timeout
+        )
+        admitted = waiting[: self.admit_per_change]
+        kept = [r for r in members if r not in silent]
+        if not kept and not admitted:
+            return None
+        new = tuple(sorted({*kept, *admitted}))
+        if new == members:
+            return None
+        self._changed_at = now
+        return new
