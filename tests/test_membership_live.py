@@ -1,6 +1,6 @@
 """Live membership decided by a coordinator, over real gRPC: a peer that stops is removed after
 the timeout (the others' graph is rebuilt over the rest and their rounds stop losing exchanges),
-it comes back and is admitted again, a fifth rank joins and trains; the rule refuses a report
+it comes back from its checkpoint and is admitted again, a fifth rank joins and trains; the rule refuses a report
 speaking for another peer, strangers and floods of joins."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+import torch
 from helpers import mlp_models
 
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
@@ -101,7 +102,9 @@ def test_a_dead_peer_is_removed_comes_back_and_a_fifth_rank_joins():
     try:
         _wait(lambda: min(r.peer.round for r in running.values()) >= 10, 60, "10 rounds")
         # rank 3 stops for good: after the timeout it is removed, the ring is over 0, 1, 2
-        running.pop(3).stop()
+        stopped = running.pop(3)
+        stopped.stop()
+        saved = stopped.peer.state_dict()  # its checkpoint, as --checkpoint-dir keeps it
         _wait(lambda: coordinator.members == (0, 1, 2), 60, "rank 3 removed")
         _wait(
             lambda: all(running[r].peer.members == (0, 1, 2) for r in (0, 1, 2)),
@@ -120,10 +123,14 @@ def test_a_dead_peer_is_removed_comes_back_and_a_fifth_rank_joins():
             later = [s for n, s in running[r].round_seconds if n > start[r]]
             assert max(later) < ROUND_TIMEOUT / 2
 
-        # rank 3 comes back at its address, joining: admitted again, it gossips with 0 and 2
-        back = _peer(topology, 3, models[3], addresses[3], joining=True)
+        # rank 3 comes back at its address from its checkpoint, joining: admitted again, it
+        # gossips with 0 and 2
+        back = _peer(topology, 3, mlp_models(4, hidden=8)[0], addresses[3], joining=True)
+        back.load_state_dict(saved)
+        for p, q in zip(back.model.parameters(), stopped.peer.model.parameters(), strict=True):
+            assert torch.equal(p, q)
         back.start(20, addresses)
-        assert back.round == 0 and not back.member
+        assert back.round == saved["round"] and not back.member
         running[3] = Running(back, server.address)
         _wait(lambda: coordinator.members == (0, 1, 2, 3), 60, "rank 3 admitted again")
         _wait(lambda: back.member and back.round > 0, 60, "rank 3 a member in force")
