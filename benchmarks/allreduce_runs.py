@@ -4,7 +4,8 @@
 machine slows all of them alike); `summarise` takes, per configuration, rank 0's accuracy (the
 mean over repeats), its steady bytes per step, the median step time over ranks and repeats, and
 as medians too the communication a step waited for, the rest of the step (compute) and the step
-time a planner predicted (merged sync; 0 otherwise).
+time a planner predicted and the per-collective cost (alpha) it priced (merged sync; 0
+otherwise).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def run_configs(
     for _ in range(repeats):
         for name, config in configs.items():
             result = train_rank(session, config)
+            looped = result.steps - result.calibration_steps  # the steps comm_seconds covers
             rows[name].append(
                 {
                     "accuracy": result.test_accuracy,
@@ -38,9 +40,10 @@ def run_configs(
                     "link_bytes_per_step": result.steady_link_bytes_per_step,
                     "groups": result.groups,
                     "step_ms": 1e3 * result.step_seconds,
-                    "comm_ms": 1e3 * result.comm_seconds / result.steps,
-                    "compute_ms": 1e3 * result.compute_seconds / result.steps,
+                    "comm_ms": 1e3 * result.comm_seconds / looped,
+                    "compute_ms": 1e3 * result.compute_seconds / looped,
                     "predicted_ms": 1e3 * result.predicted_step_seconds,
+                    "alpha_ms": 1e3 * result.planned_latency_s,
                 }
             )
     return rows
@@ -64,7 +67,7 @@ def summarise(
             "link_bytes_per_step": first[0]["link_bytes_per_step"],
             **{
                 key: statistics.median(run[key] for rank in ranks for run in rank[name])
-                for key in ("step_ms", "comm_ms", "compute_ms", "predicted_ms")
+                for key in ("step_ms", "comm_ms", "compute_ms", "predicted_ms", "alpha_ms")
             },
             # each repeat's step time (median over ranks): the run-to-run spread
             "step_ms_repeats": [

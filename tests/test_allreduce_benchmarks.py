@@ -66,7 +66,8 @@ def test_allreduce_benchmark_writes_its_fields(tmp_path: Path) -> None:
 
 def test_allreduce_merge_benchmark_writes_its_fields(tmp_path: Path) -> None:
     out = tmp_path / "merge.json"
-    _run("allreduce_merge.py", "--nproc", "2", "--steps", "8", "--repeats", "1", "--json", str(out))
+    arguments = ["--nproc", "2", "--steps", "8", "--calibration-steps", "2", "--repeats", "1"]
+    _run("allreduce_merge.py", *arguments, "--json", str(out))
     result = json.loads(out.read_text())
     assert result["tensors"] >= 100
     methods = result["methods"]
@@ -96,7 +97,7 @@ def test_allreduce_merge_on_shaped_links_writes_the_network_bound_figures(tmp_pa
     prediction is reported, the link really limits the collective, the check is consistent."""
     out = tmp_path / "shaped.json"
     arguments = ["--links", "shaped", "--model", "resmlp", "--compressors", "sign"]
-    arguments += ["--steps", "10", "--repeats", "1"]
+    arguments += ["--steps", "10", "--calibration-steps", "2", "--repeats", "1"]
     arguments += ["--comm-over-backward", "3", "--json", str(out)]
     done = _run_status("allreduce_merge.py", *arguments)
     result = json.loads(out.read_text())
@@ -114,6 +115,7 @@ def test_allreduce_merge_on_shaped_links_writes_the_network_bound_figures(tmp_pa
         row = methods[f"sign {name}"]
         assert planner["groups"] == row["groups"] >= 1
         assert row["predicted_ms"] > 0  # every planner's cost model priced its plan
+        assert planner["alpha_ms"] == row["alpha_ms"] >= 0  # on collectives inside steps
         assert abs(planner["predicted_over_measured"] - row["predicted_ms"] / row["step_ms"]) < 1e-9
         assert abs(planner["vs_single"] - methods["sign single"]["step_ms"] / row["step_ms"]) < 1e-9
     assert figures["planned_groups"] == figures["planners"]["mergecomp"]["groups"]

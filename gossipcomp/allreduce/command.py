@@ -20,6 +20,7 @@ from dataclasses import asdict
 
 import torch.distributed as dist
 
+from gossipcomp.allreduce.calibrate import MAX_STEPS as MAX_CALIBRATION_STEPS
 from gossipcomp.allreduce.launch import LaunchError, Session, init_from_env, spawn
 from gossipcomp.allreduce.liveness import RankFailure
 from gossipcomp.allreduce.train import (
@@ -74,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="merged: per-tensor, single, mgwfbp, mergecomp, strategy[:candidates=...], threshold",
     )
     parser.add_argument("--steps", type=integer("steps", 1, MAX_STEPS), default=d.steps)
+    parser.add_argument(
+        "--calibration-steps",
+        type=integer("calibration-steps", 0, MAX_CALIBRATION_STEPS),
+        default=d.calibration_steps,
+        help="merged with a planner: steps under each probe plan (per-tensor, single) timed to "
+        "price the plan, counted in --steps (0: price it on an idle link fit)",
+    )
     optimizer = OptimizerFlags(
         lr=Setting(d.lr, 10.0),
         momentum=Setting(d.momentum, 0.999),
@@ -146,6 +154,7 @@ def config_of(args: argparse.Namespace) -> AllreduceConfig:
         model=args.model,
         dataset=args.dataset,
         error_feedback=not args.no_error_feedback,
+        calibration_steps=args.calibration_steps,
     )
 
 

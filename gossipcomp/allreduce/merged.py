@@ -31,7 +31,9 @@ from gossipcomp.compress import ErrorFeedback, parse_spec
 from gossipcomp.compress.codec import Codec
 from gossipcomp.compress.flat import FlatLayout
 from gossipcomp.schedule import (
+    CompressorCost,
     CostModel,
+    LinkCost,
     TensorGroup,
     TensorInfo,
     check_cover,
@@ -68,6 +70,7 @@ class MergedSync:
         seed: int = 0,
         error_feedback: bool = True,
         momentum: float = 0.0,
+        timed: bool = False,
     ) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         check_cover(groups, [n for n, _ in named])
@@ -85,6 +88,9 @@ class MergedSync:
         self._futures: list[concurrent.futures.Future[None]] = []
         self.round = 0
         self.wait_seconds = 0.0  # time synchronize() spent waiting for communication
+        # timed: (elements, seconds) of each group's whole synchronisation on the communication
+        # thread, in the order run (calibrate.py reads and clears it between steps)
+        self.timings: list[tuple[int, float]] | None = [] if timed else None
         check_model_sync(communicator, "MergedSync", model, plan=self.groups, states=self._state_of)
         self._handles = [p.register_post_accumulate_grad_hook(self._ready) for _, p in named]
 
@@ -125,6 +131,7 @@ class MergedSync:
         self._futures.append(self.communicator.submit(lambda: self._sync(group, state, round_)))
 
     def _sync(self, group: _Group, state: CompressedState, round_: int) -> None:
+        start = time.perf_counter()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group.params]
         flat = group.layout.pack(grads)
         first = self.order[group.names[0]]
@@ -134,6 +141,8 @@ class MergedSync:
                 p.grad = view.to(p.dtype).clone()
             else:
                 p.grad.copy_(view)
+        if self.timings is not None:
+            self.timings.append((group.layout.numel, time.perf_counter() - start))
 
     def synchronize(self) -> None:
         """Wait until every group is averaged into .grad (launching any still incomplete)."""
@@ -208,13 +217,15 @@ def measure_backward(
     not take for its compute."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= 1000:
         raise ValueError(f"measure_backward: repeats is {repeats!r}; expected an int in [1, 1000]")
-    _stamped(model, run_backward)
-    passes = [_stamped(model, run_backward) for _ in range(repeats)]
+    stamped_backward(model, run_backward)
+    passes = [stamped_backward(model, run_backward) for _ in range(repeats)]
     stamps = [statistics.median(column) for column in zip(*(p[0] for p in passes), strict=True)]
-    return _infos(model, stamps), statistics.median(p[1] for p in passes)
+    return tensor_infos(model, stamps), statistics.median(p[1] for p in passes)
 
 
-def _stamped(model: nn.Module, run_backward: Callable[[], None]) -> tuple[list[float], float]:
+def stamped_backward(
+    model: nn.Module, run_backward: Callable[[], None]
+) -> tuple[list[float], float]:
     """Seconds from the start of `run_backward` to each parameter's gradient (model order; the
     end of the pass for one that got none), and the seconds of the whole pass."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -237,7 +248,8 @@ def _stamped(model: nn.Module, run_backward: Callable[[], None]) -> tuple[list[f
     return [stamps.get(name, end) - start for name, _ in named], end - start
 
 
-def _infos(model: nn.Module, stamps: Sequence[float]) -> list[TensorInfo]:
+def tensor_infos(model: nn.Module, stamps: Sequence[float]) -> list[TensorInfo]:
+    """Each trainable parameter (model order) ready at its stamp, made non-increasing."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     times = list(stamps)
     for i in range(len(times) - 2, -1, -1):  # a reading out of order: the later one wins
@@ -289,6 +301,7 @@ class Plan:
 
     groups: tuple[TensorGroup, ...]
     predicted_s: float  # predict_iteration of the groups; 0.0 when the planner could not plan
+    link: LinkCost | None = None  # the link it was priced on; None when it could not plan
 
 
 def make_plan(
@@ -300,29 +313,56 @@ def make_plan(
     device: torch.device | str = "cpu",
 ) -> Plan:
     """Groups from a gossipcomp.schedule planner on costs measured here: the compressor timed on
-    this machine, the collective timed between the ranks. Every rank must call it (the link is
-    measured together); rank 0's plan is broadcast so all ranks agree. Falls back to
-    `threshold_groups` (with a warning) when the planner cannot plan."""
+    this machine, the collective timed between the ranks on an idle link (calibrate.py prices
+    collectives inside training steps instead). Every rank must call it (the link is measured
+    together); rank 0's plan is broadcast so all ranks agree. Falls back to `threshold_groups`
+    (with a warning) when the planner cannot plan."""
     summable = parse_spec(compressor).summable
-    try:
-        specs = planner_specs(make_planner(planner), compressor)
-    except ValueError:  # said below, where rank 0 falls back
-        specs = (compressor,)
+    specs = plan_specs(planner, compressor)
     link = measure_link(communicator, summable, link_sizes(tensors, specs), device, repeats=5)
+
+    def costs() -> CostModel:
+        priced = {spec: compressor_cost(spec) for spec in specs}
+        return CostModel(priced, fit_link(link), compute_s, mode="allreduce")
+
+    def predict(groups: Sequence[TensorGroup], model: CostModel) -> float:
+        return predict_iteration(tensors, groups, model)
+
+    return agree_plan(planner, tensors, compressor, communicator, costs, predict)
+
+
+def plan_specs(planner: str, compressor: str) -> tuple[str, ...]:
+    """Every compressor spec `planner`'s plan may use (its cost model must price them); the
+    user's alone for a planner spec that does not parse (agree_plan says so and falls back)."""
+    try:
+        return planner_specs(make_planner(planner), compressor)
+    except ValueError:
+        return (compressor,)
+
+
+def compressor_cost(spec: str) -> CompressorCost:
+    """`spec`'s compress + decompress timed alone on this machine (1 Ki to 128 Ki elements)."""
+    return measure_compressor(spec, [1 << 10, 1 << 14, 1 << 17], repeats=3)
+
+
+def agree_plan(
+    planner: str,
+    tensors: Sequence[TensorInfo],
+    compressor: str,
+    communicator: Communicator,
+    costs: Callable[[], CostModel],
+    predict: Callable[[Sequence[TensorGroup], CostModel], float],
+) -> Plan:
+    """Rank 0 plans on `costs()` and prices the plan with `predict`; its plan is broadcast so
+    every rank (all must call this) takes the same groups. Falls back to `threshold_groups`
+    (predicting 0.0, with a warning) when the planner cannot plan."""
     plan: Plan | None = None
     if communicator.rank == 0:
         try:
-            sizes = sorted({1 << 10, 1 << 14, 1 << 17})
-            chosen = make_planner(planner)
-            costs = CostModel(
-                {spec: measure_compressor(spec, sizes, repeats=3) for spec in specs},
-                fit_link(link),
-                compute_s,
-                mode="allreduce",
-            )
-            groups = chosen.plan(tensors, costs, compressor)
+            model = costs()
+            groups = make_planner(planner).plan(tensors, model, compressor)
             check_cover(groups, [t.name for t in tensors])
-            plan = Plan(groups, predict_iteration(tensors, groups, costs))
+            plan = Plan(groups, predict(groups, model), model.link)
         except (ValueError, TypeError, ArithmeticError) as error:
             log.warning(
                 "planner %s could not plan (%s); groups of %d bytes instead",

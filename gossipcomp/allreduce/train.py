@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -31,6 +31,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gossipcomp.allreduce import reference
 from gossipcomp.allreduce.agreement import check_same_setup
+from gossipcomp.allreduce.calibrate import (
+    MAX_STEPS,
+    MIN_STEPS,
+    PROBES,
+    StepParts,
+    calibrate,
+    calibrated_plan,
+)
 from gossipcomp.allreduce.comm import Communicator, Traffic
 from gossipcomp.allreduce.diloco import DiLoCoSync, is_diloco, parse_diloco
 from gossipcomp.allreduce.hooks import register, takes_momentum
@@ -45,6 +53,7 @@ from gossipcomp.allreduce.merged import (
 )
 from gossipcomp.allreduce.ssd import SSDSGD
 from gossipcomp.inputs.text import quoted
+from gossipcomp.schedule import TensorGroup
 from gossipcomp.workload.data import load_split, parse_partition, partition_indices
 from gossipcomp.workload.models import build_chartransformer, build_mlp, build_resmlp
 from gossipcomp.workload.pairing import check_pairing
@@ -92,6 +101,9 @@ class AllreduceConfig:
     model: str = "mlp"  # mlp (digits MLP), resmlp or resmlp-wide (102 parameter tensors)
     dataset: str = "digits"  # or pysource, for model chartransformer
     error_feedback: bool = True
+    # merged with a planner: training steps under each probe plan (per-tensor, then single)
+    # timed to price the plan (calibrate.py; they count among `steps`); 0: an idle link fit
+    calibration_steps: int = 4
 
     def __post_init__(self) -> None:
         if is_diloco(self.sync):
@@ -120,6 +132,27 @@ class AllreduceConfig:
                 f"dataset {quoted(self.dataset)}: expected one of {', '.join(DATASETS)}"
             )
         check_pairing(self.model, self.dataset, self.partition)  # the partition parsed too
+        calibration = self.calibration_steps
+        if (
+            isinstance(calibration, bool)
+            or not isinstance(calibration, int)
+            or not (calibration == 0 or MIN_STEPS <= calibration <= MAX_STEPS)
+        ):
+            raise ValueError(
+                f"calibration steps {quoted(calibration)}: expected 0 or an int in "
+                f"[{MIN_STEPS}, {MAX_STEPS}]"
+            )
+        if self.calibrated_steps() >= self.steps:
+            raise ValueError(
+                f"--steps {self.steps}: expected more than the {self.calibrated_steps()} "
+                f"calibration steps ({calibration} per probe plan) a merged run takes"
+            )
+
+    def calibrated_steps(self) -> int:
+        """Steps of the run spent calibrating the plan (merged with a planner), else 0."""
+        if self.sync != "merged" or self.planner == THRESHOLD:
+            return 0
+        return len(PROBES) * self.calibration_steps
 
 
 @dataclass
@@ -145,6 +178,10 @@ class RankResult:
     # test loss (mean cross-entropy, nats a prediction: a language model's validation loss)
     test_loss: float | None = None
     average_model_test_loss: float | None = None
+    # steps trained while calibrating the merged plan, before the timed loop: compute_seconds
+    # and comm_seconds cover the other steps - calibration_steps
+    calibration_steps: int = 0
+    planned_latency_s: float = 0.0  # merged with a planner: the cost of one more collective
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -189,7 +226,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     waited: Callable[[], float] = lambda: 0.0  # noqa: E731
     counting: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     groups = 1
-    predicted_s = 0.0
+    predicted_s = latency_s = 0.0
     if config.sync == "ddp-hook":
         ddp = DistributedDataParallel(
             model,
@@ -210,7 +247,9 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
                 momentum=in_sync,
             )
     elif config.sync == "merged":
-        merged, predicted_s = _merged(model, config, comm, stream)
+        merged, plan = _merged(model, config, comm, stream, optimizer)
+        predicted_s = plan.predicted_s
+        latency_s = plan.link.latency_s if plan.link is not None else 0.0
         groups = len(merged.groups)
         after_backward, waited = merged.synchronize, lambda: merged.wait_seconds
     elif config.sync == "marsit":
@@ -236,8 +275,9 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     history: list[tuple[int, float, float]] = []
     durations: list[float] = []
     steady_from = (0, Traffic())
+    calibrated = config.calibrated_steps()  # steps _merged trained while calibrating
     with counting:
-        for number in range(1, config.steps + 1):
+        for number in range(calibrated + 1, config.steps + 1):
             start = time.perf_counter()
             x, y = (t.to(device, non_blocking=True) for t in stream.next_batch())
             model.train()
@@ -246,7 +286,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
             after_backward()
             step()
             durations.append(time.perf_counter() - start)
-            if number == min(TIMED_AFTER, config.steps - 1):
+            if number == min(calibrated + TIMED_AFTER, config.steps - 1):
                 steady_from = (number, comm.traffic.copy())
             if config.eval_every and number % config.eval_every == 0:
                 accuracy = evaluate_accuracy(model, x_test, y_test)
@@ -272,7 +312,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     if config.sync == "ddp-hook":
         groups = max(1, comm.traffic.collectives // max(1, config.steps))
     timed = durations[TIMED_AFTER:] or durations
-    steady_steps = max(1, config.steps - steady_from[0])
+    steady_steps = max(1, config.steps - steady_from[0])  # after calibration
     steady = comm.traffic
     accuracy, loss = evaluate(model, x_test, y_test)
     average_accuracy, average_loss = evaluate(average, x_test, y_test)
@@ -295,6 +335,8 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
         predicted_step_seconds=predicted_s,
         test_loss=loss,
         average_model_test_loss=average_loss,
+        calibration_steps=calibrated,
+        planned_latency_s=latency_s,
     )
 
 
@@ -305,10 +347,47 @@ def _mean_model(model: nn.Module, world: int) -> torch.Tensor:
 
 
 def _merged(
-    model: nn.Module, config: AllreduceConfig, comm: Communicator, stream: BatchStream
-) -> tuple[MergedSync, float]:
-    """The merged synchroniser of `config`'s planner, and the step seconds it predicts."""
+    model: nn.Module,
+    config: AllreduceConfig,
+    comm: Communicator,
+    stream: BatchStream,
+    optimizer: torch.optim.Optimizer,
+) -> tuple[MergedSync, Plan]:
+    """The merged synchroniser of `config`'s planner, and its plan. With
+    calibration steps, the first `config.calibrated_steps()` training steps run here under the
+    probe plans and price the plan (calibrate.py)."""
     device = next(model.parameters()).device
+    momentum = config.momentum if sync_takes_momentum(config) else 0.0
+
+    def sync(groups: Sequence[TensorGroup], timed: bool = False) -> MergedSync:
+        return MergedSync(
+            model,
+            groups,
+            comm,
+            seed=config.seed,
+            error_feedback=config.error_feedback,
+            momentum=momentum,
+            timed=timed,
+        )
+
+    if config.planner != THRESHOLD and config.calibration_steps:
+
+        def loss() -> torch.Tensor:
+            x, y = (t.to(device, non_blocking=True) for t in stream.next_batch())
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            return prediction_loss(model(x), y)
+
+        parts = StepParts(loss, optimizer.step)
+        calibration = calibrate(
+            model,
+            parts,
+            lambda groups: sync(groups, timed=True),
+            config.compressor,
+            config.calibration_steps,
+        )
+        plan = calibrated_plan(config.planner, calibration, comm)
+        return sync(plan.groups), plan
     x, y = (t.to(device) for t in stream.next_batch())
 
     def backward() -> None:
@@ -322,12 +401,4 @@ def _merged(
     else:
         plan = make_plan(config.planner, tensors, config.compressor, comm, compute_s, device)
     comm.traffic = Traffic()  # the link measurements are not training traffic
-    merged = MergedSync(
-        model,
-        plan.groups,
-        comm,
-        seed=config.seed,
-        error_feedback=config.error_feedback,
-        momentum=config.momentum if sync_takes_momentum(config) else 0.0,
-    )
-    return merged, plan.predicted_s
+    return sync(plan.groups), plan

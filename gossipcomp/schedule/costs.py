@@ -187,6 +187,60 @@ def fit_link(samples: Sequence[tuple[int, float]]) -> LinkCost:
     return LinkCost(latency, per_byte)
 
 
+MAX_STEP_COLLECTIVES = 1 << 20  # collectives of one step at most
+
+
+def fit_link_totals(steps: Sequence[tuple[int, int, float]]) -> LinkCost:
+    """Alpha and beta from whole steps: (collectives, bytes, seconds) of each, where seconds is
+    the step's communication time summed over its collectives, fitted as
+    seconds = alpha * collectives + beta * bytes (least squares, both >= 0).
+
+    Why: a collective issued inside a training step costs more than one of an idle link timed
+    back to back (a thread wake-up, cores shared with the backward, ...); summing over a
+    step prices that overhead per collective. Steps of at least two plans whose
+    collectives-to-bytes ratios differ are needed (e.g. one group per tensor and one group of
+    all); every field is range-checked (`check_sample`, collectives in [1, 2^20])."""
+    if len(steps) < 2:
+        raise ValueError(
+            f"fit_link_totals: got {len(steps)} step(s); expected (collectives, bytes, "
+            "seconds) of at least 2 steps"
+        )
+    rows = []
+    for step in steps:
+        if not isinstance(step, tuple | list) or len(step) != 3:
+            raise ValueError(
+                f"fit_link_totals: step {quoted(step)} is not (collectives, bytes, seconds)"
+            )
+        count = step[0]
+        if (
+            isinstance(count, bool)
+            or not isinstance(count, int | np.integer)
+            or not 1 <= count <= MAX_STEP_COLLECTIVES
+        ):
+            raise ValueError(
+                f"fit_link_totals: collectives is {quoted(count)}; expected an int in "
+                f"[1, {MAX_STEP_COLLECTIVES}]"
+            )
+        rows.append((int(count), *check_sample(step[1], step[2], "fit_link_totals")))
+    design = np.array([(c, b) for c, b, _ in rows], dtype=float)
+    seconds = np.array([s for _, _, s in rows])
+    if np.linalg.matrix_rank(design / design.max(axis=0).clip(min=1.0)) < 2:
+        raise ValueError(
+            "fit_link_totals: every step has the same ratio of collectives to bytes; expected "
+            "steps of plans with different numbers of groups to separate alpha from beta"
+        )
+    (alpha, beta), *_ = np.linalg.lstsq(design, seconds, rcond=None)
+    if alpha < 0 or beta < 0:  # one coefficient alone, the better of the two faces
+        faces = []
+        for column in range(2):
+            x = design[:, column]
+            coefficient = max(0.0, float(x @ seconds) / float(x @ x)) if x @ x > 0 else 0.0
+            pair = (coefficient, 0.0) if column == 0 else (0.0, coefficient)
+            faces.append((float(np.sum((seconds - design @ np.array(pair)) ** 2)), pair))
+        alpha, beta = min(faces)[1]
+    return LinkCost(float(alpha), float(beta))
+
+
 def _pair(sample: object) -> tuple[object, object]:
     if not isinstance(sample, tuple | list) or len(sample) != 2:
         raise ValueError(f"fit_link: sample {quoted(sample)} is not a (bytes, seconds) pair")
