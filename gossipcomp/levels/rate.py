@@ -16,14 +16,16 @@ scheduling) that no level changes, with spells where a few sends take ten times 
   the two counts, so a link that slows down shows within three of four sends while one that
   speeds up must do so for the whole window, and a busy spell of a minority of sends is not a
   slow link;
-- a send shows a per-byte cost only when it took longer than the latency by more than the
-  sends' own noise (2.5x the median step between successive sends of a size, `send_noise`);
-  one that did not counts 0 seconds per byte. A send of a few hundred bytes takes the latency
-  plus noise, and that noise over so few bytes read as seconds per byte predicted every larger
-  level far over budget: the level stepped down, the next sends were smaller still and their
-  reading noisier, to the bottom of the ladder (Choco's top-k on the shaped links of
-  docs/benchmarks.md, run 5). Sends that show no cost let the level rise one step at a time,
-  and the larger sends then show the link's cost.
+- for going down, a send shows a per-byte cost only when it took longer than the latency by
+  more than the sends' own noise (2.5x the median step between successive sends of a size,
+  `send_noise`); one that did not counts 0 seconds per byte. A send of a few hundred bytes
+  takes the latency plus noise, and that noise over so few bytes read as seconds per byte
+  predicted every level, the current one included, over budget: the level stepped down, the
+  next sends were smaller still and their reading noisier, to the bottom of the ladder
+  (Choco's top-k on the shaped links of docs/benchmarks.md, run 5). Going up is still judged
+  with every second beyond the latency counted as bytes: with the noise discounted there too,
+  fast links rose until their bytes outgrew the noise (ranks 32-64 on a loaded machine, 10-15
+  ms a round), which cost round time for no accuracy.
 
 A level is a number on a ladder of one compressor family, from most compressed to none (for
 PowerGossip the rank: 1, 2, 4, ... up to the rank that averages every matrix exactly). For each
@@ -124,6 +126,7 @@ def estimate_link(
     *,
     settled: bool = False,
     bytes_only: bool = False,
+    past_noise: bool = False,
 ) -> LinkCost:
     """Latency and seconds per byte of a link from its sends, oldest first: the slower of the
     estimates over the last `window` sends and over the last half of them, compared at their
@@ -131,7 +134,8 @@ def estimate_link(
     the whole window agrees (`settled`: the whole window's estimate alone). The latency comes
     from every send given (`separate_latency`), or else `latency_s` (one separated before), or
     else 0 (and with `bytes_only`, always: every second counts as bytes, which never
-    overshoots). ValueError when there is no send."""
+    overshoots). With `past_noise`, a send that took no longer than the latency plus the sends'
+    noise (`send_noise`) counts no cost per byte. ValueError when there is no send."""
     sends = [check_sample(nbytes, seconds, "link estimate") for nbytes, seconds in samples]
     sends = [(b, s) for b, s in sends if b > 0]
     recent = sends[-window:]
@@ -140,7 +144,7 @@ def estimate_link(
     latency = 0.0 if bytes_only else separate_latency(sends)
     if latency is None:
         latency = min(latency_s or 0.0, statistics.median(s for _, s in recent))
-    noise = send_noise(recent)
+    noise = send_noise(recent) if past_noise else 0.0
     if settled:
         return _fit(recent, latency, noise)
     at = sum(b for b, _ in recent) / len(recent)
@@ -268,18 +272,28 @@ class RateController:
         self._latency: dict[Link, deque[float]] = {}
         self.budget_s: float | None = None  # the budget of the last `update` (`round_budget`)
 
-    def choose(self, current: int | None, cost: LinkCost, budget_s: float) -> int:
+    def choose(
+        self,
+        current: int | None,
+        cost: LinkCost,
+        budget_s: float,
+        lenient: LinkCost | None = None,
+    ) -> int:
         """The level proposed for a link now at `current` (None: not set yet) costing `cost`,
-        when a round's transfers must fit `budget_s` seconds (no patience: `update` adds it)."""
+        when a round's transfers must fit `budget_s` seconds (no patience: `update` adds it).
+        Going down is judged on `lenient` (default `cost`: the estimate whose sends' time within
+        their noise counts no bytes), so only time that grows with bytes lowers a level; going
+        up on `cost`, every second beyond the latency counted as bytes, so noise raises none."""
         if not (math.isfinite(budget_s) and budget_s > 0):
             raise ValueError(f"round budget: expected seconds > 0, got {budget_s}")
+        lenient = cost if lenient is None else lenient
         levels = self.costs.levels
         fits = [level for level in levels if self._fits(level, cost, budget_s)]
         best = fits[-1] if fits else levels[0]
         if current is None or current not in self.costs.bytes_per_round:
             return best
-        if not self._fits(current, cost, budget_s):
-            return best  # too slow now: down, as far as needed
+        if not self._fits(current, lenient, budget_s):  # too slow now: down, as far as needed
+            return max((x for x in levels if self._fits(x, lenient, budget_s)), default=levels[0])
         higher = [level for level in levels if level > current]
         if higher and self._fits(higher[0], cost, self.raise_below * budget_s):
             return higher[0]
@@ -304,20 +318,22 @@ class RateController:
         slower direction. A link's first level (none yet, or one off the ladder) jumps to
         what fits with every second of its sends priced as bytes: it never overshoots."""
         chosen = dict(current)
-        estimated: dict[Link, tuple[LinkCost, LinkCost]] = {}
+        estimated: dict[Link, tuple[LinkCost, LinkCost, LinkCost]] = {}
         for key, directions in sends.items():
             first = current.get(key) not in self.costs.bytes_per_round
             estimates = self._estimates(key, directions, bytes_only=first)
             if not estimates:
                 continue
-            worst, settled = (
+            worst, settled, lenient = (
                 LinkCost(max(e.latency_s for e in kind), max(e.seconds_per_byte for e in kind))
                 for kind in zip(*estimates, strict=True)
             )
-            estimated[key] = (worst, settled)
-        self.budget_s = self.round_budget(budget_s, [settled for _, settled in estimated.values()])
-        for key, (worst, settled) in estimated.items():
-            chosen[key] = self._patient(key, current.get(key), worst, settled, self.budget_s)
+            estimated[key] = (worst, settled, lenient)
+        self.budget_s = self.round_budget(budget_s, [e[1] for e in estimated.values()])
+        for key, (worst, settled, lenient) in estimated.items():
+            chosen[key] = self._patient(
+                key, current.get(key), worst, settled, self.budget_s, lenient
+            )
         return chosen
 
     def round_budget(self, budget_s: float, links: Sequence[LinkCost]) -> float:
@@ -333,11 +349,11 @@ class RateController:
 
     def _estimates(
         self, key: Link, directions: Sequence[Sequence[tuple[int, float]]], bytes_only: bool
-    ) -> list[tuple[LinkCost, LinkCost]]:
-        """Each direction's estimate and its settled one (`estimate_link`; directions without
-        a send left out). The latency the sends separate is remembered per link (the slower
-        direction's, at the last `LATENCY_MEMORY` decisions that separated one), and their
-        median stands in while they no longer do: a link that stays at one level keeps what
+    ) -> list[tuple[LinkCost, LinkCost, LinkCost]]:
+        """Each direction's estimate, its settled one and its lenient one (`estimate_link`,
+        `past_noise`; directions without a send left out). The latency the sends separate is
+        remembered per link (the slower direction's, at the last `LATENCY_MEMORY` decisions
+        that separated one), and their median stands in while they no longer do: a link that stays at one level keeps what
         its earlier sizes showed, and one unlucky snapshot (a busy spell at one size) does
         not decide it."""
         memory = self._latency.setdefault(key, deque(maxlen=LATENCY_MEMORY))
@@ -349,6 +365,9 @@ class RateController:
                     (
                         estimate_link(samples, latency_s=known, bytes_only=bytes_only),
                         estimate_link(samples, latency_s=known, settled=True),
+                        estimate_link(
+                            samples, latency_s=known, bytes_only=bytes_only, past_noise=True
+                        ),
                     )
                 )
             except ValueError:
@@ -361,12 +380,18 @@ class RateController:
         return estimates
 
     def _patient(
-        self, key: Link, current: int | None, cost: LinkCost, settled: LinkCost, budget_s: float
+        self,
+        key: Link,
+        current: int | None,
+        cost: LinkCost,
+        settled: LinkCost,
+        budget_s: float,
+        lenient: LinkCost,
     ) -> int:
         """`choose`, once the proposal has repeated enough (module docstring); at once when
         going down from a level whose `settled` estimate (the whole window: most of its sends,
         not a short busy spell) is over `drop_at` x budget."""
-        proposal = self.choose(current, cost, budget_s)
+        proposal = self.choose(current, cost, budget_s, lenient)
         if current is None or current not in self.costs.bytes_per_round or proposal == current:
             self._streaks.pop(key, None)
             return proposal
