@@ -66,6 +66,8 @@ def all_blocks() -> list[Block]:
 
 # Bash blocks, by a phrase of their text, that the suite covers elsewhere or that are no commands
 _ELSEWHERE = {
+    "--member-timeout 60": "tests/test_membership_cli.py runs a live join with processes (a "
+    "live ring of capacity 3 on free ports, fewer rounds)",
     "pip install -e '.[dev]' -c constraints.txt": "install: .ci/run runs the test line verbatim "
     "in a new virtual environment (tests/test_docs_code_blocks.py checks it is the README's)",
     "gossipcomp simulate [--topology": "synopsis: tests/test_docs_code_blocks.py checks every "
