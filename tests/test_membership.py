@@ -243,3 +243,11 @@ def test_a_handshake_from_outside_the_members_or_the_capacity_is_refused():
         assert peers[0].links.state(4) is LinkState.DOWN
     finally:
         close_all(peers)
+
+
+def test_topology_show_says_a_topology_is_live_and_names_its_members(live_file, capsys):
+    assert main(["topology", "show", str(live_file)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "live membership yes" in out and "capacity 6 ranks (0..5)" in out
+    assert "initial members 0, 1, 2, 3" in out
+    assert "ring over them: SLEM 0.3333" in out  # 4-ring, weights 1/3: eigenvalues 1, ±1/3

@@ -51,6 +51,29 @@ def format_rounds(topology: Topology) -> Table:
     return table
 
 
+def format_members(topology: Topology) -> Table:
+    """The facts of a live topology (topology/members.py): its capacity, initial members and
+    the SLEM of its family over them. The rows above describe the union of every graph the
+    family can give (the complete graph on the capacity, uniform W), not a round's."""
+    live = topology.live
+    if live is None:
+        raise ValueError(f"topology {topology.name} has a fixed membership")
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    table.add_row("live membership", "yes: the rows above are the capacity's union graph")
+    table.add_row("capacity", f"{live.capacity} ranks (0..{live.capacity - 1})")
+    shown = ", ".join(map(str, live.initial[:SHOWN_ROUNDS]))
+    more = (
+        f", ... ({len(live.initial) - SHOWN_ROUNDS} more)"
+        if len(live.initial) > SHOWN_ROUNDS
+        else ""
+    )
+    table.add_row("initial members", shown + more)
+    table.add_row(f"{live.kind} over them: SLEM", f"{live.slem(()):.4f}")
+    return table
+
+
 def run(args: argparse.Namespace, console: Console) -> int:
     """Print the topology (on stdout: it is the command's output)."""
     topology = resolve_topology(args.file)
@@ -58,4 +81,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
     out.print(format_topology(topology))
     if topology.time_varying:
         out.print(format_rounds(topology))
+    if topology.live is not None:
+        out.print(format_members(topology))
     return 0
