@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 import yaml
-from conftest import gossip_round, grpc_network, run_in_threads, stacked
+from conftest import build_network, gossip_round, grpc_network, run_in_threads, stacked
 from helpers import close_all, mlp_models, stranger_hello
 
 from gossipcomp.cli import main
@@ -251,3 +251,24 @@ def test_topology_show_says_a_topology_is_live_and_names_its_members(live_file, 
     assert "live membership yes" in out and "capacity 6 ranks (0..5)" in out
     assert "initial members 0, 1, 2, 3" in out
     assert "ring over them: SLEM 0.3333" in out  # 4-ring, weights 1/3: eigenvalues 1, ±1/3
+
+
+def test_a_neighbour_cannot_announce_others_departures_only_the_coordinator_can():
+    """A schedule a neighbour passes on (Peer.adopt: what a fetch of its schedules stages) that
+    changes the members is refused, the book unchanged; the same schedule from the
+    coordinator (Peer.apply) is staged; a neighbour's schedule naming the members held (here
+    the initial ones, named explicitly) is adopted."""
+    topology = build_topology("ring", n=5, members=[0, 1, 2, 3])
+    peers = build_network(topology, mlp_models(4), DPSGD)
+    try:
+        removal = Schedule(1, 10, members=(0, 1, 2))
+        with pytest.raises(ScheduleRefused, match="only the coordinator's own schedules"):
+            peers[0].adopt(removal)
+        with pytest.raises(ScheduleRefused, match="changes the members"):
+            peers[0].adopt(Schedule(1, 10, members=(0, 1, 2, 3, 4)))  # nor arrivals
+        assert peers[0].schedules.newest.epoch == 0
+        peers[1].apply(removal)
+        assert peers[1].schedules.newest == removal
+        assert peers[2].adopt(Schedule(1, 10, planner="p", members=(0, 1, 2, 3)))
+    finally:
+        close_all(peers)

@@ -215,6 +215,7 @@ class Peer:
             self._levels,
             specs,
             capacity=topology.n if topology.live is not None else None,
+            initial_members=topology.live.initial if topology.live is not None else (),
         )
         # who it gossips with, greets and answers on a live topology (peer/membership.py)
         self._membership = PeerMembership(rank, topology, lambda: self.schedules, joining)

@@ -38,8 +38,10 @@ class PeerSchedules:
         levels: CompressionLevels,
         base_specs: dict[str, PayloadSpec],
         capacity: int | None = None,
+        initial_members: tuple[int, ...] = (),
     ) -> None:
-        """`capacity`: a live topology's (schedules may name members below it); None: fixed."""
+        """`capacity`: a live topology's (schedules may name members below it); None: fixed.
+        `initial_members`: a live topology's, what a schedule naming none means."""
         self.rank = rank
         self.transport = transport
         self.algorithm = algorithm
@@ -48,6 +50,7 @@ class PeerSchedules:
         self.levels = levels
         self.base_specs = base_specs
         self.capacity = capacity
+        self.initial_members = initial_members
         self.book = self.fresh_book()
         # neighbours whose newer schedules this peer wants, and the fetches under way
         self._lock = threading.Lock()
@@ -119,6 +122,13 @@ class PeerSchedules:
         """Stage a schedule a neighbour holds (see Peer.adopt); this peer is at `round`."""
         if schedule.epoch <= self.book.newest.epoch:
             return False
+        held = self.book.newest.members or self.initial_members
+        if (schedule.members or self.initial_members) != held:
+            raise ScheduleRefused(
+                f"schedule epoch {schedule.epoch} from a neighbour changes the members; "
+                "expected the members this peer holds: only the coordinator's own schedules "
+                "change them (a neighbour cannot announce others' departures or arrivals)"
+            )
         specs = self.specs(schedule)
         staged = self.book.stage(schedule, round, late=True)
         self.expect_epoch(staged.epoch, specs)

@@ -24,9 +24,11 @@ rogue) left staged.
 
 Membership travels the same way (live membership, topology/members.py): a schedule may name the
 ranks in the network from its effective round (`members`, sorted, each below the topology's
-capacity), so who is in the network is versioned, bounded, checked before use and passed from
-peer to peer by the very mechanisms above; no second path carries it. A schedule naming none
-keeps the topology's own (every rank of a fixed topology; the initial members of a live one).
+capacity), so who is in the network is versioned, bounded and checked before use by the very
+mechanisms above; no second path carries it. A schedule naming none keeps the topology's own
+(every rank of a fixed topology; the initial members of a live one). A schedule a neighbour
+passes on may not change the members (peer/schedules.py): only the coordinator's do, so no
+member can announce another's departure.
 """
 
 from __future__ import annotations
