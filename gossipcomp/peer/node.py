@@ -487,6 +487,7 @@ class Peer:
         self._levels.switch_due(self.round)
         if not self._membership.member():  # no rounds outside the network (membership.py)
             self._last_mark = time.perf_counter()
+            self._in_step_since = None  # no round in step to time until it is back
             return
         resumed = self._rejoin.resume_edges(self.round, self._exchange)  # edges back now
         self._levels.decide(self.round, self._links.sends)
