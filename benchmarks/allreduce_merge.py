@@ -20,9 +20,10 @@ collective's fixed cost of a few ms on a loaded 2-core machine), runs every
 planner (mgwfbp, mergecomp, strategy) beside per-tensor and single, with and without
 compression (identity, sign, top-1%), and sets X per compressor so that one step's
 communication is `--comm-over-backward` (default 2) times the backward pass: X is computed
-from the bytes a step puts on a rank's link and the fastest of 20 backward passes timed here
-before the ranks start. The run then measures, per compressor, comm_over_backward = the communication a step of
-the single group waits for / the backward pass timed inside the ranks; network_bound is true
+from the bytes a step puts on a rank's link and the fewest CPU seconds of 20 one-thread
+backward passes here before the ranks start. The run then measures, per compressor,
+comm_over_backward = the communication a step of the single group waits for / the backward
+pass timed inside the ranks; network_bound is true
 only when that is at least 1 for every compressor, and the script exits 1 (after writing the
 JSON) when it is not: a run that does not bind proves nothing about overlap. Per compressor it
 writes planned_vs_single, planned_groups and predicted_over_measured (the planner's predicted
@@ -191,21 +192,28 @@ def backward_seconds(
     *,
     fastest: bool = False,
 ) -> float:
-    """Median (`fastest`: least) seconds of the model's backward pass on a digits-sized batch,
-    one thread as in a rank (after two untimed passes). The least is what sets the links: on a
-    machine shared with other work the median follows the load of the moment, and a link set
-    from a burst of it ran 20 times slower than planned (a sign step of 1 s instead of 0.1 s)."""
+    """Median seconds of the model's backward pass on a digits-sized batch, one thread as in a
+    rank (after two untimed passes); `fastest`: the least CPU seconds of this process instead,
+    what sets the links. On a machine shared with other work wall time follows the load of the
+    moment: a link set from a loaded wall time (116 ms for a backward of 13 ms of CPU) ran at
+    1/9 of the planned rate, communication 7-19 backward passes instead of 2."""
     model = MODELS[model_name](seed)
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, 64, generator=generator)
     y = torch.randint(0, 10, (batch_size,), generator=generator)
     runs = []
-    for _ in range(repeats + 2):
-        model.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        start = time.perf_counter()
-        loss.backward()
-        runs.append(time.perf_counter() - start)
+    clock = time.process_time if fastest else time.perf_counter
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(repeats + 2):
+            model.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            start = clock()
+            loss.backward()
+            runs.append(clock() - start)
+    finally:
+        torch.set_num_threads(threads)
     return min(runs[2:]) if fastest else statistics.median(runs[2:])
 
 
@@ -242,6 +250,8 @@ def _shaped(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]) 
         or rate_mbit(link_bytes_per_step(spec, numel, nproc), backward_s, args.comm_over_backward)
         for spec in compressors
     }
+    shown = ", ".join(f"{spec} {mbit:.2f}" for spec, mbit in rates.items())
+    print(f"backward {1e3 * backward_s:.2f} ms: links at {shown} Mbit/s", file=sys.stderr)
     table: dict[str, dict[str, Any]] = {}
     per_compressor: dict[str, dict[str, Any]] = {}
     try:
