@@ -471,3 +471,29 @@ def test_peer_command_exits_1_when_every_exchange_is_refused(tmp_path: Path, cap
     # loaded cores), it gives up starting once peer 0 has stopped; never silently, never hung
     loud = (GossipStalled, PeerUnreachableError)
     assert not thread.is_alive() and all(isinstance(e, loud) for e in errors), errors
+
+
+def test_a_peer_that_fails_in_simulate_stops_its_neighbours_without_waiting_out_the_deadline(
+    monkeypatch,
+):
+    """Peer 2 of a ring4 simulation fails at its 4th round (as a peer whose model diverged
+    does). With a round deadline of 300 s, its neighbours used to wait it out every round
+    (an outer-optimizer grid hung 10 minutes on one diverged configuration); the failed peer
+    now stops serving, as its own process would, so the run raises its error within seconds."""
+    from gossipcomp.experiment.outcome import TrainingDiverged
+    from gossipcomp.experiment.simulation import run_simulation
+    from gossipcomp.experiment.trainer import PeerTrainer
+
+    original = PeerTrainer._round
+
+    def failing_round(self, on_round, should_stop):
+        if self.peer.rank == 2 and self.peer.round == 3:
+            raise TrainingDiverged("peer 2: parameter became NaN/Inf (injected)")
+        original(self, on_round, should_stop)
+
+    monkeypatch.setattr(PeerTrainer, "_round", failing_round)
+    config = TrainConfig(rounds=40, eval_every=0, round_timeout=300.0)
+    start = time.monotonic()
+    with pytest.raises(TrainingDiverged, match="injected"):
+        run_simulation(config, load_topology("ring4"))
+    assert time.monotonic() - start < 60

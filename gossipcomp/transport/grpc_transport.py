@@ -431,6 +431,7 @@ class GrpcTransport:
         if self._closed:
             return
         self._closed = True
+        self.inbox.mailbox.shut()  # a thread waiting in exchange() goes on at once
         self._server.stop(grace=0.5)
         try:
             self._loop.run(_close_channels(list(self._channels.values())))

@@ -31,6 +31,7 @@ class Mailbox:
         self._closed: set[tuple[int, str, int]] = set()  # collect gave up on these
         self._abandoned: set[tuple[int, str, int]] = set()  # known not to come: stop waiting
         self._allowed: dict[int, int] = {}  # sender -> one round accepted beyond the window
+        self._shut = False  # the transport is closing: no wait lasts
         self._cond = threading.Condition()
 
     def allow(self, sender: int, round: int) -> None:
@@ -117,7 +118,7 @@ class Mailbox:
                     and (round, phase, s) not in self._abandoned
                 ]
                 remaining = deadline - time.monotonic()
-                if not missing or remaining <= 0:
+                if not missing or remaining <= 0 or self._shut:
                     break
                 self._cond.wait(remaining)
             arrived = {}
@@ -129,6 +130,13 @@ class Mailbox:
                 else:
                     self._closed.add(key)
             return arrived
+
+    def shut(self) -> None:
+        """End every wait now and make later ones return at once with what is here: the
+        transport is closing, and no envelope it waits for will be taken in."""
+        with self._cond:
+            self._shut = True
+            self._cond.notify_all()
 
     def abandon(self, round: int, phase: str, sender: int) -> None:
         """Stop waiting for `sender`'s envelope of (round, phase): it is known not to come (our

@@ -217,4 +217,5 @@ class InMemoryTransport:
         return result
 
     def close(self) -> None:
+        self.inbox.mailbox.shut()  # a thread waiting in exchange() goes on at once
         self._hub.unregister(self.rank)

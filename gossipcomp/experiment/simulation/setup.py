@@ -182,7 +182,13 @@ def _train_all(
             )
         except BaseException as error:  # reported to the caller below
             errors.append(error)
-            failed.set()
+            if not failed.is_set():
+                failed.set()
+                # the run is over: every peer's transport closes, which ends their waits at
+                # once (otherwise each waits out its round deadline, up to --round-timeout, for
+                # envelopes the failed peer will never send), and they stop with TrainingAborted
+                for other in trainers:
+                    other.peer.close()
 
     threads = [
         threading.Thread(target=run, args=(t,), name=f"peer-{t.peer.rank}", daemon=True)
