@@ -626,6 +626,12 @@ class Peer:
             send_seconds=median_send_seconds(self._links.sends),
         )
 
+    def stop_waiting(self) -> None:
+        """End this peer's waits for envelopes, now and from now on: the run it belongs to is
+        over, and an exchange in progress returns with what has arrived (its transport stays
+        open until `close`, so nothing in flight is cut off)."""
+        self.transport.inbox.mailbox.shut()
+
     def close(self) -> None:
         self.transport.close()
 

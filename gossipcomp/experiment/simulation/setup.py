@@ -184,11 +184,12 @@ def _train_all(
             errors.append(error)
             if not failed.is_set():
                 failed.set()
-                # the run is over: every peer's transport closes, which ends their waits at
-                # once (otherwise each waits out its round deadline, up to --round-timeout, for
-                # envelopes the failed peer will never send), and they stop with TrainingAborted
+                # the run is over: every peer stops waiting for envelopes at once (otherwise
+                # each waits out its round deadline, up to --round-timeout, for envelopes the
+                # failed peer will never send) and stops with TrainingAborted; the transports
+                # close afterwards, with nothing in flight
                 for other in trainers:
-                    other.peer.close()
+                    other.peer.stop_waiting()
 
     threads = [
         threading.Thread(target=run, args=(t,), name=f"peer-{t.peer.rank}", daemon=True)
