@@ -86,25 +86,31 @@ def test_outer_sgd_at_lr_1_without_momentum_is_todays_gossip_bit_for_bit(spec):
             assert torch.equal(x, y)
 
 
+def _averaged_run(batches, h: int, phases: int, lr: float, **peer_options) -> list[list]:
+    """Four peers on a complete graph with exact averaging (D-PSGD, uniform weights), `phases`
+    phases of `h` local SGD steps on `batches`: each peer's final parameters."""
+    peers = grpc_network(
+        build_topology("complete", n=4, weights="uniform"),
+        [build_mlp(seed=0) for _ in range(4)],
+        DPSGD,
+        local_steps=h,
+        **peer_options,
+    )
+    try:
+        _train(peers, batches, phases, h, lr)
+        return _params(peers)
+    finally:
+        _close(peers)
+
+
 def test_gossip_outer_nesterov_on_a_complete_graph_equals_all_reduce_diloco():
     """Complete graph, exact gossip (each peer averages all models): the gossip outer step is
     all-reduce DiLoCo, every peer holding the shared anchor stepped by Nesterov on the averaged
     pseudo-gradient (computed here in plain torch from the same batches)."""
-    topology = build_topology("complete", n=4, weights="uniform")
     h, phases, lr = 3, 4, 0.05
     batches = [_batches(r, h * phases, seed=1) for r in range(4)]
-    peers = grpc_network(
-        topology,
-        [build_mlp(seed=0) for _ in range(4)],
-        DPSGD,
-        outer=parse_outer("nesterov:lr=0.7,momentum=0.9"),
-        local_steps=h,
-    )
-    try:
-        _train(peers, batches, phases, h, lr)
-        gossiped = _params(peers)
-    finally:
-        _close(peers)
+    outer = parse_outer("nesterov:lr=0.7,momentum=0.9")
+    gossiped = _averaged_run(batches, h, phases, lr, outer=outer)
     anchor = build_mlp(seed=0)
     velocity = [torch.zeros_like(p) for p in anchor.parameters()]
     for phase in range(phases):
@@ -130,21 +136,9 @@ def test_tracking_at_rate_1_under_exact_averaging_is_scaffold():
     c <- mean c_i, x <- mean y_i. On a complete graph with exact averaging, drift tracking at
     rate 1 (d_i = -h lr (c - c_i), spread over the phase's steps) is that algorithm: the
     SCAFFOLD-style control variate is `--drift tracking:rate=1` where gossip averages."""
-    topology = build_topology("complete", n=4, weights="uniform")
     h, phases, lr = 3, 4, 0.05
     batches = [_batches(r, h * phases, seed=2) for r in range(4)]
-    peers = grpc_network(
-        topology,
-        [build_mlp(seed=0) for _ in range(4)],
-        DPSGD,
-        drift=parse_drift("tracking:rate=1"),
-        local_steps=h,
-    )
-    try:
-        _train(peers, batches, phases, h, lr)
-        tracked = _params(peers)
-    finally:
-        _close(peers)
+    tracked = _averaged_run(batches, h, phases, lr, drift=parse_drift("tracking:rate=1"))
     server = build_mlp(seed=0)
     shapes = [p.detach() for p in server.parameters()]
     c_mean = [torch.zeros_like(p) for p in shapes]
