@@ -43,6 +43,7 @@ log = logging.getLogger("gossipcomp.experiment")  # the package's logger, as bef
 # generator state and the archive's own records (a few kB for a 600-round run)
 _PAYLOAD_SLACK = 16 * 2**20
 _HISTORY_ENTRY_BYTES = 128  # a pickled Evaluation takes about 40; at most one per round
+OUTSIDE_POLL_SECONDS = 0.05  # how often a peer outside a live network looks for its admission
 
 
 def _check_finite(peer: Peer, round: int, stage: str) -> None:
@@ -217,6 +218,9 @@ class PeerTrainer:
         steps = config.steps_at(before)
         if should_stop is not None and should_stop():
             raise TrainingAborted(f"peer {peer.rank} stopped at round {before + 1}")
+        if not peer.member:  # outside a live network: no local steps until it is admitted
+            self._await_admission()
+            return
         for _ in range(config.steps_at(before + 1) - steps):
             local_step(peer.model, self.optimizer, self.stream.next_batch())
             peer.note_local_step()  # the drift correction's share, when there is one
@@ -236,6 +240,18 @@ class PeerTrainer:
             self.store.save(r, self.state_dict())
         if on_round is not None:
             on_round(r)
+
+    def _await_admission(self) -> None:
+        """A peer outside a live network (a joiner not admitted yet, or a member the
+        coordinator removed) does no rounds, so it takes no local steps either: each would
+        train its model on its own shard alone, as fast as the CPU allows, for as long as the
+        admission takes. It only looks for its admission (gossip() without a round) and
+        reports, a few times a second."""
+        self.peer.gossip()
+        if self.coordinator is not None:
+            self.coordinator.after_round()
+        if not self.peer.member:
+            time.sleep(OUTSIDE_POLL_SECONDS)
 
     def _evaluate(self) -> None:
         """Record the test accuracy and loss and the bytes sent so far."""

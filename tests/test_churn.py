@@ -1,0 +1,93 @@
+"""Churn on a live network (issue 27's soak, benchmarks/churn.py, tiny): 16 peers of a live
+one-peer exponential network over real gRPC with an in-process coordinator, peers killed and
+joining while they train; and a peer outside a live network takes no local steps while it waits
+for its admission (it used to train alone on its shard, as fast as the CPU allowed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gossipcomp.experiment import TrainConfig, build_algorithm, build_config_model, load_data
+from gossipcomp.experiment.outcome import TrainingAborted
+from gossipcomp.experiment.trainer import PeerTrainer
+from gossipcomp.peer import Peer
+from gossipcomp.topology import build_topology
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _churn_module():
+    spec = importlib.util.spec_from_file_location("churn_benchmark", ROOT / "benchmarks/churn.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["churn_benchmark"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_peer_waiting_for_admission_takes_no_local_steps():
+    """A joiner nobody admits (no coordinator here) does no rounds and, now, no local steps:
+    its model is the one it started with after a second of waiting, and it still stops when
+    asked. Before, the trainer ran local steps in a loop (the model moved, a core was busy)."""
+    config = TrainConfig(algorithm="dpsgd", rounds=50, round_timeout=2.0)
+    data = load_data(config)
+    topology = build_topology("ring", n=3, members=[0, 1])
+    peer = Peer.over_grpc(
+        build_config_model(config, data),
+        topology,
+        2,
+        build_algorithm(config, topology, 2),
+        bind="127.0.0.1:0",
+        round_timeout=config.round_timeout,
+        joining=True,
+    )
+    try:
+        trainer = PeerTrainer(peer, data, config)
+        peer.start(5.0, {2: peer.address})
+        before = [p.detach().clone() for p in peer.model.parameters()]
+        until = time.monotonic() + 1.0
+        with pytest.raises(TrainingAborted):
+            trainer.run(should_stop=lambda: time.monotonic() > until)
+        assert not peer.member and peer.round == 0
+        for p, q in zip(peer.model.parameters(), before, strict=True):
+            assert torch.equal(p.detach(), q)
+        assert not trainer.optimizer.state  # no SGD step at all (momentum buffers never made)
+    finally:
+        peer.close()
+
+
+def test_churn_benchmark_kills_and_joins_without_stalls(tmp_path):
+    """The churn soak, tiny: 16 peers, ranks 0..14 first; at two events a peer is killed and
+    one joins (the new rank 15, then the rank killed before, from its checkpoint). The
+    coordinator removes and admits them, no member waits more than one round timeout (plus the
+    static run's longest round) between two rounds, every remaining peer finishes, and the
+    churned run's accuracy is within 1 point of the static run's."""
+    churn = _churn_module()
+    out = tmp_path / "churn.json"
+    code = churn.main(
+        [
+            "--rounds", "90", "--churn-every", "30", "--warmup", "40", "--report-every", "2",
+            "--round-timeout", "3", "--member-timeout", "6", "--eval-every", "0",
+            "--max-gap", "0.05", "--json", str(out),
+        ]
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert code == (0 if result["passed"] else 1)
+    static, churned = result["static"], result["churned"]
+    assert static["errors"] == [] and churned["errors"] == [], result["missed"]
+    assert [(e["killed"], e["joined"]) for e in churned["events"]] == [(0, 15), (1, 0)]
+    assert churned["coordinator_removals"] >= 2 and churned["coordinator_joins"] >= 2
+    assert static["all_finished"] and churned["all_finished"]
+    assert churned["peers_at_end"] == 15  # rank 1, killed last, stays out
+    assert static["peers_at_end"] == 16
+    limit = result["round_timeout"] + static["longest_round_seconds"]
+    assert churned["longest_round_seconds"] <= limit
+    assert result["accuracy_gap_points"] <= 5.0
+    assert result["passed"], result["missed"]
