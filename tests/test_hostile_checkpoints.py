@@ -119,7 +119,7 @@ def test_a_file_bigger_than_the_model_allows_is_refused_before_any_read(
     ("change", "field"),
     [
         (lambda state: state.update(config=[1, 2]), "config: expected a dict"),  # finding 2
-        (lambda state: state["config"].update(lr="fast"), "config: lr must be a finite number"),
+        (lambda state: state["config"].update(lr="fast"), "config: lr: expected a finite number"),
         (lambda state: state["config"].update(speed=3), "config: unknown settings"),
         (lambda state: state.pop("stream"), "state: expected keys"),
         (lambda state: state["peer"].update(round=3), "peer.round: expected 4"),
@@ -145,23 +145,23 @@ def test_a_file_bigger_than_the_model_allows_is_refused_before_any_read(
             "stream: order: expected a permutation",
         ),
         (lambda state: state["stream"].update(cursor=True), "stream: cursor: expected an integer"),
-        (lambda state: state["history"][0].update(round="2"), "history: [0] round must be"),
+        (lambda state: state["history"][0].update(round="2"), "history: [0] round: expected an integer"),
         (lambda state: state["history"].append([]), "history: expected keys"),
         (
             lambda state: state["history"][0].update(test_accuracy=math.inf),
-            "history: [0] test_accuracy must be a finite number in [0, 1], got inf",
+            "history: [0] test_accuracy: expected a finite number in [0, 1], got inf",
         ),
         (
             lambda state: state["history"][0].update(test_loss=-1.0),
-            "history: [0] test_loss must be a finite number in [0, inf), got -1.0",
+            "history: [0] test_loss: expected a finite number in [0, inf), got -1.0",
         ),
         (
             lambda state: state["history"][0].update(test_loss=math.nan),
-            "history: [0] test_loss must be a finite number in [0, inf), got nan",
+            "history: [0] test_loss: expected a finite number in [0, inf), got nan",
         ),
         (
             lambda state: state["history"][0].update(test_loss="2.5"),
-            "history: [0] test_loss must be a finite number",
+            "history: [0] test_loss: expected a finite number",
         ),
     ],
 )
@@ -341,7 +341,7 @@ def test_bad_settings_are_refused_naming_field_and_value(field: str, value: Any)
     with pytest.raises(ValueError) as raised:
         TrainConfig(**{field: value})
     message = str(raised.value)
-    assert message.startswith(f"{field} must be") and message.endswith(f"got {value!r}")
+    assert message.startswith(f"{field}: expected") and message.endswith(f"got {value!r}")
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])

@@ -325,7 +325,7 @@ def test_a_checkpointed_pace_that_would_believe_any_round_is_refused(field, valu
     peer, _ = _lonely_peer()
     state = peer.state_dict()
     state[field] = value
-    with pytest.raises(ValueError, match=f"peer checkpoint: {field} must be a finite number"):
+    with pytest.raises(ValueError, match=f"peer checkpoint: {field}: expected a finite number"):
         peer.load_state_dict(state)
     assert peer.round == 0
 

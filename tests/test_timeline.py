@@ -134,11 +134,11 @@ def test_1024_peers_simulate_quickly() -> None:
     ("arguments", "message"),
     [
         ({"layout": "mesh"}, "unknown layout 'mesh'"),
-        ({"peers": 2}, "peers is 2; expected an int in \\[3, 16384\\]"),
-        ({"peers": 100_000}, "peers is 100000"),
-        ({"rounds": 0}, "rounds is 0"),
-        ({"warmup": 5, "rounds": 5}, "warmup is 5; expected an int in \\[0, 4\\]"),
-        ({"cores": 0}, "cores is 0"),
+        ({"peers": 2}, "peers: expected an integer in \\[3, 16384\\], got 2"),
+        ({"peers": 100_000}, "peers: expected an integer in \\[3, 16384\\], got 100000"),
+        ({"rounds": 0}, "rounds: expected an integer in \\[1, 100000\\], got 0"),
+        ({"warmup": 5, "rounds": 5}, "warmup: expected an integer in \\[0, 4\\], got 5"),
+        ({"cores": 0}, "cores: expected an integer in \\[1, 1048576\\], got 0"),
         ({"layout": "ring-allreduce", "cores": 2}, "one processor per peer"),
     ],
 )
@@ -168,5 +168,5 @@ def test_simulate_refuses_bad_arguments(arguments: dict, message: str) -> None:
 )
 def test_peer_costs_are_range_checked(field: str, value: object) -> None:
     arguments = {"compute_s": 0.01, "message_bytes": 10} | {field: value}
-    with pytest.raises(ValueError, match=f"{field} is"):
+    with pytest.raises(ValueError, match=f"^PeerCosts: {field}: expected an? (finite number|integer) in"):
         PeerCosts(**arguments)  # type: ignore[arg-type]

@@ -43,6 +43,7 @@ from gossipcomp.allreduce.hooks import (
 )
 from gossipcomp.compress import parse_spec
 from gossipcomp.gossip.state import require_keys
+from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.inputs.text import quoted
 from gossipcomp.outer.optimizers import OuterSGD, checked_finite, parse_outer
 
@@ -237,15 +238,7 @@ class DiLoCoSync:
         """Restore after checking every part; ValueError (and nothing changed) otherwise."""
         require_keys(state, STATE_KEYS, "diloco")
         for key, high in (("phases", None), ("steps_in_phase", self.spec.steps - 1)):
-            value = state[key]
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or value < 0
-                or (high is not None and value > high)
-            ):
-                limit = f"[0, {high}]" if high is not None else ">= 0"
-                raise ValueError(f"diloco state {key}: expected an integer {limit}, got {value!r}")
+            checked_integer(f"diloco state {key}", state[key], 0, high)
         anchor = checked_finite("diloco anchor", self.parameters, state["anchor"])
         outer = OuterSGD(self.outer.lr, self.outer.momentum, self.outer.nesterov, self.outer.name)
         outer.load_state_dict(state["outer"], self.parameters)

@@ -14,6 +14,7 @@ from gossipcomp.compress import parse_spec
 from gossipcomp.gossip import ALGORITHMS, make_attack, parse_clip
 from gossipcomp.gossip.byzantine import DEFAULT_SCALE
 from gossipcomp.gossip.specs import MAX_GOSSIP_STEPS, canonical_spec, parse_options
+from gossipcomp.inputs.numbers import checked_integer, checked_number
 from gossipcomp.inputs.text import quoted
 from gossipcomp.outer import DriftTracker, OuterSGD, parse_drift, parse_outer
 from gossipcomp.peer import DEFAULT_MAX_FAILED_ROUNDS, MAX_ROUND_TIMEOUT
@@ -74,31 +75,40 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         """Refuse any setting that could not train, naming it, before anything runs."""
-        _integer("rounds", self.rounds, 1, MAX_WIRE_ROUND - 1)
-        _integer("batch_size", self.batch_size, 1)
-        _integer("eval_every", self.eval_every, 0)
-        _integer("seed", self.seed, 0, MAX_SEED)
-        _integer("rank", self.rank, 1)
-        _integer("gossip_steps", self.gossip_steps, 1, MAX_GOSSIP_STEPS)
-        _integer("local_steps", self.local_steps, 1, MAX_LOCAL_STEPS)
-        _integer("max_failed_rounds", self.max_failed_rounds, 0, MAX_WIRE_ROUND - 1)
-        _number("lr", self.lr, 0.0, MAX_LR)
-        _number("momentum", self.momentum, 0.0, 1.0, closed_low=True, closed_high=False)
-        _number("round_timeout", self.round_timeout, 0.0, MAX_ROUND_TIMEOUT)
+        checked_integer("rounds", self.rounds, 1, MAX_WIRE_ROUND - 1)
+        checked_integer("batch_size", self.batch_size, 1)
+        checked_integer("eval_every", self.eval_every, 0)
+        checked_integer("seed", self.seed, 0, MAX_SEED)
+        checked_integer("rank", self.rank, 1)
+        checked_integer("gossip_steps", self.gossip_steps, 1, MAX_GOSSIP_STEPS)
+        checked_integer("local_steps", self.local_steps, 1, MAX_LOCAL_STEPS)
+        checked_integer("max_failed_rounds", self.max_failed_rounds, 0, MAX_WIRE_ROUND - 1)
+        checked_number("lr", self.lr, 0.0, MAX_LR, closed_low=False)
+        checked_number("momentum", self.momentum, 0.0, 1.0, closed_high=False)
+        checked_number(
+            "round_timeout", self.round_timeout, 0.0, MAX_ROUND_TIMEOUT, closed_low=False
+        )
         if not isinstance(self.gossip_buffers, bool):
             raise ValueError(
                 f"gossip_buffers must be True or False, got {quoted(self.gossip_buffers)}"
             )
         for name in ("zeta", "gamma"):
             if getattr(self, name) is not None:
-                _number(name, getattr(self, name), 0.0, 1.0)
+                checked_number(name, getattr(self, name), 0.0, 1.0, closed_low=False)
         if isinstance(self.consensus_step, str):
             if self.consensus_step != "auto":
                 raise ValueError(
                     f"consensus_step must be a number or 'auto', got {self.consensus_step!r}"
                 )
         elif self.consensus_step is not None:  # the algorithm checks its own upper limit
-            _number("consensus_step", self.consensus_step, 0.0, math.inf, closed_high=False)
+            checked_number(
+                "consensus_step",
+                self.consensus_step,
+                0.0,
+                math.inf,
+                closed_low=False,
+                closed_high=False,
+            )
         if ":" in self.algorithm:  # a whole spec: its options are not given twice
             defaults = TrainConfig()
             name = parse_options(self.algorithm, ALGORITHMS)[0]
@@ -188,37 +198,3 @@ class TrainConfig:
         if self.algorithm_name not in GROUPED_ALGORITHMS:
             return None
         return self.algorithm_options().get("compressor", "identity")
-
-
-def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
-    """Raise ValueError naming `name` unless `value` is an int (not a bool) in [low, high]."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or value < low
-        or (high is not None and value > high)
-    ):
-        upper = "" if high is None else f" and <= {high}"
-        raise ValueError(f"{name} must be >= {low}{upper} (an integer), got {quoted(value)}")
-
-
-def _number(
-    name: str,
-    value: Any,
-    low: float,
-    high: float,
-    *,
-    closed_low: bool = False,
-    closed_high: bool = True,
-) -> None:
-    """Raise ValueError naming `name` unless `value` is a finite int or float (not a bool) in
-    the interval from `low` to `high`, open at the low end and closed at the high end unless
-    told otherwise (NaN fails every comparison, so it is caught by the same test)."""
-    ok = not isinstance(value, bool) and isinstance(value, int | float)
-    if ok:
-        above = low <= value if closed_low else low < value
-        below = value <= high if closed_high else value < high
-        ok = above and below and (isinstance(value, int) or math.isfinite(value))
-    if not ok:
-        interval = f"{'[' if closed_low else '('}{low:g}, {high:g}{']' if closed_high else ')'}"
-        raise ValueError(f"{name} must be a finite number in {interval}, got {quoted(value)}")

@@ -28,6 +28,7 @@ from matplotlib.figure import Figure
 
 from gossipcomp.experiment.report import Report
 from gossipcomp.inputs.files import load_json_file
+from gossipcomp.inputs.numbers import checked_number
 from gossipcomp.inputs.text import quoted
 
 MAX_REPORT_BYTES = 32 * 2**20  # a report of a 10^5-evaluation run with 10^3 peers is smaller
@@ -60,14 +61,6 @@ class Curve:
     high: list[float]
     distances: list[float]
     settings: tuple[tuple[str, str], ...] = ()
-
-
-def _number(value: Any, where: str, low: float = 0.0, high: float = math.inf) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{where}: expected a number, got {quoted(value)}")
-    if not (math.isfinite(value) and low <= value <= high):
-        raise ValueError(f"{where}: expected a finite number in [{low:g}, {high:g}], got {value}")
-    return float(value)
 
 
 def _short(text: str, limit: int = MAX_LABEL) -> str:
@@ -129,7 +122,7 @@ def _final_point(report: dict[str, Any], per_peer: list[Any], path: str) -> dict
             "mean_test_accuracy": report["final_test_accuracy"],
             "min_test_accuracy": report["min_test_accuracy"],
             "max_test_accuracy": max(
-                _number(a, f"{path}: per_peer[].test_accuracy", 0, 1) for a in accuracies
+                checked_number(f"{path}: per_peer[].test_accuracy", a, 0, 1) for a in accuracies
             ),
             "bytes_sent_total": report["bytes_sent_total"],
             "wall_seconds": report["wall_seconds"],
@@ -162,21 +155,23 @@ def _curve(report: dict[str, Any], path: str) -> Curve:
         if not isinstance(point, dict):
             raise ValueError(f"{where}: expected an object, got {type(point).__name__}")
         try:
-            mean = _number(point["mean_test_accuracy"], f"{where}.mean_test_accuracy", 0, 1)
-            low = _number(point["min_test_accuracy"], f"{where}.min_test_accuracy", 0, 1)
-            columns["steps"].append(_number(point["round"], f"{where}.round"))
-            sent = _number(point["bytes_sent_total"], f"{where}.bytes_sent_total")
+            mean = checked_number(f"{where}.mean_test_accuracy", point["mean_test_accuracy"], 0, 1)
+            low = checked_number(f"{where}.min_test_accuracy", point["min_test_accuracy"], 0, 1)
+            columns["steps"].append(checked_number(f"{where}.round", point["round"], 0.0))
+            sent = checked_number(f"{where}.bytes_sent_total", point["bytes_sent_total"], 0.0)
         except KeyError as error:
             raise ValueError(f"{where}: missing {error}") from None
         high = point.get("max_test_accuracy", mean)  # older reports: min to mean
-        columns["high"].append(max(mean, _number(high, f"{where}.max_test_accuracy", 0, 1)))
-        seconds = _number(point.get("wall_seconds", 0.0), f"{where}.wall_seconds")
+        columns["high"].append(max(mean, checked_number(f"{where}.max_test_accuracy", high, 0, 1)))
+        seconds = checked_number(f"{where}.wall_seconds", point.get("wall_seconds", 0.0), 0.0)
         columns["s"].append(seconds if seconds > 0 else math.nan)  # 0: not recorded
         columns["mb"].append(sent / peers / 1e6)
         columns["mean"].append(mean)
         columns["low"].append(low)
     distances = [
-        _number(peer.get("consensus_distance"), f"{path}: per_peer[{index}].consensus_distance")
+        checked_number(
+            f"{path}: per_peer[{index}].consensus_distance", peer.get("consensus_distance"), 0.0
+        )
         for index, peer in enumerate(per_peer)
     ]
     return Curve(

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from gossipcomp.experiment.config import TrainConfig, _integer, _number
+from gossipcomp.experiment.config import TrainConfig
 from gossipcomp.experiment.outcome import Evaluation
 from gossipcomp.gossip.state import tensor_mismatch
+from gossipcomp.inputs.numbers import checked_integer, checked_number
 from gossipcomp.inputs.text import quoted
 from gossipcomp.transport.codec import all_finite
 from gossipcomp.workload.checkpoint import CheckpointError
@@ -155,13 +156,13 @@ def _history(saved: Any, round: int, config: TrainConfig) -> list[Evaluation]:
         gossip_round, seconds = entry.get("gossip_round", at), entry.get("seconds", 0.0)
         loss = entry.get("test_loss")
         try:
-            _number("seconds", seconds, 0.0, MAX_RUN_SECONDS, closed_low=True)
+            checked_number("seconds", seconds, 0.0, MAX_RUN_SECONDS)
             if loss is not None:  # None: an older checkpoint's entry
-                _number("test_loss", loss, 0.0, math.inf, closed_low=True, closed_high=False)
-            _integer("round", at, 0, config.steps_at(round))
-            _integer("gossip_round", gossip_round, 0, round)
-            _number("test_accuracy", accuracy, 0.0, 1.0, closed_low=True)
-            _integer("bytes_sent", sent, 0)
+                checked_number("test_loss", loss, 0.0, math.inf, closed_high=False)
+            checked_integer("round", at, 0, config.steps_at(round))
+            checked_integer("gossip_round", gossip_round, 0, round)
+            checked_number("test_accuracy", accuracy, 0.0, 1.0)
+            checked_integer("bytes_sent", sent, 0)
         except ValueError as error:
             raise ValueError(f"[{index}] {error}") from None
         loss = None if loss is None else float(loss)

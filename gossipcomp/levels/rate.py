@@ -65,6 +65,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from gossipcomp.inputs.numbers import checked_integer, checked_number
 from gossipcomp.inputs.text import quoted
 from gossipcomp.schedule.costs import LinkCost, check_sample, fit_line
 
@@ -209,20 +210,9 @@ class LevelCosts:
         if not self.bytes_per_round:
             raise ValueError("level costs: expected at least one level")
         for level, nbytes in self.bytes_per_round.items():
-            for what, value, high in (("level", level, MAX_LEVEL), ("bytes", nbytes, 1 << 40)):
-                if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= high:
-                    raise ValueError(
-                        f"level costs: {what} {quoted(value)}; expected an integer in [1, {high}]"
-                    )
-        exchanges = self.exchanges_per_round
-        if (
-            isinstance(exchanges, bool)
-            or not isinstance(exchanges, int)
-            or not 0 < exchanges < 1024
-        ):
-            raise ValueError(
-                f"level costs: exchanges per round {quoted(exchanges)}; expected 1 to 1023"
-            )
+            checked_integer("level costs: level", level, 1, MAX_LEVEL)
+            checked_integer("level costs: bytes", nbytes, 1, 1 << 40)
+        checked_integer("level costs: exchanges per round", self.exchanges_per_round, 1, 1023)
 
     @property
     def levels(self) -> tuple[int, ...]:
@@ -253,13 +243,10 @@ class RateController:
         lower_after: int = DEFAULT_LOWER_AFTER,
         drop_at: float = DEFAULT_DROP_AT,
     ) -> None:
-        if not 0.0 < raise_below <= 1.0:
-            raise ValueError(f"raise_below: expected a number in (0, 1], got {raise_below}")
-        for what, value in (("raise_after", raise_after), ("lower_after", lower_after)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
-                raise ValueError(f"{what}: expected an integer in [1, 100], got {value!r}")
-        if not drop_at >= 1.0:
-            raise ValueError(f"drop_at: expected a number >= 1, got {drop_at}")
+        checked_number("raise_below", raise_below, 0.0, 1.0, closed_low=False)
+        checked_integer("raise_after", raise_after, 1, 100)
+        checked_integer("lower_after", lower_after, 1, 100)
+        checked_number("drop_at", drop_at, 1.0)
         self.costs = costs
         self.raise_below = raise_below
         self.raise_after = raise_after

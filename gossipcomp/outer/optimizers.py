@@ -18,7 +18,6 @@ wrong, when a name, key or value is unknown or out of range.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -26,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from gossipcomp.gossip.state import checked_tensors
+from gossipcomp.inputs.numbers import checked_number
 from gossipcomp.inputs.text import quoted
 from gossipcomp.transport.codec import all_finite
 
@@ -50,8 +50,8 @@ class OuterSGD:
     }
 
     def __post_init__(self) -> None:
-        _check_number("lr", self.lr, 0.0, MAX_OUTER_LR, closed_low=False)
-        _check_number("momentum", self.momentum, 0.0, 1.0, closed_high=False)
+        checked_number("outer optimizer lr", self.lr, 0.0, MAX_OUTER_LR, closed_low=False)
+        checked_number("outer optimizer momentum", self.momentum, 0.0, 1.0, closed_high=False)
 
     @property
     def spec(self) -> str:
@@ -142,27 +142,6 @@ def checked_finite(
         if not all_finite(t):
             raise ValueError(f"{what}[{index}]: holds NaN/Inf")
     return copies
-
-
-def _check_number(
-    what: str,
-    value: Any,
-    low: float,
-    high: float,
-    *,
-    closed_low: bool = True,
-    closed_high: bool = True,
-) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (low <= value if closed_low else low < value) and (
-            value <= high if closed_high else value < high
-        )
-    if not ok:
-        interval = f"{'[' if closed_low else '('}{low}, {high}{']' if closed_high else ')'}"
-        raise ValueError(
-            f"outer optimizer {what}: expected a number in {interval}, got {quoted(value)}"
-        )
 
 
 def spec_of(state: Any) -> Any:

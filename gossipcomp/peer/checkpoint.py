@@ -15,6 +15,7 @@ import torch
 
 from gossipcomp.gossip.base import GossipAlgorithm, LinkStats
 from gossipcomp.gossip.state import checked_tensors
+from gossipcomp.inputs.numbers import checked_number
 from gossipcomp.inputs.text import quoted
 from gossipcomp.peer.deadlines import MAX_ROUND_TIMEOUT, MIN_ROUND_SECONDS
 from gossipcomp.peer.links import LinkMonitor
@@ -133,13 +134,4 @@ def _positive_seconds(
     None. The pace bounds how far neighbours are believed, so it may not be absurdly small."""
     if value is None:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and low < value <= high)
-    ):
-        raise ValueError(
-            f"peer checkpoint: {what} must be a finite number in ({low:g}, {high:g}], "
-            f"got {quoted(value)}"
-        )
-    return float(value)
+    return checked_number(f"peer checkpoint: {what}", value, low, high, closed_low=False)

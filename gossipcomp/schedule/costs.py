@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from gossipcomp.compress import CompressionContext, parse_spec
+from gossipcomp.inputs.numbers import checked_integer, checked_number
 from gossipcomp.inputs.text import quoted
 from gossipcomp.schedule.groups import TensorGroup, TensorInfo, check_cover
 
@@ -37,12 +38,7 @@ _WIRE_PROBE = 1 << 24  # element counts used to read a compressor's bytes per el
 
 def _non_negative(owner: str, **values: float) -> None:
     for key, value in values.items():
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not (math.isfinite(value) and value >= 0)
-        ):
-            raise ValueError(f"{owner}: {key} is {quoted(value)}; expected a finite number >= 0")
+        checked_number(f"{owner}: {key}", value, 0.0)
 
 
 @dataclass(frozen=True)
@@ -261,10 +257,7 @@ class TransferLog:
             ("per_link", per_link, 1 << 20),
             ("max_links", max_links, 1 << 20),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= high:
-                raise ValueError(
-                    f"TransferLog: {key} is {quoted(value)}; expected an int in [2, {high}]"
-                )
+            checked_integer(f"TransferLog: {key}", value, 2, high)
         self.per_link = per_link
         self.max_links = max_links
         self._samples: dict[Hashable, deque[tuple[int, float]]] = {}

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gossipcomp.compress import parse_spec
+from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.inputs.text import quoted
 from gossipcomp.levels.rate import MAX_LEVEL
 from gossipcomp.schedule.groups import TensorGroup, check_cover
@@ -77,10 +78,7 @@ class LinkLevel:
             ("high", self.high, MAX_EPOCH),
             ("level", self.level, MAX_LEVEL),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
-                raise ScheduleRefused(
-                    f"schedule link {field}: expected an integer in [0, {top}], got {quoted(value)}"
-                )
+            checked_integer(f"schedule link {field}", value, 0, top, ScheduleRefused)
         if self.low >= self.high:
             raise ScheduleRefused(
                 f"schedule link {self.low}-{self.high}: expected the lower rank first"
@@ -106,8 +104,10 @@ class Schedule:
     members: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _integer("epoch", self.epoch, MAX_EPOCH)
-        _integer("effective_round", self.effective_round, MAX_ROUND)
+        checked_integer("schedule epoch", self.epoch, 0, MAX_EPOCH, ScheduleRefused)
+        checked_integer(
+            "schedule effective_round", self.effective_round, 0, MAX_ROUND, ScheduleRefused
+        )
         if not isinstance(self.planner, str) or not 0 < len(self.planner) <= MAX_PLANNER_NAME:
             raise ScheduleRefused(
                 f"schedule planner: expected a name of 1 to {MAX_PLANNER_NAME} characters, "
@@ -267,13 +267,6 @@ class Schedule:
 
 
 _KEYS = {"epoch", "effective_round", "planner", "groups", "links", "budget_s", "members"}
-
-
-def _integer(field: str, value: Any, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
-        raise ScheduleRefused(
-            f"schedule {field}: expected an integer in [0, {high}], got {quoted(value)}"
-        )
 
 
 def _allowed_epoch(current: Schedule, round: int) -> int:

@@ -43,6 +43,7 @@ from typing import Literal
 
 import numpy as np
 
+from gossipcomp.inputs.numbers import checked_integer, checked_number
 from gossipcomp.inputs.text import quoted
 from gossipcomp.schedule.costs import LinkCost
 from gossipcomp.topology import build_topology
@@ -52,24 +53,6 @@ LAYOUTS: tuple[Layout, ...] = ("ring", "torus", "exponential", "ring-allreduce")
 MAX_SIM_PEERS = 16_384
 MAX_SIM_ROUNDS = 100_000
 MAX_SIM_TASKS = 20_000_000  # peers x rounds the simulator accepts in one call
-
-
-def _check_number(owner: str, key: str, value: object, high: float = math.inf) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and 0 <= value <= high)
-    ):
-        raise ValueError(
-            f"{owner}: {key} is {quoted(value)}; expected a finite number in [0, {high:g}]"
-        )
-    return float(value)
-
-
-def _check_int(owner: str, key: str, value: object, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{owner}: {key} is {quoted(value)}; expected an int in [{low}, {high}]")
-    return value
 
 
 @dataclass(frozen=True)
@@ -84,9 +67,9 @@ class PeerCosts:
 
     def __post_init__(self) -> None:
         for key in ("compute_s", "compress_s", "decompress_s"):
-            _check_number("PeerCosts", key, getattr(self, key), 86_400.0)
-        _check_number("PeerCosts", "compute_jitter", self.compute_jitter, 3.0)
-        _check_int("PeerCosts", "message_bytes", self.message_bytes, 0, 1 << 40)
+            checked_number(f"PeerCosts: {key}", getattr(self, key), 0.0, 86_400.0)
+        checked_number("PeerCosts: compute_jitter", self.compute_jitter, 0.0, 3.0)
+        checked_integer("PeerCosts: message_bytes", self.message_bytes, 0, 1 << 40)
 
 
 @dataclass(frozen=True)
@@ -159,11 +142,11 @@ def simulate(
     """Simulate `rounds` rounds of `peers` peers on `layout` (see the module docstring)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {quoted(layout)}; expected one of {', '.join(LAYOUTS)}")
-    _check_int("simulate", "peers", peers, 3, MAX_SIM_PEERS)
-    _check_int("simulate", "rounds", rounds, 1, MAX_SIM_ROUNDS)
-    _check_int("simulate", "warmup", warmup, 0, rounds - 1)
+    checked_integer("simulate: peers", peers, 3, MAX_SIM_PEERS)
+    checked_integer("simulate: rounds", rounds, 1, MAX_SIM_ROUNDS)
+    checked_integer("simulate: warmup", warmup, 0, rounds - 1)
     if cores is not None:
-        _check_int("simulate", "cores", cores, 1, 1 << 20)
+        checked_integer("simulate: cores", cores, 1, 1 << 20)
     if peers * rounds > MAX_SIM_TASKS:
         raise ValueError(
             f"simulate: {peers} peers x {rounds} rounds is more than "
