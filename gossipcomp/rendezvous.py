@@ -16,16 +16,29 @@ A value given on the command line (--rank, the URL's endpoint) wins over the env
 value read from the environment or the store is hostile until checked: integers are
 range-checked, an address is at most MAX_ADDRESS_BYTES of ASCII and passes the topology's
 address check, and no error quotes more than a bounded prefix of what it got.
+
+A live topology (`members:`, n the capacity) is started by fewer processes than its capacity:
+the launch's world size may be smaller than n, and at start a peer waits only for the initial
+members' addresses (a joiner, or a rank that is not an initial member, waits for nobody). Every
+other rank's address is read from the store when it is needed (`StoreAddresses`: the transport
+asks before probing a neighbour), so a rank that joins later, from outside the launch, announces
+itself in the same store (`tcp://` at the launch's store, its own --rank) and the members find
+it once they admit it. Until then such a rank stands at an address in the reserved `.invalid`
+domain, which never resolves. A joiner replaces its rank's earlier announcement (a peer that
+comes back may listen at another port); a peer starting fresh may not.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import torch.distributed as dist
@@ -39,6 +52,10 @@ MAX_ADDRESS_BYTES = 262  # "[" + a 253-character host + "]:" + five port digits,
 MAX_ENV_DIGITS = 9  # RANK, WORLD_SIZE and ports are small integers: longer is a mistake
 _KEY = "gossipcomp/peer/{rank}/address"
 _WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+_UNRESOLVED = "rank{rank}.unresolved.invalid:1"  # RFC 6761: a name that never resolves
+LOOKUP_TIMEOUT = 2.0  # seconds a late look-up in the store may take
+
+log = logging.getLogger("gossipcomp.peer")  # its warnings are the peer's
 
 
 class RendezvousError(ConnectionError):
@@ -93,9 +110,12 @@ def _endpoint(url: str, scheme: str, netloc: str, environ: Mapping[str, str]) ->
     return checked.rpartition(":")[0].strip("[]"), port
 
 
-def parse_launch(url: str, rank: int | None, n: int, environ: Mapping[str, str]) -> Launch:
+def parse_launch(
+    url: str, rank: int | None, n: int, environ: Mapping[str, str], live: bool = False
+) -> Launch:
     """The launch `url` describes for a topology of `n` ranks, with --rank `rank` (None: from
-    the environment, RANK or SLURM_PROCID by scheme); ValueError naming what is wrong."""
+    the environment, RANK or SLURM_PROCID by scheme); ValueError naming what is wrong. `live`:
+    n is a live topology's capacity, and the launch may start fewer ranks."""
     if not isinstance(url, str) or len(url) > MAX_ADDRESS_BYTES + 16:
         raise ValueError(f"--rendezvous {quoted(url)}: expected env://, tcp://HOST:PORT or slurm")
     parts = urlsplit(url if "://" in url else f"{url}://")
@@ -120,7 +140,12 @@ def parse_launch(url: str, rank: int | None, n: int, environ: Mapping[str, str])
             f"--rendezvous {scheme}: {world_var} is not set; expected the launch's size"
         )
     world = n if world is None else world
-    if world != n:
+    if live and world > n:
+        raise ValueError(
+            f"{world_var}={world} (environment): the live topology's capacity is {n} ranks; "
+            "expected at most one peer process per rank"
+        )
+    if not live and world != n:
         raise ValueError(
             f"{world_var}={world} (environment): the topology has {n} ranks; expected one peer "
             "process per rank"
@@ -171,11 +196,21 @@ def _decoded(raw: bytes, rank: int, source: str) -> str:
 
 
 def exchange_addresses(
-    store: dist.Store, rank: int, world_size: int, address: str, timeout: float, source: str
-) -> tuple[str, ...]:
-    """Announce `address` as rank `rank`'s, then wait at most `timeout` seconds for every
-    rank's and return them in rank order, each checked. RendezvousError names the ranks still
-    missing at the deadline, another process announcing this rank, or a malformed address."""
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    address: str,
+    timeout: float,
+    source: str,
+    waited: Collection[int] | None = None,
+    rejoin: bool = False,
+) -> tuple[str | None, ...]:
+    """Announce `address` as rank `rank`'s, then wait at most `timeout` seconds for the
+    addresses of `waited` (None: every rank) and return every rank's in rank order, each
+    checked (None: a rank not waited for that has not announced one yet). RendezvousError
+    names the ranks still missing at the deadline, another process announcing this rank, or a
+    malformed address. `rejoin`: this rank may have been announced before (a peer coming back)
+    and its new address replaces the old one."""
     if len(address) > MAX_ADDRESS_BYTES:
         raise RendezvousError(
             f"{source}: this peer's address {quoted(address)} is longer than "
@@ -183,25 +218,44 @@ def exchange_addresses(
         )
     _check_address(address, f"rank {rank}'s own", source)
     keys = [_KEY.format(rank=r) for r in range(world_size)]
+    if rejoin:
+        store.set(keys[rank], address)
     held = store.compare_set(keys[rank], "", address)  # set only if no one announced it yet
     if held != address.encode():
         raise RendezvousError(
             f"{source}: rank {rank} was already announced at {quoted(held[:MAX_ADDRESS_BYTES])} "
             f"by another process, not at {address}; expected one process per rank"
         )
+    wanted = range(world_size) if waited is None else sorted(set(waited) | {rank})
     try:
-        store.wait(keys, timedelta(seconds=max(timeout, 0.001)))
+        store.wait([keys[r] for r in wanted], timedelta(seconds=max(timeout, 0.001)))
     except dist.DistStoreError:
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        missing = [r for r in wanted if not store.check([keys[r]])]
         shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
         raise RendezvousError(
-            f"{source}: no address from rank(s) {shown} ({len(missing)} of {world_size}) within "
+            f"{source}: no address from rank(s) {shown} ({len(missing)} of {len(wanted)}) within "
             f"{timeout:g} s; expected every rank to start with the same --rendezvous"
         ) from None
-    addresses = tuple(_decoded(store.get(key), r, source) for r, key in enumerate(keys))
+    strict = set(wanted)
+    addresses = tuple(
+        _decoded(store.get(key), r, source) if r in strict else _lenient(store, key, r, source)
+        for r, key in enumerate(keys)
+    )
     if addresses[rank] != address:
         raise RendezvousError(f"{source}: rank {rank}'s address changed in the store")
     return addresses
+
+
+def _lenient(store: dist.Store, key: str, rank: int, source: str) -> str | None:
+    """Rank `rank`'s address if it announced a well-formed one (a rank not waited for: a
+    malformed value is warned about and left out, as a late look-up would)."""
+    if not store.check([key]):
+        return None
+    try:
+        return _decoded(store.get(key), rank, source)
+    except RendezvousError as error:
+        log.warning("%s; not used", error)
+        return None
 
 
 def advertised_host(bind_host: str, advertise: str | None) -> str:
@@ -237,21 +291,100 @@ def reserved_port(host: str, port: int) -> Iterator[int]:
         yield port
 
 
+class StoreAddresses:
+    """Ranks' addresses as the store holds them now, for a live network: asked for a rank
+    (one of the capacity), it reads that rank's key without waiting and returns the address,
+    checked like any announced one, or None when the rank has announced none, the value is
+    malformed (warned once per rank and value, never applied) or the store does not answer
+    within LOOKUP_TIMEOUT seconds (warned once until it answers again)."""
+
+    def __init__(self, store: dist.Store, capacity: int, source: str) -> None:
+        self._store = store
+        self._capacity = capacity
+        self._source = source
+        self._lock = threading.Lock()  # one look-up at a time; warnings noted under it
+        self._warned: set[tuple[int, bytes]] = set()
+        self._unreachable = False
+        store.set_timeout(timedelta(seconds=LOOKUP_TIMEOUT))
+
+    def __call__(self, rank: int) -> str | None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self._capacity:
+            raise ValueError(
+                f"{self._source}: no rank {quoted(rank)}; expected 0..{self._capacity - 1}"
+            )
+        key = _KEY.format(rank=rank)
+        with self._lock:
+            try:
+                raw = self._store.get(key) if self._store.check([key]) else None
+            except (RuntimeError, ValueError) as error:  # torch's DistError: store gone, slow
+                if not self._unreachable:
+                    log.warning(
+                        "%s: no answer looking up rank %d (%s); the addresses known stay",
+                        self._source,
+                        rank,
+                        quoted(str(error), 200),
+                    )
+                self._unreachable = True
+                return None
+            self._unreachable = False
+            if raw is None:
+                return None
+            try:
+                return _decoded(raw, rank, self._source)
+            except RendezvousError as error:
+                seen = (rank, raw[:MAX_ADDRESS_BYTES])
+                if seen not in self._warned and len(self._warned) < self._capacity:
+                    self._warned.add(seen)
+                    log.warning("%s; not used", error)
+                return None
+
+
+class Rendezvoused(NamedTuple):
+    """What a rendezvous gives a peer: the topology with the addresses known at start, the
+    address its server binds, and (live topologies) where later addresses are read."""
+
+    topology: Topology
+    bind: str
+    addresses: StoreAddresses | None
+
+
+def waited_ranks(topology: Topology, rank: int, joining: bool) -> tuple[int, ...] | None:
+    """Whose addresses a peer waits for at start (None: every rank's): on a live topology,
+    the initial members' when it is one of them and not joining, else nobody's (the members it
+    will gossip with are read from the store when it probes them)."""
+    live = topology.live
+    if live is None:
+        return None
+    return live.initial if rank in live.initial and not joining else ()
+
+
 @contextmanager
 def rendezvous_topology(
-    topology: Topology, launch: Launch, bind: str, advertise: str | None, timeout: float
-) -> Iterator[tuple[Topology, str]]:
-    """`topology` with every rank's address from the rendezvous, and the address this peer's
-    server must bind (its port held meanwhile). `bind` is HOST:PORT (port 0: any free one);
-    the store stays open until the block ends, since rank 0's process may host it."""
+    topology: Topology,
+    launch: Launch,
+    bind: str,
+    advertise: str | None,
+    timeout: float,
+    joining: bool = False,
+) -> Iterator[Rendezvoused]:
+    """`topology` with the ranks' addresses from the rendezvous, the address this peer's
+    server must bind (its port held meanwhile) and, on a live topology, the store's later
+    addresses. `bind` is HOST:PORT (port 0: any free one); the store stays open until the
+    block ends, since rank 0's process may host it. A rank whose address is not known yet
+    stands at an unresolvable `.invalid` name. `joining`: this peer (re)joins a live network,
+    replacing an earlier announcement of its rank."""
     bind_host, _, bind_port = bind.rpartition(":")
     source = f"rendezvous {launch.scheme} at {launch.endpoint}"
+    n = topology.n
     with reserved_port(bind_host, int(bind_port)) as port:
         own = f"{advertised_host(bind_host, advertise)}:{port}"
         start = time.monotonic()
         store = open_store(launch, timeout)  # held until the block ends: rank 0 may host it
         remaining = timeout - (time.monotonic() - start)
-        addresses = exchange_addresses(
-            store, launch.rank, launch.world_size, own, remaining, source
+        waited = waited_ranks(topology, launch.rank, joining)
+        found = exchange_addresses(
+            store, launch.rank, n, own, remaining, source, waited, rejoin=joining
         )
-        yield topology.with_addresses(addresses), f"{bind_host}:{port}"
+        addresses = [a or _UNRESOLVED.format(rank=r) for r, a in enumerate(found)]
+        late = None if topology.live is None else StoreAddresses(store, n, source)
+        yield Rendezvoused(topology.with_addresses(addresses), f"{bind_host}:{port}", late)

@@ -73,6 +73,8 @@ _ELSEWHERE = {
     "gossipcomp simulate [--topology": "synopsis: tests/test_docs_code_blocks.py checks every "
     "flag it names against the parsers",
     "> secure-ring4.yaml": "tests/test_tls.py runs this block (fewer rounds, free ports)",
+    "--rank 4 --join": "tests/test_torchrun_membership.py runs this live join under torchrun's "
+    "c10d rendezvous (free ports, a member leaving too)",
 }
 _CHEAP = ("gossipcomp topology show", "gossipcomp --help", "python -c 'import gossipcomp")
 

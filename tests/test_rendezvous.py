@@ -228,7 +228,8 @@ def test_peers_rendezvous_through_torch_and_handshake_over_grpc() -> None:
 
     def peer(rank: int) -> tuple[Topology, str, dict[int, Any]]:
         launch = Launch("tcp", "127.0.0.1", endpoint_port, rank, 4)
-        with rendezvous_topology(base, launch, "127.0.0.1:0", None, 60.0) as (topology, bound):
+        with rendezvous_topology(base, launch, "127.0.0.1:0", None, 60.0) as rendezvoused:
+            topology, bound, _ = rendezvoused
             identity = Identity(rank, topology.hash, "model")
             transport = GrpcTransport(identity, topology.neighbors(rank), bind=bound)
             try:

@@ -128,10 +128,18 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return train_and_finish(args, console, checked, partial(train, bind=bind), total, label)
     launch = _launch(args, checked.topology)
     with rendezvous_topology(
-        checked.topology, launch, bind, args.advertise, args.startup_timeout
-    ) as (topology, bound):
+        checked.topology, launch, bind, args.advertise, args.startup_timeout, args.join
+    ) as (topology, bound, addresses):
+        if addresses is not None:  # live: joiners are found in the store as they come
+            console.print(
+                f"peer {rank}: rendezvous store at {launch.endpoint}; a rank joins with "
+                f"--rendezvous tcp://{launch.endpoint} --rank RANK --join",
+                highlight=False,
+                soft_wrap=True,
+            )
         checked = checked._replace(topology=topology)
-        return train_and_finish(args, console, checked, partial(train, bind=bound), total, label)
+        train = partial(train, bind=bound, address_source=addresses)
+        return train_and_finish(args, console, checked, train, total, label)
 
 
 def _check_membership(args: argparse.Namespace, topology: Topology) -> None:
@@ -165,7 +173,9 @@ def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:
 
 def _launch(args: argparse.Namespace, topology: Topology) -> Launch:
     """The launch --rendezvous describes, its values checked against the topology."""
-    return parse_launch(args.rendezvous, args.rank, topology.n, os.environ)
+    return parse_launch(
+        args.rendezvous, args.rank, topology.n, os.environ, topology.live is not None
+    )
 
 
 def _rendezvous_bind(args: argparse.Namespace, secure: bool) -> str:

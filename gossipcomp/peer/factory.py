@@ -48,10 +48,12 @@ def over_grpc(
     outer: OuterSGD | None = None,
     drift: DriftTracker | None = None,
     joining: bool = False,
+    address_source: Callable[[int], str | None] | None = None,
 ) -> P:
     """A peer with its own gRPC server at `bind` (default: its address in the topology).
     A stream that carries an envelope must finish within the round's deadline. With
-    `link_rates`, its links are throttled to those rates (transport/throttled.py)."""
+    `link_rates`, its links are throttled to those rates (transport/throttled.py).
+    `address_source`: where its neighbours' addresses are read as they come (GrpcTransport)."""
     check_round_timeout(round_timeout)
     signature = model_signature(model, gossip_buffers, constant_buffers)
     identity = Identity(rank, topology.hash, signature)
@@ -61,6 +63,7 @@ def over_grpc(
         topology.neighbors(rank),
         bind=bind or topology.addresses[rank],
         options=options,
+        address_source=address_source,
     )
     transport: Transport = (
         grpc_transport if link_rates is None else ThrottledTransport(grpc_transport, link_rates)

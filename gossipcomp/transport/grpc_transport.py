@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Collection, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Coroutine, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import replace
 from typing import Any
@@ -123,7 +123,12 @@ class GrpcTransport:
         neighbours: Collection[int],
         bind: str = "127.0.0.1:0",
         options: GrpcOptions | None = None,
+        address_source: Callable[[int], str | None] | None = None,
     ) -> None:
+        """`address_source`: where a neighbour's current address is read before it is probed
+        (None: an unknown or unchanged one), for networks whose peers announce their addresses
+        as they come (rendezvous.StoreAddresses); without it the addresses given to connect()
+        stay."""
         self.rank = identity.rank
         self.schedule_epoch = 0
         self._identity = identity
@@ -167,6 +172,8 @@ class GrpcTransport:
         # coroutine there, not a thread (docs/benchmarks.md, "Engine, one process")
         self._loop = PROCESS_LOOP.lease()
         self._channels: dict[int, grpc.aio.Channel] = {}
+        self._channel_addresses: dict[int, str] = {}
+        self._address_source = address_source
         self._stubs: dict[int, pb_grpc.GossipStub] = {}
         self._pushers: dict[int, grpc.aio.StreamUnaryMultiCallable] = {}
         self._push_ones: dict[int, grpc.aio.UnaryUnaryMultiCallable] = {}
@@ -265,10 +272,11 @@ class GrpcTransport:
         """A channel per neighbour not yet connected, made on the loop (grpc.aio channels
         belong to the loop they are made on)."""
         for j in self._neighbours:
-            if j in self._channels:
+            if j in self._channels or j not in addresses:
                 continue
             channel = self._channel(addresses[j])
             self._channels[j] = channel
+            self._channel_addresses[j] = addresses[j]
             self._stubs[j] = pb_grpc.GossipStub(channel)
             self._pushers[j] = channel.stream_unary(  # chunks arrive serialised already
                 f"/{SERVICE_NAME}/Push", response_deserializer=pb.PushReply.FromString
@@ -322,6 +330,7 @@ class GrpcTransport:
         a proposed resume round); the future fails if it does not answer within hello_timeout."""
         if neighbour not in self._stubs:
             raise RuntimeError(f"peer {self.rank}: probe before connect()")
+        self._follow_address(neighbour)
         request = self._hello_request(neighbour, round, proposed, alone)
         stub, timeout = self._stubs[neighbour], self._options.hello_timeout
 
@@ -329,6 +338,19 @@ class GrpcTransport:
             return self._answer(neighbour, request, await stub.Hello(request, timeout=timeout))
 
         return self._loop.submit(ask())  # refused, unanswered, cancelled: the future fails
+
+    def _follow_address(self, neighbour: int) -> None:
+        """With an address source: the channel to `neighbour` moves to the address the source
+        gives now when it differs (a peer that joined, or came back at another port); the old
+        channel is closed."""
+        if self._address_source is None:
+            return
+        address = self._address_source(neighbour)
+        if address is None or address == self._channel_addresses.get(neighbour):
+            return
+        old = self._channels.pop(neighbour)
+        self._loop.run(self._open_channels({neighbour: address}))
+        self._loop.run(_close_channels([old]))
 
     def send(self, neighbour: int, envelope: Envelope, deadline: float) -> int:
         """Stream one envelope to a neighbour before `deadline` (time.monotonic); return its bytes.

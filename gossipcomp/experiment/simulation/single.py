@@ -8,6 +8,7 @@ model as its neighbours' gossip gives it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gossipcomp.coordinator.client import CoordinatorClient
@@ -62,6 +63,7 @@ def run_peer(
     report_every: int = 10,
     peer_levels: PeerLevels | None = None,
     joining: bool = False,
+    address_source: Callable[[int], str | None] | None = None,
 ) -> Report:
     """Train one peer of `topology` at its address; its neighbours run elsewhere. With
     `checkpoints`, it continues from its newest valid checkpoint and keeps writing them; with
@@ -72,7 +74,8 @@ def run_peer(
     `coordinator` (HOST:PORT), it reports there every `report_every` rounds (over `tls` when
     given) and takes the schedules published there; with `peer_levels` instead, it sets its
     links' levels with its neighbours (each must do the same). `joining`: it (re)joins a live
-    network (Peer's `joining`)."""
+    network (Peer's `joining`). `address_source`: where neighbours' addresses not known at
+    start are read (rendezvous.StoreAddresses: a live network's joiners)."""
     if signing_key is not None and tls is None:
         raise ValueError(
             "peer authentication (--key) needs mutual TLS (--tls-cert, --tls-key, --tls-ca): "
@@ -97,6 +100,7 @@ def run_peer(
         outer=config.outer_optimizer(),
         drift=config.drift_correction(),
         joining=joining,
+        address_source=address_source,
     ) as peer:
         if peer_levels is not None:
             peer.adapt_levels(peer_levels.round_budget)
