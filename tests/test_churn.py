@@ -64,16 +64,17 @@ def test_a_peer_waiting_for_admission_takes_no_local_steps():
 
 
 def test_churn_benchmark_kills_and_joins_without_stalls(tmp_path):
-    """The churn soak, tiny: 16 peers, ranks 0..14 first; at two events a peer is killed and
-    one joins (the new rank 15, then the rank killed before, from its checkpoint). The
-    coordinator removes and admits them, no member waits more than one round timeout (plus the
-    static run's longest round) between two rounds, every remaining peer finishes, and the
-    churned run's accuracy is within 1 point of the static run's."""
+    """The churn soak, tiny: 16 peers; rank 0 is killed at round 30 and, once the coordinator
+    has removed it, a new peer object of rank 0 joins from its checkpoint and is admitted. No
+    member waits more than one round timeout (plus the static run's longest round) between two
+    rounds, every peer finishes, and the churned run's accuracy is within 5 points of the
+    static run's (100 rounds: both still learning; the full run's bound is 1 point)."""
     churn = _churn_module()
     out = tmp_path / "churn.json"
     code = churn.main(
         [
-            "--rounds", "90", "--churn-every", "30", "--warmup", "40", "--report-every", "2",
+            "--rounds", "100", "--churn-every", "30", "--events", "1", "--warmup", "40",
+            "--report-every", "2",
             "--round-timeout", "3", "--member-timeout", "6", "--eval-every", "0",
             "--max-gap", "0.05", "--json", str(out),
         ]
@@ -82,11 +83,10 @@ def test_churn_benchmark_kills_and_joins_without_stalls(tmp_path):
     assert code == (0 if result["passed"] else 1)
     static, churned = result["static"], result["churned"]
     assert static["errors"] == [] and churned["errors"] == [], result["missed"]
-    assert [(e["killed"], e["joined"]) for e in churned["events"]] == [(0, 15), (1, 0)]
-    assert churned["coordinator_removals"] >= 2 and churned["coordinator_joins"] >= 2
+    assert [(e["killed"], e["joined"]) for e in churned["events"]] == [(0, 0)]
+    assert churned["coordinator_removals"] >= 1 and churned["coordinator_joins"] >= 1
     assert static["all_finished"] and churned["all_finished"]
-    assert churned["peers_at_end"] == 15  # rank 1, killed last, stays out
-    assert static["peers_at_end"] == 16
+    assert churned["peers_at_end"] == static["peers_at_end"] == 16
     limit = result["round_timeout"] + static["longest_round_seconds"]
     assert churned["longest_round_seconds"] <= limit
     assert result["accuracy_gap_points"] <= 5.0
