@@ -1,4 +1,4 @@
-"""The one range check every door uses for numbers from outside (gossipcomp.inputs.numbers):
+"""The one range check every door uses for numbers from outside (gossipcomp.inputs.numbers),
 each attack a field could carry is refused in the same words, naming the field and the range."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import math
 import pytest
 
 from gossipcomp.inputs.numbers import checked_integer, checked_number
+from gossipcomp.inputs.text import split_top_level
 
 
 @pytest.mark.parametrize(
@@ -57,3 +58,17 @@ def test_an_error_never_echoes_unbounded_input():
     with pytest.raises(ValueError) as error:
         checked_integer("round", [0] * 100_000, 0, 10)
     assert len(str(error.value)) < 200
+
+
+def test_specs_split_at_top_level_commas_and_unbalanced_parentheses_are_named():
+    """The one splitter of nested specs (algorithm specs, DiLoCo's --sync): commas inside
+    parentheses belong to the nested spec; a stray parenthesis is named, whichever way."""
+    assert split_top_level(" a=1, b=(c=2,d=(e=3,f=4)) ,, g ", "spec") == [
+        "a=1",
+        "b=(c=2,d=(e=3,f=4))",
+        "g",
+    ]
+    with pytest.raises(ValueError, match=r"^spec: a '\(' is never closed$"):
+        split_top_level("a=(b=1,c=2", "spec")
+    with pytest.raises(ValueError, match=r"^spec: a '\)' closes no '\('$"):
+        split_top_level("a=b=1),(c=2", "spec")

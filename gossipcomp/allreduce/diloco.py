@@ -44,7 +44,7 @@ from gossipcomp.allreduce.hooks import (
 from gossipcomp.compress import parse_spec
 from gossipcomp.gossip.state import require_keys
 from gossipcomp.inputs.numbers import checked_integer
-from gossipcomp.inputs.text import quoted
+from gossipcomp.inputs.text import quoted, split_top_level
 from gossipcomp.outer.optimizers import OuterSGD, checked_finite, parse_outer
 
 NAME = "diloco"
@@ -65,27 +65,6 @@ class DiLoCoSpec:
 def is_diloco(sync: str) -> bool:
     """Whether a --sync value names DiLoCo (with or without arguments)."""
     return isinstance(sync, str) and sync.strip().partition(":")[0].strip() == NAME
-
-
-def _items(text: str, spec: str) -> list[str]:
-    """`text` split at the commas outside parentheses; ValueError on unbalanced ones."""
-    items, depth, current = [], 0, []
-    for char in text:
-        if char == "(":
-            depth += 1
-        elif char == ")":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"--sync {quoted(spec)}: a ')' closes no '('")
-        if char == "," and depth == 0:
-            items.append("".join(current))
-            current = []
-        else:
-            current.append(char)
-    if depth:
-        raise ValueError(f"--sync {quoted(spec)}: a '(' is never closed")
-    items.append("".join(current))
-    return [item.strip() for item in items if item.strip()]
 
 
 def _unwrapped(value: str, spec: str, key: str) -> str:
@@ -124,7 +103,7 @@ def parse_diloco(spec: str) -> DiLoCoSpec:
     if name.strip() != NAME:
         raise ValueError(f"--sync {quoted(spec)}: expected a spec starting with {NAME!r}")
     values: dict[str, str] = {}
-    for item in _items(arguments, spec):
+    for item in split_top_level(arguments, f"--sync {quoted(spec)}"):
         key, equals, raw = (piece.strip() for piece in item.partition("="))
         if not equals or key not in ("steps", "outer", "compressor"):
             raise ValueError(

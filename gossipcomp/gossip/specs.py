@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from gossipcomp.gossip.base import GossipAlgorithm
 from gossipcomp.gossip.clipping import ClipRadius
-from gossipcomp.inputs.text import quoted
+from gossipcomp.inputs.text import quoted, split_top_level
 
 AUTO = "auto"
 MAX_SPEC_CHARS = 1000
@@ -64,25 +64,6 @@ class SpecBuilt(Protocol):
         ...
 
 
-def split_options(text: str, spec: str) -> list[str]:
-    """`key=value` items separated by commas outside parentheses."""
-    items, depth, start = [], 0, 0
-    for index, char in enumerate(text):
-        if char == "(":
-            depth += 1
-        elif char == ")":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"algorithm spec {quoted(spec)}: unbalanced parentheses")
-        elif char == "," and depth == 0:
-            items.append(text[start:index])
-            start = index + 1
-    if depth:
-        raise ValueError(f"algorithm spec {quoted(spec)}: unbalanced parentheses")
-    items.append(text[start:])
-    return [item.strip() for item in items if item.strip()]
-
-
 def parse_options(spec: str, registry: Mapping[str, SpecBuilt]) -> tuple[str, dict[str, Any]]:
     """(name, every declared option with its value or default); ValueError naming the problem."""
     if len(spec) > MAX_SPEC_CHARS:
@@ -93,7 +74,7 @@ def parse_options(spec: str, registry: Mapping[str, SpecBuilt]) -> tuple[str, di
         raise ValueError(f"unknown algorithm {quoted(name)}; known: {', '.join(sorted(registry))}")
     declared = cls.OPTIONS
     values: dict[str, Any] = {}
-    for item in split_options(arguments, spec):
+    for item in split_top_level(arguments, f"algorithm spec {quoted(spec)}"):
         key, equals, raw = (piece.strip() for piece in item.partition("="))
         if not equals:
             raise ValueError(

@@ -22,3 +22,24 @@ def quoted(value: Any, limit: int = QUOTE_LIMIT) -> str:
     if len(text) <= limit:
         return text
     return f"{text[: limit - 3]}... ({total} characters)"
+
+
+def split_top_level(text: str, label: str) -> list[str]:
+    """`text` split at the commas outside parentheses, each item stripped, empty ones dropped:
+    "a=1,b=(c=2,d=3)" -> ["a=1", "b=(c=2,d=3)"]. A spec nests another spec in parentheses;
+    ValueError, beginning with `label`, when they do not balance."""
+    items, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"{label}: a ')' closes no '('")
+        elif char == "," and depth == 0:
+            items.append(text[start:index])
+            start = index + 1
+    if depth:
+        raise ValueError(f"{label}: a '(' is never closed")
+    items.append(text[start:])
+    return [item.strip() for item in items if item.strip()]
