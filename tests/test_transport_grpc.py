@@ -353,3 +353,30 @@ def test_wrong_shape_is_refused_and_the_receivers_model_is_bitwise_unchanged():
     finally:
         sender.close()
         peer.close()
+
+
+def test_an_exchange_whose_pushes_never_started_leaves_no_coroutine_behind(grpc_pair):
+    """With the event loop busy past the exchange's deadline, its batch of pushes is cancelled
+    before the loop starts it. The pushes were coroutines made up front, and each one warned
+    "coroutine ... was never awaited" when collected (seen in CI when a transport closed
+    mid-exchange); now none is made until the batch runs, and the push is reported late."""
+    import asyncio
+    import gc
+    import warnings
+
+    a, _ = grpc_pair()
+    payload = (encode_raw("x", torch.ones(4)),)
+    a.inbox.expect("p", (tensor_spec("x", torch.ones(4)),))
+
+    async def hold_the_loop() -> None:
+        time.sleep(1.0)  # blocks the loop thread: nothing queued behind it starts meanwhile
+
+    held = a._loop.submit(hold_the_loop())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = a.exchange(0, "p", {1: payload}, timeout=0.2)
+        held.result(timeout=10)
+        a._loop.run(asyncio.sleep(0.05))  # the cancelled batch is gone from the loop
+        gc.collect()
+    assert result.failed[1] == "push not finished within 0.2 s"
+    assert not [w for w in caught if "never awaited" in str(w.message)], caught

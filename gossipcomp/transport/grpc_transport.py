@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Coroutine, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import grpc
@@ -80,12 +81,15 @@ class _Pushes:
         self.outcomes: dict[int, int | BaseException] = {}
         self.delivered: dict[int, float] = {}  # neighbour -> seconds until it acknowledged
 
-    async def run(self, pushes: Mapping[int, Coroutine[Any, Any, int]]) -> None:
+    async def run(self, pushes: Mapping[int, Callable[[], Coroutine[Any, Any, int]]]) -> None:
+        """Start and await every push. Each is a coroutine function, called only here: a batch
+        cancelled before the loop got to it (its deadline passed on a busy loop, the transport
+        closed) leaves no coroutine that was created and never awaited."""
         await asyncio.gather(*(self._one(j, push) for j, push in pushes.items()))
 
-    async def _one(self, neighbour: int, push: Coroutine[Any, Any, int]) -> None:
+    async def _one(self, neighbour: int, push: Callable[[], Coroutine[Any, Any, int]]) -> None:
         try:
-            self.outcomes[neighbour] = await push
+            self.outcomes[neighbour] = await push()
             self.delivered[neighbour] = time.monotonic() - self._start
         except asyncio.CancelledError:
             self._mailbox.abandon(self._round, self._phase, neighbour)
@@ -399,13 +403,13 @@ class GrpcTransport:
         # (`send`): building all 64 MiB first cost as much as sending them.
         receivers = Counter(id(payload) for payload in outgoing.values())
         chunked: dict[int, tuple[Envelope, list[bytes], bytes]] = {}
-        pushes: dict[int, Coroutine[Any, Any, int]] = {}
+        pushes: dict[int, Callable[[], Coroutine[Any, Any, int]]] = {}
         sizes: dict[int, int] = {}
         for j, payload in outgoing.items():
             notice = self.inbox.notice_for(j)
             if receivers[id(payload)] == 1 and _data_bytes(payload) > self._options.chunk_bytes:
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch, notice=notice)
-                pushes[j] = self._stream(j, self._lazy_chunks(j, envelope), deadline)
+                pushes[j] = partial(self._stream, j, self._lazy_chunks(j, envelope), deadline)
                 continue
             if id(payload) not in chunked:
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch)
@@ -422,9 +426,9 @@ class GrpcTransport:
                 chunks = [with_header(chunks[0], header_of(envelope)), *chunks[1:]]
             sizes[j] = sum(len(c) for c in chunks)
             if len(chunks) == 1:  # one unary call
-                pushes[j] = self._push_one(j, chunks[0], deadline)
+                pushes[j] = partial(self._push_one, j, chunks[0], deadline)
             else:
-                pushes[j] = self._stream(j, chunks, deadline)
+                pushes[j] = partial(self._stream, j, chunks, deadline)
         # every push of the exchange goes to the loop at once (one wake-up, not one per push);
         # a refused push means the neighbour has moved on or gone: stop waiting for it
         pushed = _Pushes(self.inbox.mailbox, round, phase, start)
