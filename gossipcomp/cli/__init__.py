@@ -6,6 +6,12 @@ simulation. One module per command (its flags and its run), the flags `simulate`
 share in training_flags.py (those `allreduce` takes too in gossipcomp.inputs.arguments), and here the
 parser that gathers them and `main`, which turns every outcome into an exit status.
 
+A command's module is imported when that command runs, and `main` builds the parser of that
+command alone (every command's for `gossipcomp --help` or an unknown command): `gossipcomp
+topology show` loads neither torch nor the training stack, `gossipcomp peer` not the all-reduce
+mode, and no command loads the modules of another (tests/test_cli_imports.py). A command module's
+top imports are what its parser needs; what only its run needs, it imports there.
+
 Every flag is checked as it is parsed (a finite number in its range, an integer in its range),
 and everything else a run needs (the topology, this peer's rank, PowerGossip's rank against the
 model, TLS files, where the report and checkpoints go) before training starts, so a mistake costs
@@ -19,73 +25,80 @@ is one line on stderr without a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
+import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from types import ModuleType
 
 from rich.console import Console
 from rich.logging import RichHandler
 
-from gossipcomp.allreduce import command as allreduce_command
-from gossipcomp.cli import coordinator, keys, peer, plot, simulate, topology
-from gossipcomp.cli.common import resolve_topology
-from gossipcomp.cli.simulate import MIN_ROUND_BYTES
-from gossipcomp.experiment import TrainingAborted, TrainingDiverged
-from gossipcomp.experiment.simulation import WorkerFailed
-from gossipcomp.inputs.arguments import HelpWithDefaults, Parser, write_error
-from gossipcomp.peer import LEVELS_LOGGER, GossipStalled
+from gossipcomp import lazy_exports
+from gossipcomp.inputs.arguments import Parser, write_error
+from gossipcomp.peer import GossipStalled
 from gossipcomp.transport.base import HandshakeError, PeerUnreachableError
 
-__all__ = ["MIN_ROUND_BYTES", "build_parser", "main", "resolve_topology"]
+# the commands, in the order --help lists them: each is the module gossipcomp.cli.<command>, with
+# add_parser(sub) (its parser and flags) and run(args, console) -> exit status
+COMMANDS = ("simulate", "peer", "coordinator", "allreduce", "plot", "topology", "keys")
+
+# names this package re-exports (each imported from its module on first use)
+_EXPORTS = {
+    "gossipcomp.cli.simulate": "MIN_ROUND_BYTES",
+    "gossipcomp.cli.common": "resolve_topology",
+}
+_exported, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
+__all__ = sorted([*_exported, "COMMANDS", "build_parser", "main"])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every command's parser under `gossipcomp`, in the order --help lists them."""
+def _command(name: str) -> ModuleType:
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of `gossipcomp`: with every command (None), or with `command` alone, whose
+    flags are then all there and whose errors and --help read the same, without importing the
+    other commands' modules."""
     parser = Parser(
         prog="gossipcomp",
         description="Communication-efficient decentralized training over gRPC.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    simulate.add_parser(sub)
-    peer.add_parser(sub)
-    coordinator.add_parser(sub)
-    allreduce = sub.add_parser(
-        "allreduce",
-        help="data-parallel training on torch.distributed with compressed all-reduce",
-        formatter_class=HelpWithDefaults,
-    )
-    allreduce_command.add_arguments(allreduce)
-    plot.add_parser(sub)
-    topology.add_parser(sub)
-    keys.add_parser(sub)
+    for name in COMMANDS if command is None else (command,):
+        _command(name).add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; the exit status is returned (module docstring), never raised."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    named = arguments[0] if arguments and arguments[0] in COMMANDS else None
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(named).parse_args(arguments)
     except SystemExit as done:  # --help (0), or a usage error already written (2)
         return done.code if isinstance(done.code, int) else 2
     prog = f"gossipcomp {args.command}"
     console = Console(stderr=True)
     handler = RichHandler(console=console, show_path=False)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[handler])
-    if not getattr(args, "quiet", False):
-        logging.getLogger(LEVELS_LOGGER).setLevel(logging.INFO)  # link level changes are news
     try:
-        return _run(args, console)
+        return _command(args.command).run(args, console)
     except (ValueError, OSError, HandshakeError, PeerUnreachableError) as error:
         write_error(prog, error)  # ValueError covers TopologyError and CheckpointError
         return 2
-    except (TrainingDiverged, TrainingAborted, GossipStalled, WorkerFailed) as error:
+    except GossipStalled as error:
         write_error(prog, error)
         return 1
     except KeyboardInterrupt:
         write_error(prog, "interrupted")
         return 130
-    except Exception as error:  # a bug: say so, with the traceback needed to fix it
-        traceback.print_exc()
+    except Exception as error:
+        if isinstance(error, _training_failures()):
+            write_error(prog, error)
+            return 1
+        traceback.print_exc()  # a bug: say so, with the traceback needed to fix it
         write_error(
             prog,
             f"internal error ({type(error).__name__}: {error}); this is a bug in gossipcomp, "
@@ -94,21 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _run(args: argparse.Namespace, console: Console) -> int:
-    """The command, after parsing: every check first, then the work, then the report."""
-    return _COMMANDS[args.command](args, console)
+def _training_failures() -> tuple[type[Exception], ...]:
+    """The errors that end training (status 1, one line). Imported only when an error must be
+    told apart: their modules are the training stack, which the commands that do not train
+    never load."""
+    from gossipcomp.experiment import TrainingAborted, TrainingDiverged
+    from gossipcomp.experiment.simulation import WorkerFailed
 
-
-def _allreduce(args: argparse.Namespace, console: Console) -> int:
-    return allreduce_command.run(args)  # writes its own errors, one line each
-
-
-_COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
-    "simulate": simulate.run,
-    "peer": peer.run,
-    "coordinator": coordinator.run,
-    "allreduce": _allreduce,
-    "plot": plot.run,
-    "topology": topology.run,
-    "keys": keys.run,
-}
+    return (TrainingDiverged, TrainingAborted, WorkerFailed)

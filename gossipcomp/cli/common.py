@@ -10,7 +10,6 @@ from pathlib import Path
 
 from gossipcomp.inputs.arguments import accepted
 from gossipcomp.inputs.text import quoted
-from gossipcomp.schedule import make_planner
 from gossipcomp.security import TlsFiles
 from gossipcomp.topology import Topology, load_topology
 
@@ -20,7 +19,13 @@ def resolve_topology(spec: str) -> Topology:
     return load_topology(spec)
 
 
-planner_spec = accepted(make_planner)  # an argparse type: a spec `make_planner` accepts
+def planner_spec(text: str) -> str:
+    """An argparse type: a spec `make_planner` accepts. The planners (and torch, which they
+    measure with) are imported when a spec is checked, not by every command that imports this
+    module (`topology show`, `plot`)."""
+    from gossipcomp.schedule import make_planner
+
+    return accepted(make_planner)(text)
 
 
 def add_tls_flags(parser: argparse.ArgumentParser, who: str) -> None:

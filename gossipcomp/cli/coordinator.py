@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import argparse
 import signal
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from gossipcomp.cli.common import add_tls_flags, planner_spec, resolve_topology, tls_files
-from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.coordinator.membership import DEFAULT_MEMBER_TIMEOUT, MAX_MEMBER_TIMEOUT
 from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
 from gossipcomp.schedule import PLANNERS
 from gossipcomp.topology import Topology
-from gossipcomp.transport.grpc_transport import is_loopback
+
+if TYPE_CHECKING:  # `peer` takes this module's flags: the coordinator itself loads when run
+    from gossipcomp.coordinator import Coordinator
 
 
 def add_coordinator_flags(group: argparse._ActionsContainer) -> None:
@@ -104,6 +106,8 @@ def make_coordinator(args: argparse.Namespace, topology: Topology) -> Coordinato
     for flag, given in (("--round-budget", args.round_budget is not None), ("--boost", args.boost)):
         if given and not args.adaptive:
             raise ValueError(f"{flag}: expected --adaptive with it (it changes link levels)")
+    from gossipcomp.coordinator import Coordinator
+
     return Coordinator(
         topology,
         planner=args.planner,
@@ -118,6 +122,9 @@ def make_coordinator(args: argparse.Namespace, topology: Topology) -> Coordinato
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """Serve until interrupted (Ctrl-C: status 130) or terminated (SIGTERM: status 0)."""
+    from gossipcomp.coordinator import CoordinatorServer
+    from gossipcomp.transport.grpc_transport import is_loopback
+
     tls = tls_files(args)
     if tls is None and not args.insecure and not is_loopback(args.address):
         raise ValueError(

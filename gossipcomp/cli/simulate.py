@@ -12,7 +12,7 @@ from rich.console import Console
 from gossipcomp.cli.coordinator import add_coordinator_flags, make_coordinator
 from gossipcomp.cli.training import prepare, train_and_finish
 from gossipcomp.cli.training_flags import add_training_flags
-from gossipcomp.experiment.simulation import MAX_WORKERS, PeerLevels, run_simulation, usable_cores
+from gossipcomp.experiment.simulation import MAX_WORKERS, PeerLevels, usable_cores
 from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
 from gossipcomp.topology import Topology
 from gossipcomp.transport.throttled import MAX_MBIT, LinkRates, RateChange
@@ -95,6 +95,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """Every check first, then every peer's training, then the report."""
+    # the network (the coordinator's service, worker processes): only a run needs it
+    from gossipcomp.experiment.simulation import run_simulation
+
     checked, _ = prepare(args, None, "--rank")
     peer_levels = _peer_levels(args)
     config, topology = checked.config, checked.topology

@@ -4,10 +4,11 @@ flag at fault), the progress bar during it, and the summary, report and plot aft
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from rich.console import Console
@@ -16,12 +17,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gossipcomp.cli import training_flags
 from gossipcomp.cli.common import check_outputs, check_plot_path, resolve_topology
 from gossipcomp.experiment import TrainConfig, build_config_model, load_data
-from gossipcomp.experiment.plot import curve_of, plot_curves
-from gossipcomp.experiment.report import Report
-from gossipcomp.experiment.simulation import CheckpointPolicy
 from gossipcomp.gossip.powergossip import largest_useful_rank
 from gossipcomp.inputs.text import quoted
+from gossipcomp.peer import LEVELS_LOGGER
 from gossipcomp.topology import Topology
+
+if TYPE_CHECKING:  # annotations only: the run imports them where it needs them
+    from gossipcomp.experiment.report import Report
+    from gossipcomp.experiment.simulation import CheckpointPolicy
 
 
 class Prepared(NamedTuple):
@@ -146,6 +149,8 @@ def train_and_finish(
     """Run `train` (run_peer or run_simulation with its own options bound) on the checked
     configuration and topology with its checkpoints and --report-every, a progress bar over
     `total` rounds, then `finish`."""
+    if not args.quiet:
+        logging.getLogger(LEVELS_LOGGER).setLevel(logging.INFO)  # link level changes are news
     with ProgressDisplay(console, total, label, args.quiet) as bar:
         report = train(
             checked.config,
@@ -167,6 +172,8 @@ def finish(report: Report, args: argparse.Namespace, console: Console) -> None:
         if not args.quiet:
             console.print(f"report written to {args.report}")
     if getattr(args, "plot", None) is not None:
+        from gossipcomp.experiment.plot import curve_of, plot_curves  # matplotlib: only to draw
+
         plot_curves([curve_of(report)], args.plot)
         if not args.quiet:
             console.print(f"plot written to {args.plot}")

@@ -18,8 +18,6 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from sklearn.datasets import load_breast_cancer, load_digits, load_iris, load_wine
-from sklearn.model_selection import train_test_split
 
 from gossipcomp.workload.text import VOCABULARY_SIZE, python_source_windows
 
@@ -58,13 +56,19 @@ DigitsSplit = DatasetSplit  # the name from when digits was the only data set
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    """A bundled data set: how to load it and how its features are scaled.
+    """A bundled data set: its loader in sklearn.datasets and how its features are scaled.
 
     `pixels`: the features are 0..16 intensities, divided by 16 into [0, 1] (digits); else each
-    feature is standardised to mean 0 and standard deviation 1 on the training part."""
+    feature is standardised to mean 0 and standard deviation 1 on the training part. scikit-learn
+    is imported when a data set is loaded, not with this table (the command line's --help)."""
 
-    load: Callable[[], Any]
+    loader: str
     pixels: bool = False
+
+    def load(self) -> Any:
+        from sklearn import datasets
+
+        return getattr(datasets, self.loader)()
 
 
 @dataclass(frozen=True)
@@ -76,10 +80,10 @@ class TextDatasetInfo:
 
 
 DATASETS: dict[str, DatasetInfo | TextDatasetInfo] = {
-    "digits": DatasetInfo(load_digits, pixels=True),
-    "wine": DatasetInfo(load_wine),
-    "breast-cancer": DatasetInfo(load_breast_cancer),
-    "iris": DatasetInfo(load_iris),
+    "digits": DatasetInfo("load_digits", pixels=True),
+    "wine": DatasetInfo("load_wine"),
+    "breast-cancer": DatasetInfo("load_breast_cancer"),
+    "iris": DatasetInfo("load_iris"),
     "pysource": TextDatasetInfo(python_source_windows),
 }
 
@@ -103,6 +107,8 @@ def load_split(name: str, seed: int = 0, test_fraction: float = 0.2) -> DatasetS
         return DatasetSplit(
             train.inputs, train.targets, test.inputs, test.targets, vocabulary=VOCABULARY_SIZE
         )
+    from sklearn.model_selection import train_test_split
+
     bunch = info.load()
     x = np.asarray(bunch.data, dtype=np.float32)
     y = np.asarray(bunch.target, dtype=np.int64)

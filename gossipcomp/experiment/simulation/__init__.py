@@ -10,28 +10,24 @@ TLS, peers may also sign every message (`run_peer` with its key and the topology
 
 The package: setup.py (the run's settings; building and training the peers of one process),
 results.py (the Report), workers.py (`--workers`: peers spread over worker processes),
-network.py (run_simulation), single.py (run_peer). Its names are imported from here.
+network.py (run_simulation), single.py (run_peer). Its names are imported from here, each
+on first use (PEP 562): the command line's parsers take PeerLevels, CheckpointPolicy and
+MAX_WORKERS from setup.py and workers.py without loading run_simulation's network and the
+coordinator's service it runs.
 """
 
-from gossipcomp.experiment.simulation.network import run_simulation
-from gossipcomp.experiment.simulation.setup import CheckpointPolicy, PeerLevels, ProgressCallback
-from gossipcomp.experiment.simulation.single import peer_keys, run_peer
-from gossipcomp.experiment.simulation.workers import (
-    MAX_WORKERS,
-    WORKER_START_SECONDS,
-    WorkerFailed,
-    usable_cores,
-)
+from __future__ import annotations
 
-__all__ = [
-    "MAX_WORKERS",
-    "WORKER_START_SECONDS",
-    "CheckpointPolicy",
-    "PeerLevels",
-    "ProgressCallback",
-    "WorkerFailed",
-    "peer_keys",
-    "run_peer",
-    "run_simulation",
-    "usable_cores",
-]
+from gossipcomp import lazy_exports
+
+# module -> the public names it defines, each imported from it on first use
+_EXPORTS = {
+    "gossipcomp.experiment.simulation.network": "run_simulation",
+    "gossipcomp.experiment.simulation.setup": "CheckpointPolicy PeerLevels ProgressCallback",
+    "gossipcomp.experiment.simulation.single": "peer_keys run_peer",
+    "gossipcomp.experiment.simulation.workers": (
+        "MAX_WORKERS WORKER_START_SECONDS WorkerFailed usable_cores"
+    ),
+}
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
