@@ -52,7 +52,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "file: env:// (torchrun: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), tcp://HOST:PORT "
         "(rank 0 hosts the store; RANK, WORLD_SIZE) or slurm[://HOST:PORT] (SLURM_PROCID, "
         "SLURM_NTASKS; store at MASTER_ADDR:MASTER_PORT when not given); --rank and the URL's "
-        "endpoint win over the environment",
+        "endpoint win over the environment. A live topology's launch may start fewer ranks than "
+        "its capacity; a rank joins later with tcp://STORE (the store its members print), its "
+        "--rank and --join",
     )
     peer.add_argument(
         "--advertise",
