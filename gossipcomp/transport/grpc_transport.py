@@ -129,10 +129,10 @@ class GrpcTransport:
         options: GrpcOptions | None = None,
         address_source: Callable[[int], str | None] | None = None,
     ) -> None:
-        """`address_source`: where a neighbour's current address is read before it is probed
-        (None: an unknown or unchanged one), for networks whose peers announce their addresses
-        as they come (rendezvous.StoreAddresses); without it the addresses given to connect()
-        stay."""
+        """`address_source`: where a neighbour's current address is read before it is probed,
+        and before anything is pushed to it until the source has named one (None: unknown yet),
+        for networks whose peers announce their addresses as they come
+        (rendezvous.StoreAddresses); without it the addresses given to connect() stay."""
         self.rank = identity.rank
         self.schedule_epoch = 0
         self._identity = identity
@@ -178,6 +178,8 @@ class GrpcTransport:
         self._channels: dict[int, grpc.aio.Channel] = {}
         self._channel_addresses: dict[int, str] = {}
         self._address_source = address_source
+        # neighbours whose address the source has not named yet (looked up before a push)
+        self._unnamed = set(self._neighbours) if address_source is not None else set()
         self._stubs: dict[int, pb_grpc.GossipStub] = {}
         self._pushers: dict[int, grpc.aio.StreamUnaryMultiCallable] = {}
         self._push_ones: dict[int, grpc.aio.UnaryUnaryMultiCallable] = {}
@@ -350,6 +352,8 @@ class GrpcTransport:
         if self._address_source is None:
             return
         address = self._address_source(neighbour)
+        if address is not None:
+            self._unnamed.discard(neighbour)
         if address is None or address == self._channel_addresses.get(neighbour):
             return
         old = self._channels.pop(neighbour)
@@ -397,6 +401,8 @@ class GrpcTransport:
         start = time.monotonic()
         deadline = start + timeout
         self.inbox.open_round(round)
+        for j in self._unnamed.intersection(outgoing):  # an edge that came up by its probe
+            self._follow_address(j)
         # One payload sent to several neighbours is chunked (and hashed) once; when peers
         # authenticate, only its first chunk is rebuilt per receiver, with a signed header. A
         # payload of several chunks for one neighbour only is streamed as its chunks are built
