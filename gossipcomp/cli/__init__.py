@@ -8,9 +8,10 @@ parser that gathers them and `main`, which turns every outcome into an exit stat
 
 A command's module is imported when that command runs, and `main` builds the parser of that
 command alone (every command's for `gossipcomp --help` or an unknown command): `gossipcomp
-topology show` loads neither torch nor the training stack, `gossipcomp peer` not the all-reduce
-mode, and no command loads the modules of another (tests/test_cli_imports.py). A command module's
-top imports are what its parser needs; what only its run needs, it imports there.
+topology show` loads neither torch nor the training stack, `peer --help` and `simulate --help`
+neither the all-reduce mode, scikit-learn, matplotlib nor the coordinator's service, `allreduce`
+not the gossip peer (tests/test_cli_imports.py). A command module's top imports are what its
+parser needs; what only its run needs, it imports there.
 
 Every flag is checked as it is parsed (a finite number in its range, an integer in its range),
 and everything else a run needs (the topology, this peer's rank, PowerGossip's rank against the
