@@ -355,7 +355,9 @@ def judge(static: dict, churned: dict, args: argparse.Namespace) -> list[str]:
             f"timeout ({args.round_timeout:g} s) plus the static run's longest round"
         )
     gap = static["mean_accuracy"] - churned["mean_accuracy"]
-    if gap > args.max_gap:
+    if not (static["all_finished"] and churned["all_finished"]):
+        missed.append("accuracy: not compared (a run did not finish)")
+    elif gap > args.max_gap:
         missed.append(
             f"accuracy: churned {gap * 100:.2f} points below static (max {args.max_gap * 100:g})"
         )
