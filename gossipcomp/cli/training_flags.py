@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gossipcomp.cli.common import planner_spec
 from gossipcomp.experiment import MAX_LOCAL_STEPS, MAX_LR, MAX_SEED, TrainConfig
-from gossipcomp.experiment.simulation import CheckpointPolicy
 from gossipcomp.gossip import ALGORITHMS, ATTACKS, parse_clip
 from gossipcomp.gossip.specs import MAX_GOSSIP_STEPS, parse_options
 from gossipcomp.inputs.arguments import (
@@ -29,6 +29,9 @@ from gossipcomp.peer import MAX_ROUND_TIMEOUT
 from gossipcomp.schedule import PLANNERS
 from gossipcomp.workload.data import DATASETS
 from gossipcomp.workload.models import MODELS
+
+if TYPE_CHECKING:
+    from gossipcomp.experiment.simulation import CheckpointPolicy
 
 
 def _optimizer_flags(d: TrainConfig) -> OptimizerFlags:
@@ -264,6 +267,8 @@ def checkpoints(args: argparse.Namespace) -> CheckpointPolicy | None:
         if args.checkpoint_every is not None:
             raise ValueError("--checkpoint-every needs --checkpoint-dir")
         return None
+    from gossipcomp.experiment.simulation import CheckpointPolicy  # the peer stack: on use
+
     every = 50 if args.checkpoint_every is None else args.checkpoint_every
     return CheckpointPolicy(args.checkpoint_dir, every=every, keep=args.checkpoint_keep)
 
