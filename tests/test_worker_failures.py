@@ -9,6 +9,7 @@ import time
 import pytest
 
 from gossipcomp import cli
+from gossipcomp.cli import simulate as simulate_command
 from gossipcomp.experiment.simulation import WorkerFailed
 from gossipcomp.experiment.simulation.workers import _expect
 
@@ -50,7 +51,7 @@ def test_the_command_reports_a_failed_worker_as_an_error_not_a_bug(
     def failing_run(*_args: object, **_kwargs: object) -> int:
         raise WorkerFailed("gossipcomp-worker-0: nothing heard in 120 s")
 
-    monkeypatch.setattr(cli, "_run", failing_run)
+    monkeypatch.setattr(simulate_command, "run", failing_run)
     assert cli.main(["simulate", "--rounds", "1"]) == 1
     err = capsys.readouterr().err
     assert "nothing heard in 120 s" in err and "internal error" not in err
