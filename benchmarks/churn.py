@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import threading
@@ -47,6 +46,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from soak import resources  # the sibling soak measures the same (benchmarks/ is no package)
 
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.coordinator.client import CoordinatorClient
@@ -61,19 +61,6 @@ from gossipcomp.workload.data import DigitsSplit
 ROOT = Path(__file__).resolve().parent.parent
 CAPACITY = 16
 STARTUP_TIMEOUT = 120.0
-
-
-def resources() -> dict[str, int]:
-    """Threads, open sockets and resident memory (KiB) of this process, from /proc."""
-    sockets = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            sockets += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            continue
-    with open("/proc/self/status") as status:
-        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-    return {"threads": len(os.listdir("/proc/self/task")), "sockets": sockets, "rss_kib": rss}
 
 
 def live_onepeer(members: list[int]) -> Topology:

@@ -5,14 +5,13 @@ for its admission (it used to train alone on its shard, as fast as the CPU allow
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import benchmark
 
 from gossipcomp.experiment import TrainConfig, build_algorithm, build_config_model, load_data
 from gossipcomp.experiment.outcome import TrainingAborted
@@ -21,15 +20,6 @@ from gossipcomp.peer import Peer
 from gossipcomp.topology import build_topology
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _churn_module():
-    spec = importlib.util.spec_from_file_location("churn_benchmark", ROOT / "benchmarks/churn.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["churn_benchmark"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_peer_waiting_for_admission_takes_no_local_steps():
@@ -69,7 +59,7 @@ def test_churn_benchmark_kills_and_joins_without_stalls(tmp_path):
     member waits more than one round timeout (plus the static run's longest round) between two
     rounds, every peer finishes, and the churned run's accuracy is within 5 points of the
     static run's (100 rounds: both still learning; the full run's bound is 1 point)."""
-    churn = _churn_module()
+    churn = benchmark("churn")
     out = tmp_path / "churn.json"
     code = churn.main(
         [
