@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from gossipcomp.experiment.trainer import PeerTrainer
 from gossipcomp.peer import Peer
 from gossipcomp.topology import build_topology
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_peer_waiting_for_admission_takes_no_local_steps():
