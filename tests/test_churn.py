@@ -19,7 +19,6 @@ from gossipcomp.peer import Peer
 from gossipcomp.topology import build_topology
 
 
-
 def test_a_peer_waiting_for_admission_takes_no_local_steps():
     """A joiner nobody admits (no coordinator here) does no rounds and, now, no local steps:
     its model is the one it started with after a second of waiting, and it still stops when
