@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -225,6 +226,9 @@ def test_peers_rendezvous_through_torch_and_handshake_over_grpc() -> None:
     bound at the announced ports, accept each other's handshakes."""
     (endpoint_port,) = benchmark("faults").free_ports(1)
     base = topology_from_dict(RING4)
+    # A peer that closed its server once its own handshakes were done would refuse a slower
+    # neighbour's; every server stays up until all four are done.
+    all_connected = threading.Barrier(4, timeout=120.0)
 
     def peer(rank: int) -> tuple[Topology, str, dict[int, Any]]:
         launch = Launch("tcp", "127.0.0.1", endpoint_port, rank, 4)
@@ -236,6 +240,10 @@ def test_peers_rendezvous_through_torch_and_handshake_over_grpc() -> None:
                 assert transport.address == topology.addresses[rank] == bound
                 neighbours = {j: topology.addresses[j] for j in topology.neighbors(rank)}
                 answers = transport.connect(neighbours, timeout=60.0)
+                all_connected.wait()
+            except BaseException:
+                all_connected.abort()
+                raise
             finally:
                 transport.close()
         return topology, bound, answers
