@@ -138,6 +138,21 @@ def _report(**fields) -> cpb.PeerReport:
         ({"schedule_epoch": 2**40}, grpc.StatusCode.INVALID_ARGUMENT, "schedule_epoch"),
         ({"compute_seconds": float("nan")}, grpc.StatusCode.INVALID_ARGUMENT, "compute_seconds"),
         ({"compressor_element_seconds": 1e300}, grpc.StatusCode.INVALID_ARGUMENT, "element"),
+        (
+            {"compressor_fixed_seconds": float("inf")},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "compressor_fixed_seconds: expected a finite number in [0, 86400], got inf",
+        ),
+        (
+            {"level_costs": [cpb.LevelCost(level=-1, bytes_per_round=8)]},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "level_costs level: expected an integer in [0, ",
+        ),
+        (
+            {"level_costs": [cpb.LevelCost(level=1, bytes_per_round=1 << 41)]},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "level_costs bytes_per_round: expected an integer in [0, ",
+        ),
         ({"compressor": "zip:level=9"}, grpc.StatusCode.INVALID_ARGUMENT, "compressor"),
         ({"tensors": [cpb.TensorSize(name="", numel=1)]}, grpc.StatusCode.INVALID_ARGUMENT, "name"),
         (
@@ -178,6 +193,34 @@ def test_hostile_reports_are_refused_naming_the_field_and_change_nothing(fields,
             assert set(coordinator._members) == {1}
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    "bounds, fragment",
+    [
+        ({"report_every": 0}, "report_every: expected an integer in [1, 1000000], got 0"),
+        ({"report_every": True}, "report_every: expected an integer in [1, 1000000], got True"),
+        ({"replan_every": 2.5}, "replan_every: expected an integer in [1, 1000000], got 2.5"),
+        ({"round_budget": 0.0}, "round_budget: expected a finite number in (0, "),
+        ({"round_budget": float("nan")}, "round_budget: expected a finite number in (0, "),
+    ],
+)
+def test_a_coordinator_refuses_out_of_range_bounds_naming_them(bounds, fragment):
+    with pytest.raises(ValueError) as refused:
+        Coordinator(RING4, **bounds)
+    assert str(refused.value).startswith(fragment)
+
+
+@pytest.mark.parametrize("report_every", [0, True, 1.5, 10**6 + 1])
+def test_a_client_refuses_a_report_interval_out_of_range(report_every):
+    models = _models(2)
+    peers = build_network(build_topology("ring", n=2), models, lambda: Choco(parse_spec("sign")))
+    try:
+        with pytest.raises(ValueError, match=r"^report_every: expected an integer in \[1, "):
+            CoordinatorClient("127.0.0.1:1", peers[0], "sign", report_every=report_every)
+    finally:
+        for peer in peers:
+            peer.close()
 
 
 def test_a_report_from_another_model_is_refused_once_a_majority_knows_the_model():

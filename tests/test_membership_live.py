@@ -241,3 +241,9 @@ def test_liveness_is_refused_on_a_fixed_topology_and_bounds_are_checked():
         MemberLiveness((0,), float("nan"))
     with pytest.raises(ValueError, match="admit_per_change"):
         MemberLiveness((0,), admit_per_change=0)
+    with pytest.raises(ValueError, match=r"^admit_per_change: expected an integer in \[1, "):
+        MemberLiveness((0,), admit_per_change=1.5)
+    with pytest.raises(ValueError, match=r"^min_interval: expected a finite number in \[0, inf\)"):
+        MemberLiveness((0,), min_interval=-1.0)
+    with pytest.raises(ValueError, match=r"^min_interval: .* got inf$"):
+        MemberLiveness((0,), min_interval=float("inf"))

@@ -15,6 +15,7 @@ import grpc
 import torch
 
 from gossipcomp.gossip.base import LinkLeveled, PeerLeveled
+from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
@@ -47,8 +48,7 @@ class CoordinatorClient:
         report_every: int = 10,
         tls: TlsFiles | None = None,
     ) -> None:
-        if isinstance(report_every, bool) or not 1 <= report_every <= 10**6:
-            raise ValueError(f"report_every: expected an integer in [1, 10^6], got {report_every}")
+        checked_integer("report_every", report_every, 1, 10**6)
         self.peer = peer
         self.report_every = report_every
         self.compressor = compressor or ""

@@ -17,9 +17,10 @@ as they report.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
+
+from gossipcomp.inputs.numbers import checked_integer, checked_number
 
 DEFAULT_MEMBER_TIMEOUT = 30.0  # seconds of silence after which a member is removed
 MAX_MEMBER_TIMEOUT = 86_400.0
@@ -40,16 +41,9 @@ class MemberLiveness:
     ) -> None:
         """`min_interval`: seconds between two membership changes at least (0: one a
         decision)."""
-        if not (math.isfinite(timeout) and 0 < timeout <= MAX_MEMBER_TIMEOUT):
-            raise ValueError(
-                f"member timeout: expected seconds in (0, {MAX_MEMBER_TIMEOUT:g}], got {timeout!r}"
-            )
-        if isinstance(admit_per_change, bool) or not 1 <= admit_per_change <= 1 << 20:
-            raise ValueError(
-                f"admit_per_change: expected an integer >= 1, got {admit_per_change!r}"
-            )
-        if not (math.isfinite(min_interval) and min_interval >= 0):
-            raise ValueError(f"min_interval: expected seconds >= 0, got {min_interval!r}")
+        checked_number("member timeout", timeout, 0.0, MAX_MEMBER_TIMEOUT, closed_low=False)
+        checked_integer("admit_per_change", admit_per_change, 1, 1 << 20)
+        checked_number("min_interval", min_interval, 0.0)
         self.initial = initial
         self.timeout = timeout
         self.admit_per_change = admit_per_change

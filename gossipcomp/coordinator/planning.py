@@ -51,7 +51,6 @@ The service that serves it over gRPC is service.py.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -61,6 +60,7 @@ import grpc
 
 from gossipcomp.coordinator.membership import DEFAULT_MEMBER_TIMEOUT, MemberLiveness
 from gossipcomp.coordinator.reports import MAX_MARGIN, MemberReport, ReportRefused, check_report
+from gossipcomp.inputs.numbers import checked_integer, checked_number
 from gossipcomp.inputs.text import quoted
 from gossipcomp.levels.rate import FIRST_DECISION_ROUND, Link, RateController
 from gossipcomp.levels.rate import link as edge_of
@@ -121,18 +121,13 @@ class Coordinator:
         topology: members silent for `member_timeout` seconds are removed (`liveness`: the
         whole rule, membership.py, for tests and callers that set its bounds)."""
         make_planner(planner)  # fails naming the planners that exist
-        if round_budget is not None and not (
-            math.isfinite(round_budget) and 0 < round_budget <= MAX_BUDGET_S
-        ):
-            raise ValueError(
-                f"round_budget: expected seconds in (0, {MAX_BUDGET_S:g}], got {round_budget!r}"
-            )
+        if round_budget is not None:
+            checked_number("round_budget", round_budget, 0.0, MAX_BUDGET_S, closed_low=False)
         self.adaptive = adaptive
         self.boost = boost
         self.round_budget = round_budget
         for field, value in (("report_every", report_every), ("replan_every", replan_every)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10**6:
-                raise ValueError(f"{field}: expected an integer in [1, 10^6], got {quoted(value)}")
+            checked_integer(field, value, 1, 10**6)
         self.topology = topology
         self.planner = planner
         self.report_every = report_every

@@ -9,13 +9,13 @@ planning.py. Errors quote what they echo shortened.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from gossipcomp.compress import parse_spec
+from gossipcomp.inputs.numbers import checked_integer, checked_number
 from gossipcomp.inputs.text import quoted
 from gossipcomp.levels.rate import MAX_LEVEL, LevelCosts
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
@@ -75,33 +75,23 @@ def _level_costs(request: cpb.PeerReport) -> LevelCosts | None:
         )
     costs = {}
     for entry in request.level_costs:
-        level = _integer("level_costs level", entry.level, MAX_LEVEL)
+        level = checked_integer("level_costs level", entry.level, 0, MAX_LEVEL, _invalid)
         if level in costs:
             raise ReportRefused(
                 grpc.StatusCode.INVALID_ARGUMENT, f"level_costs: level {level} listed twice"
             )
-        costs[level] = _integer("level_costs bytes_per_round", entry.bytes_per_round, 1 << 40)
+        costs[level] = checked_integer(
+            "level_costs bytes_per_round", entry.bytes_per_round, 0, 1 << 40, _invalid
+        )
     try:
         return LevelCosts(costs, request.exchanges_per_round)
     except ValueError as error:
         raise ReportRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
 
 
-def _number(field: str, value: float, high: float = MAX_SECONDS) -> float:
-    if not (math.isfinite(value) and 0.0 <= value <= high):
-        raise ReportRefused(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"{field}: expected a number in [0, {high:g}], got {value!r}",
-        )
-    return value
-
-
-def _integer(field: str, value: int, high: int) -> int:
-    if not 0 <= value <= high:
-        raise ReportRefused(
-            grpc.StatusCode.INVALID_ARGUMENT, f"{field}: expected 0..{high}, got {value}"
-        )
-    return value
+def _invalid(message: str) -> ReportRefused:
+    """A field out of its range: the report is refused as INVALID_ARGUMENT."""
+    return ReportRefused(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def _samples(
@@ -161,7 +151,9 @@ def check_report(topology: Topology, request: cpb.PeerReport) -> MemberReport:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"tensor name {quoted(tensor.name)}: expected 1 to {MAX_NAME_CHARS} characters",
             )
-        numel = _integer(f"tensor {quoted(tensor.name)} numel", tensor.numel, 1 << 40)
+        numel = checked_integer(
+            f"tensor {quoted(tensor.name)} numel", tensor.numel, 0, 1 << 40, _invalid
+        )
         tensors.append(TensorInfo(tensor.name, numel))
     neighbours = set(topology.neighbors(request.sender))
     transfers: list[tuple[int, float]] = []
@@ -192,13 +184,29 @@ def check_report(topology: Topology, request: cpb.PeerReport) -> MemberReport:
             ) from None
     return MemberReport(
         rank=request.sender,
-        round=_integer("round", request.round, MAX_REPORTED_ROUND),
-        epoch=_integer("schedule_epoch", request.schedule_epoch, MAX_REPORTED_EPOCH),
-        compute_seconds=_number("compute_seconds", request.compute_seconds),
+        round=checked_integer("round", request.round, 0, MAX_REPORTED_ROUND, _invalid),
+        epoch=checked_integer(
+            "schedule_epoch", request.schedule_epoch, 0, MAX_REPORTED_EPOCH, _invalid
+        ),
+        compute_seconds=checked_number(
+            "compute_seconds", request.compute_seconds, 0.0, MAX_SECONDS, error=_invalid
+        ),
         compressor=compressor,
         compression=CompressorCost(
-            _number("compressor_fixed_seconds", request.compressor_fixed_seconds),
-            _number("compressor_element_seconds", request.compressor_element_seconds, 1.0),
+            checked_number(
+                "compressor_fixed_seconds",
+                request.compressor_fixed_seconds,
+                0.0,
+                MAX_SECONDS,
+                error=_invalid,
+            ),
+            checked_number(
+                "compressor_element_seconds",
+                request.compressor_element_seconds,
+                0.0,
+                1.0,
+                error=_invalid,
+            ),
         ),
         tensors=tuple(tensors),
         transfers=tuple(transfers),

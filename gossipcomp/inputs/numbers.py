@@ -8,6 +8,7 @@ and an error names the field, the range expected and a bounded quote of what cam
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from gossipcomp.inputs.text import quoted
@@ -28,11 +29,11 @@ def checked_number(
     *,
     closed_low: bool = True,
     closed_high: bool = True,
-    error: type[ValueError] = ValueError,
+    error: Callable[[str], ValueError] = ValueError,
 ) -> float:
     """`value` as a float when it is a finite int or float (not a bool) in the range from `low`
     to `high` (each end closed unless told otherwise); otherwise `error` (a ValueError: the
-    door's own kind) naming `what`."""
+    door's own kind, or a function making one from the message) naming `what`."""
     ok = not isinstance(value, bool) and isinstance(value, int | float)
     if ok:
         above = low <= value if closed_low else low < value
@@ -45,7 +46,11 @@ def checked_number(
 
 
 def checked_integer(
-    what: str, value: Any, low: int, high: int | None = None, error: type[ValueError] = ValueError
+    what: str,
+    value: Any,
+    low: int,
+    high: int | None = None,
+    error: Callable[[str], ValueError] = ValueError,
 ) -> int:
     """`value` when it is an int (not a bool) in [low, high] (no upper end when `high` is
     None); otherwise `error` naming `what`."""
