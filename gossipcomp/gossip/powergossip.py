@@ -62,7 +62,7 @@ from gossipcomp.gossip.grouping import group_name
 from gossipcomp.gossip.linalg import hashed_seed, orthonormal_basis
 from gossipcomp.gossip.specs import AUTO, BuildContext, Option, check_steps
 from gossipcomp.gossip.state import checked_tensors, require_keys
-from gossipcomp.inputs.text import quoted
+from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.levels.rate import LevelCosts, rank_ladder
 from gossipcomp.schedule.groups import TensorGroup, check_cover
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec, TensorSpec
@@ -196,12 +196,12 @@ class PowerGossip:
         for j, level in levels.items():
             if j not in ranks:
                 raise ValueError(f"link level for peer {j}, which is not a neighbour")
-            if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= top:
-                raise ValueError(
-                    f"link level {quoted(level)} for peer {j}: expected a rank in [1, {top}] "
-                    "(the largest useful rank of this model)"
-                )
-            ranks[j] = level
+            ranks[j] = checked_integer(
+                f"link level for peer {j} (a rank; {top}: the largest useful rank of this model)",
+                level,
+                1,
+                top,
+            )
         return ranks
 
     def link_specs(

@@ -29,6 +29,7 @@ from gossipcomp.compress.dense import Float16, Identity
 from gossipcomp.compress.feedback import ErrorFeedback
 from gossipcomp.compress.quantize import MAX_LEVELS, QSGD
 from gossipcomp.compress.registry import EF_PREFIX, parse_spec
+from gossipcomp.inputs.numbers import checked_integer
 
 RATIO_SERIES = tuple(m * 10.0**e for e in range(-4, 0) for m in (1, 2, 5)) + (1.0,)
 QSGD_SERIES = tuple(2**bits - 1 for bits in range(1, 8) if 2**bits - 1 <= MAX_LEVELS)
@@ -81,13 +82,8 @@ class Ladder:
 
     def check(self, level: object, what: str) -> int:
         """`level` when it is an integer on this ladder; ValueError naming `what` otherwise."""
-        if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= self.top:
-            shown = repr(level) if isinstance(level, int) else type(level).__name__
-            raise ValueError(
-                f"{what} {shown[:40]}: expected a level in [1, {self.top}] (the ladder "
-                f"{self.specs[0]} ... {self.specs[-1]})"
-            )
-        return level
+        ladder = f"the ladder {self.specs[0]} ... {self.specs[-1]}"
+        return checked_integer(f"{what} ({ladder})", level, 1, self.top)
 
 
 def ladder_for(spec: str, numels: Sequence[int]) -> Ladder:

@@ -27,6 +27,7 @@ other check stays.
 
 from __future__ import annotations
 
+from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.transport.base import EnvelopeRejected, LevelNotice, NoticeRules, RejectCode
 from gossipcomp.transport.claims import lead_bound
@@ -78,10 +79,13 @@ def check_notice(header: pb.EnvelopeHeader, receiver: int, rules: NoticeRules | 
                 f"force at its own round; expected {round}, got {effective}",
             )
         return
-    if not round < effective <= lead_bound(round, rules.lead):
-        raise EnvelopeRejected(
-            RejectCode.INVALID_ARGUMENT,
-            f"level_notice.effective_round: expected a round in [{round + 1}, "
-            f"{lead_bound(round, rules.lead)}] (after the envelope's round {round}, at most {rules.lead} "
-            f"ahead), got {effective}",
+    try:
+        checked_integer(
+            f"level_notice.effective_round (after the envelope's round {round}, at most "
+            f"{rules.lead} ahead)",
+            effective,
+            round + 1,
+            lead_bound(round, rules.lead),
         )
+    except ValueError as error:
+        raise EnvelopeRejected(RejectCode.INVALID_ARGUMENT, str(error)) from None

@@ -31,6 +31,7 @@ from gossipcomp.gossip.base import (
     Neighbourhood,
     PeerLeveled,
 )
+from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.levels.edges import EdgeLevels, LocalRateControl, NoticeConflict
 from gossipcomp.levels.notices import MAX_NOTICE_LEAD
 from gossipcomp.levels.rate import peer_levels
@@ -183,6 +184,8 @@ class CompressionLevels:
                 return self.algorithm.peer_specs(
                     self._params, schedule.groups or None, self._peer_levels(schedule, book)
                 )
+            except ScheduleRefused:
+                raise  # names its epoch already
             except ValueError as error:
                 raise ScheduleRefused(f"schedule epoch {schedule.epoch}: {error}") from None
         if not schedule.links:
@@ -273,11 +276,14 @@ class CompressionLevels:
             return book.in_force
         top = max(self.algorithm.level_costs(self._params).levels)
         for x in schedule.links:
-            if x.level > top:
-                raise ScheduleRefused(
-                    f"schedule epoch {schedule.epoch}: link {x.low}-{x.high} level {x.level}, "
-                    f"expected a level in [1, {top}] (the ladder of {self.algorithm.name})"
-                )
+            checked_integer(
+                f"schedule epoch {schedule.epoch}: link {x.low}-{x.high} level (the ladder of "
+                f"{self.algorithm.name})",
+                x.level,
+                1,
+                top,
+                ScheduleRefused,
+            )
         table = {(x.low, x.high): x.level for x in schedule.links}
         around = {p: self.topology.neighbors(p) for p in (self.rank, *self._weights)}
         return peer_levels(table, around, self.algorithm.default_level())
