@@ -378,11 +378,26 @@ def _phases(trained) -> LocalPhases:
     return LocalPhases(trained, 4, parse_outer("nesterov"), parse_drift("tracking:rate=0.5"))
 
 
+@pytest.mark.parametrize("rate", [0.0, 1.5, float("nan"), True, "0.5"])
+def test_a_drift_tracking_rate_outside_0_1_is_refused(rate):
+    expected = r"^drift tracking rate: expected a finite number in \(0, 1\]"
+    with pytest.raises(ValueError, match=expected):
+        DriftTracker(rate=rate)
+
+
+@pytest.mark.parametrize("steps", [0, -1, True, 2.0])
+def test_local_phases_refuse_a_phase_length_that_is_not_a_positive_integer(steps):
+    trained = list(build_mlp(seed=0).parameters())
+    with pytest.raises(ValueError, match=r"^local steps: expected an integer >= 1, got "):
+        LocalPhases(trained, steps)
+
+
 @pytest.mark.parametrize(
     ("damage", "wrong"),
     [
         (lambda s: s.update(steps_in_phase=4), "steps_in_phase"),
         (lambda s: s.update(steps_in_phase=True), "steps_in_phase"),
+        (lambda s: s.update(steps_in_phase=-1), r"steps_in_phase: expected an integer in \[0, 3\]"),
         (lambda s: s.update(anchor=[torch.zeros(3)]), "outer anchor"),
         (lambda s: s["anchor"][0].fill_(float("nan")), "NaN"),
         (lambda s: s["optimizer"].update(spec="nesterov:lr=0.5,momentum=0.9"), "this run uses"),

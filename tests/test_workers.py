@@ -71,7 +71,8 @@ def test_an_error_in_a_worker_reaches_the_caller():
     ("workers", "authenticate", "message"),
     [
         (5, False, "at most one per peer"),
-        (0, False, "expected an integer in"),
+        (0, False, r"^workers: expected an integer in \[1, \d+\], got 0$"),
+        (2.0, False, r"^workers: expected an integer in \[1, \d+\], got 2.0$"),
         (2, True, "authenticate"),
     ],
 )

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from gossipcomp.inputs.numbers import checked_number
 from gossipcomp.inputs.text import quoted
 from gossipcomp.outer.optimizers import checked_finite, spec_of
 
@@ -63,14 +64,8 @@ class DriftTracker:
     correction: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        if self.rate is not None and (
-            isinstance(self.rate, bool)
-            or not isinstance(self.rate, int | float)
-            or not 0.0 < self.rate <= 1.0
-        ):
-            raise ValueError(
-                f"drift tracking rate: expected a number in (0, 1], got {quoted(self.rate)}"
-            )
+        if self.rate is not None:
+            checked_number("drift tracking rate", self.rate, 0.0, 1.0, closed_low=False)
 
     @property
     def spec(self) -> str:

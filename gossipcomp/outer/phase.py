@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gossipcomp.gossip.state import require_keys
-from gossipcomp.inputs.text import quoted
+from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.outer.drift import DriftTracker
 from gossipcomp.outer.optimizers import OuterSGD, checked_finite
 
@@ -38,8 +38,7 @@ class LocalPhases:
     ) -> None:
         """`trained`: the model's trained parameters (updated in place). `optimizer` and
         `drift` are taken as specs: this peer uses fresh copies of them."""
-        if isinstance(steps_per_phase, bool) or not isinstance(steps_per_phase, int):
-            raise ValueError(f"local steps: expected an integer, got {quoted(steps_per_phase)}")
+        checked_integer("local steps", steps_per_phase, 1)
         self.trained = list(trained)
         self.steps_per_phase = steps_per_phase
         # copies with no state: one spec may be given to every peer of a process
@@ -97,16 +96,9 @@ class LocalPhases:
         if not isinstance(state, Mapping):
             raise ValueError(f"outer phases: expected a mapping, got {type(state).__name__}")
         require_keys(state, STATE_KEYS, "outer phases")
-        steps = state["steps_in_phase"]
-        if (
-            isinstance(steps, bool)
-            or not isinstance(steps, int)
-            or not 0 <= steps < max(1, self.steps_per_phase)
-        ):
-            raise ValueError(
-                f"outer phases: steps_in_phase expected an integer in "
-                f"[0, {self.steps_per_phase}), got {quoted(steps)}"
-            )
+        steps = checked_integer(
+            "outer phases: steps_in_phase", state["steps_in_phase"], 0, self.steps_per_phase - 1
+        )
         for part, mine in (("optimizer", self.optimizer), ("drift", self.drift)):
             if (state[part] is None) != (mine is None):
                 saved = "has no" if state[part] is None else "has a"

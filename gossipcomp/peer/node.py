@@ -38,7 +38,7 @@ from gossipcomp.gossip.base import (
 )
 from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.turns import ComputeTurns
-from gossipcomp.inputs.text import quoted
+from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.levels.edges import EdgeLevels
 from gossipcomp.levels.peer import CompressionLevels
 from gossipcomp.levels.senders import SenderLevels
@@ -144,8 +144,7 @@ class Peer:
         self.round_timeout = round_timeout
         check_max_move(max_move)
         self.round = 0
-        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-            raise ValueError(f"local_steps: expected an integer >= 1, got {quoted(local_steps)}")
+        checked_integer("local_steps", local_steps, 1)
         self.local_steps = local_steps
         self._steps_taken = 0
         # the phase's anchor, outer optimizer state and drift correction (outer/phase.py)

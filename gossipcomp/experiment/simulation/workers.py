@@ -21,6 +21,7 @@ import torch
 from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.experiment import PeerOutcome, load_data
 from gossipcomp.experiment.simulation.setup import ProgressCallback, _Setup, _train_all
+from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.peer import Peer
 from gossipcomp.topology import Topology
 
@@ -43,8 +44,7 @@ def usable_cores() -> int:
 
 
 def _check_workers(workers: int, topology: Topology, authenticate: bool) -> None:
-    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
-        raise ValueError(f"workers: expected an integer in [1, {MAX_WORKERS}], got {workers!r}")
+    checked_integer("workers", workers, 1, MAX_WORKERS)
     if workers > topology.n:
         raise ValueError(
             f"workers: {workers} worker processes for {topology.n} peers; expected at most one "
