@@ -31,6 +31,7 @@ REFUSALS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.ABORTED,  # a round beyond the window: not yet
 }
 WEIGHT = torch.arange(12, dtype=torch.float32).reshape(3, 4)
 TOPK = parse_spec("topk:ratio=0.25")

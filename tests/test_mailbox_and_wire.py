@@ -76,8 +76,9 @@ def test_mailbox_refuses_late_duplicate_and_far_future():
     box.open_round(1)
     with pytest.raises(EnvelopeRejected, match="earlier rounds are finished"):
         box.deliver(Envelope(1, 0, "p", ()), 10)
-    with pytest.raises(EnvelopeRejected, match="at most 2 ahead"):
+    with pytest.raises(EnvelopeRejected, match="at most 2 ahead") as early:
         box.deliver(Envelope(1, 4, "p", ()), 10)
+    assert early.value.code == RejectCode.ABORTED  # not yet: its sender may push it again
     box.deliver(Envelope(1, 3, "p", ()), 10)
     assert box.collect(1, "p", [1], time.monotonic() + 0.05) == {}
     assert box.pending() == 1

@@ -118,6 +118,7 @@ class RejectCode(enum.Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     ALREADY_EXISTS = "ALREADY_EXISTS"
+    ABORTED = "ABORTED"  # not yet: the receiver is behind; the sender may push it again
 
 
 class EnvelopeRejected(Exception):

@@ -128,10 +128,17 @@ def validate_header(
     if by_sender is None:
         phases = sorted({p for _, p in specs})
         if phase in phases:
+            newest = max(e for e, p in specs if p == phase)
+            if schedule_epoch > newest:  # the sender may push it again once it has come
+                raise EnvelopeRejected(
+                    RejectCode.ABORTED,
+                    f"schedule_epoch: {schedule_epoch} is not a schedule this peer has for phase "
+                    f"{quoted(phase)} yet (newest {newest})",
+                )
             raise EnvelopeRejected(
                 RejectCode.FAILED_PRECONDITION,
                 f"schedule_epoch: {schedule_epoch} is not a schedule this peer has for phase "
-                f"{quoted(phase)} (a schedule not yet received, or one long replaced)",
+                f"{quoted(phase)} (one long replaced, or never staged here)",
             )
         raise EnvelopeRejected(
             RejectCode.INVALID_ARGUMENT,

@@ -34,6 +34,7 @@ from gossipcomp.proto.v1 import gossip_pb2_grpc as pb_grpc
 from gossipcomp.security.tls import channel_credentials, server_credentials
 from gossipcomp.transport.allocator import keep_heap_warm
 from gossipcomp.transport.authentication import Authenticator
+from gossipcomp.transport.backpressure import pauses_until
 from gossipcomp.transport.base import (
     MAX_SCHEDULE_EPOCH,
     Envelope,
@@ -74,10 +75,14 @@ __all__ = [
 
 class _Pushes:
     """One exchange's pushes, run together on the loop: each one's outcome (bytes sent, or
-    the error), when each was delivered, and the mailbox told at once of a refused push."""
+    the error), when each was delivered, and the mailbox told at once of a refused push. A
+    push refused as not yet due is sent again until `deadline` (transport/backpressure.py)."""
 
-    def __init__(self, mailbox: Mailbox, round: int, phase: str, start: float) -> None:
+    def __init__(
+        self, mailbox: Mailbox, round: int, phase: str, start: float, deadline: float
+    ) -> None:
         self._mailbox, self._round, self._phase, self._start = mailbox, round, phase, start
+        self._deadline = deadline
         self.outcomes: dict[int, int | BaseException] = {}
         self.delivered: dict[int, float] = {}  # neighbour -> seconds until it acknowledged
 
@@ -89,7 +94,7 @@ class _Pushes:
 
     async def _one(self, neighbour: int, push: Callable[[], Coroutine[Any, Any, int]]) -> None:
         try:
-            self.outcomes[neighbour] = await push()
+            self.outcomes[neighbour] = await self._pushed_when_due(push)
             self.delivered[neighbour] = time.monotonic() - self._start
         except asyncio.CancelledError:
             self._mailbox.abandon(self._round, self._phase, neighbour)
@@ -97,6 +102,17 @@ class _Pushes:
         except Exception as error:  # the exchange reports it (or raises what is not gRPC's)
             self.outcomes[neighbour] = error
             self._mailbox.abandon(self._round, self._phase, neighbour)
+
+    async def _pushed_when_due(self, push: Callable[[], Coroutine[Any, Any, int]]) -> int:
+        pauses = pauses_until(self._deadline)
+        while True:
+            try:
+                return await push()
+            except grpc.aio.AioRpcError as error:
+                pause = next(pauses, None) if error.code() is grpc.StatusCode.ABORTED else None
+                if pause is None:
+                    raise
+            await asyncio.sleep(pause)
 
 
 async def _unary(method: grpc.aio.UnaryUnaryMultiCallable, request: Any, timeout: float) -> Any:
@@ -365,8 +381,7 @@ class GrpcTransport:
 
         Raises grpc.RpcError with the receiver's status when it refuses the envelope.
         """
-        chunks = self._lazy_chunks(neighbour, envelope)
-        return self._loop.run(self._stream(neighbour, chunks, deadline))
+        return self._loop.run(self._stream_envelope(neighbour, envelope, deadline))
 
     def _lazy_chunks(self, neighbour: int, envelope: Envelope) -> Iterator[bytes]:
         """The envelope's chunks for `neighbour`, each built as gRPC asks for it."""
@@ -374,6 +389,10 @@ class GrpcTransport:
         if self._auth is not None:
             header = _signed_header(self._auth, envelope, neighbour, content_sha256(envelope))
         return envelope_chunks(envelope, self._options.chunk_bytes, header)
+
+    async def _stream_envelope(self, neighbour: int, envelope: Envelope, deadline: float) -> int:
+        """`envelope` streamed to `neighbour` as its chunks are built (again on each attempt)."""
+        return await self._stream(neighbour, self._lazy_chunks(neighbour, envelope), deadline)
 
     async def _stream(self, neighbour: int, chunks: Iterable[bytes], deadline: float) -> int:
         sent = 0
@@ -415,7 +434,7 @@ class GrpcTransport:
             notice = self.inbox.notice_for(j)
             if receivers[id(payload)] == 1 and _data_bytes(payload) > self._options.chunk_bytes:
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch, notice=notice)
-                pushes[j] = partial(self._stream, j, self._lazy_chunks(j, envelope), deadline)
+                pushes[j] = partial(self._stream_envelope, j, envelope, deadline)
                 continue
             if id(payload) not in chunked:
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch)
@@ -436,8 +455,9 @@ class GrpcTransport:
             else:
                 pushes[j] = partial(self._stream, j, chunks, deadline)
         # every push of the exchange goes to the loop at once (one wake-up, not one per push);
-        # a refused push means the neighbour has moved on or gone: stop waiting for it
-        pushed = _Pushes(self.inbox.mailbox, round, phase, start)
+        # a push refused for good means the neighbour has moved on or gone: stop waiting for
+        # it; one refused as not yet due is sent again (backpressure.py)
+        pushed = _Pushes(self.inbox.mailbox, round, phase, start, deadline)
         batch = self._loop.submit(pushed.run(pushes))
         arrivals = self.inbox.collect(round, phase, outgoing.keys(), deadline, schedule_epoch)
         try:

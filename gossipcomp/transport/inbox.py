@@ -188,8 +188,8 @@ class Inbox:
         return Arrivals(round, phase, schedule_epoch, kept, mismatched)
 
     def check_header(self, header: pb.EnvelopeHeader) -> PayloadSpec:
-        """Validate a header (its level notice included) before any data is read; return the
-        spec it matched."""
+        """Validate a header (its level notice included, and its round against the mailbox's)
+        before any data is read; return the spec it matched."""
         spec = validate_header(
             protocol_version=header.protocol_version,
             round=header.round,
@@ -202,6 +202,7 @@ class Inbox:
             max_envelope_bytes=self._max_envelope_bytes,
         )
         check_notice(header, self.rank, self._notice_rules)
+        self.mailbox.check_round(header.round, header.sender)  # late or not yet: no data read
         return spec
 
     def _specs_at(self, header: pb.EnvelopeHeader) -> SpecTable:

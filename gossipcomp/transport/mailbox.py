@@ -3,7 +3,9 @@
 A peer's neighbours may run up to a round ahead, so envelopes for the current and a few future
 rounds are held; anything for a round already finished is late and refused, a second envelope
 for the same (round, phase, sender) is a duplicate and refused, so nothing is applied twice or
-to the wrong round. When `collect` gives up on a sender at its deadline, that sender's envelope
+to the wrong round. An envelope for a round beyond the window is refused as not yet (ABORTED,
+transport/backpressure.py): its sender is ahead, sends it again later, and this peer's memory
+stays bounded by the window. When `collect` gives up on a sender at its deadline, that sender's envelope
 for the (round, phase) is refused if it comes later: a sender whose push was acknowledged knows
 its envelope was collected, so both ends of an edge see the same outcome unless the
 acknowledgement itself is lost.
@@ -63,25 +65,31 @@ class Mailbox:
             self._allowed = {s: r for s, r in self._allowed.items() if r >= round}
             self._cond.notify_all()
 
+    def check_round(self, round: int, sender: int) -> None:
+        """Refuse `sender`'s envelope for `round` as late (FAILED_PRECONDITION: that round is
+        finished here) or not yet (ABORTED: beyond the window and not an agreed resume round;
+        the sender may push it again once this peer gets there). Called with the header, before
+        any data is read, and again when the envelope is stored."""
+        with self._cond:
+            if round < self._floor:
+                raise EnvelopeRejected(
+                    RejectCode.FAILED_PRECONDITION,
+                    f"round: expected >= {self._floor} (earlier rounds are finished), got {round}",
+                    public=f"round {round}: not accepted now",
+                )
+            if round > self._floor + self._window and self._allowed.get(sender) != round:
+                raise EnvelopeRejected(
+                    RejectCode.ABORTED,
+                    f"round: expected <= {self._floor + self._window} "
+                    f"(at most {self._window} ahead of {self._floor}), got {round}",
+                    public=f"round {round}: not accepted yet",
+                )
+
     def deliver(self, envelope: Envelope, wire_bytes: int) -> None:
-        """Store a validated envelope, or refuse it as late, too early or a duplicate."""
+        """Store a validated envelope, or refuse it as late, not yet due or a duplicate."""
         key = (envelope.round, envelope.phase, envelope.sender)
         with self._cond:
-            if envelope.round < self._floor:
-                raise EnvelopeRejected(
-                    RejectCode.FAILED_PRECONDITION,
-                    f"round: expected >= {self._floor} (earlier rounds are finished), "
-                    f"got {envelope.round}",
-                    public=f"round {envelope.round}: not accepted now",
-                )
-            beyond = envelope.round > self._floor + self._window
-            if beyond and self._allowed.get(envelope.sender) != envelope.round:
-                raise EnvelopeRejected(
-                    RejectCode.FAILED_PRECONDITION,
-                    f"round: expected <= {self._floor + self._window} "
-                    f"(at most {self._window} ahead of {self._floor}), got {envelope.round}",
-                    public=f"round {envelope.round}: not accepted now",
-                )
+            self.check_round(envelope.round, envelope.sender)  # the condition's lock is reentrant
             if key in self._items or key in self._consumed:
                 raise EnvelopeRejected(
                     RejectCode.ALREADY_EXISTS,

@@ -16,6 +16,7 @@ import time
 from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import Future
 
+from gossipcomp.transport.backpressure import pauses_until
 from gossipcomp.transport.base import (
     Envelope,
     EnvelopeRejected,
@@ -28,6 +29,7 @@ from gossipcomp.transport.base import (
     Outgoing,
     PeerNotReady,
     PeerUnreachableError,
+    RejectCode,
     no_rejoin,
 )
 from gossipcomp.transport.inbox import Inbox
@@ -193,28 +195,88 @@ class InMemoryTransport:
         deadline = start + timeout
         self.inbox.open_round(round)
         result = ExchangeResult()
-        for j, payload in outgoing.items():
-            target = self._hub.lookup(j)
-            fault = self._hub.fault(self.rank, j)
-            try:
-                if target is None or fault is Fault.LOST:
-                    raise PeerUnreachableError("not on the hub" if target is None else "lost")
-                notice = self.inbox.notice_for(j)
-                result.bytes_sent[j] = target.receive(
-                    Envelope(self.rank, round, phase, payload, schedule_epoch, notice=notice)
-                )
-                if fault is Fault.ACK_LOST:
-                    raise PeerUnreachableError("acknowledgement lost")
-                result.send_seconds[j] = time.monotonic() - start
-            except EnvelopeRejected as rejected:
-                result.failed[j] = f"push refused: {rejected.code.value}: {rejected}"
-            except PeerUnreachableError as error:
-                result.failed[j] = f"push failed: {error}"
-            if j in result.failed:  # it has moved on or gone: do not wait for its envelope
-                self.inbox.mailbox.abandon(round, phase, j)
+        not_yet = [
+            j
+            for j in outgoing
+            if not self._push(j, round, phase, outgoing, schedule_epoch, start, result)
+        ]
+        # pushes refused as not yet due are sent again while this peer waits for its own
+        # envelopes, on the schedule every transport uses (backpressure.py)
+        retries = None
+        if not_yet:
+            retries = threading.Thread(
+                target=self._push_when_due,
+                args=(not_yet, round, phase, outgoing, schedule_epoch, start, deadline, result),
+                name=f"peer {self.rank} pushes not yet due",
+                daemon=True,
+            )
+            retries.start()
         arrivals = self.inbox.collect(round, phase, outgoing.keys(), deadline, schedule_epoch)
+        if retries is not None:
+            retries.join()
         arrivals.report(result, outgoing, timeout)
         return result
+
+    def _push(
+        self,
+        j: int,
+        round: int,
+        phase: str,
+        outgoing: Outgoing,
+        schedule_epoch: int,
+        start: float,
+        result: ExchangeResult,
+        last_try: bool = False,
+    ) -> bool:
+        """Deliver one envelope to `j` as the wire would, entering the outcome in `result`;
+        False (and nothing entered) when `j` refused it as not yet due and this is not the
+        last try."""
+        target = self._hub.lookup(j)
+        fault = self._hub.fault(self.rank, j)
+        try:
+            if target is None or fault is Fault.LOST:
+                raise PeerUnreachableError("not on the hub" if target is None else "lost")
+            notice = self.inbox.notice_for(j)
+            result.bytes_sent[j] = target.receive(
+                Envelope(self.rank, round, phase, outgoing[j], schedule_epoch, notice=notice)
+            )
+            if fault is Fault.ACK_LOST:
+                raise PeerUnreachableError("acknowledgement lost")
+            result.send_seconds[j] = time.monotonic() - start
+        except EnvelopeRejected as rejected:
+            if rejected.code is RejectCode.ABORTED and not last_try:
+                return False
+            result.failed[j] = f"push refused: {rejected.code.value}: {rejected}"
+        except PeerUnreachableError as error:
+            result.failed[j] = f"push failed: {error}"
+        if j in result.failed:  # it has moved on or gone: do not wait for its envelope
+            self.inbox.mailbox.abandon(round, phase, j)
+        return True
+
+    def _push_when_due(
+        self,
+        waiting: list[int],
+        round: int,
+        phase: str,
+        outgoing: Outgoing,
+        schedule_epoch: int,
+        start: float,
+        deadline: float,
+        result: ExchangeResult,
+    ) -> None:
+        """Push again to each of `waiting` after each pause until it is taken or refused for
+        good; at the deadline, a last try enters the refusal."""
+        for pause in pauses_until(deadline):
+            time.sleep(pause)
+            waiting = [
+                j
+                for j in waiting
+                if not self._push(j, round, phase, outgoing, schedule_epoch, start, result)
+            ]
+            if not waiting:
+                return
+        for j in waiting:
+            self._push(j, round, phase, outgoing, schedule_epoch, start, result, last_try=True)
 
     def close(self) -> None:
         self.inbox.mailbox.shut()  # a thread waiting in exchange() goes on at once
