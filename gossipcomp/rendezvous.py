@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
+from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.inputs.text import quoted
 from gossipcomp.topology import Topology
 from gossipcomp.topology.checks import MAX_PEERS, _check_address
@@ -308,10 +309,7 @@ class StoreAddresses:
         store.set_timeout(timedelta(seconds=LOOKUP_TIMEOUT))
 
     def __call__(self, rank: int) -> str | None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self._capacity:
-            raise ValueError(
-                f"{self._source}: no rank {quoted(rank)}; expected 0..{self._capacity - 1}"
-            )
+        checked_integer(f"{self._source}: rank", rank, 0, self._capacity - 1)
         key = _KEY.format(rank=rank)
         with self._lock:
             try:

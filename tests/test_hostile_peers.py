@@ -189,6 +189,37 @@ def test_a_forged_far_resume_proposal_parks_an_edge_for_a_bounded_number_of_roun
             p.close()
 
 
+@pytest.mark.parametrize(
+    ("bounds", "expected"),
+    [
+        (
+            {"round_timeout": 0.0},
+            r"^round_timeout: expected a finite number in \(0, 86400\], got 0.0$",
+        ),
+        ({"round_timeout": True}, r"^round_timeout: .*, got True$"),  # a bool is not 1 second
+        ({"round_timeout": math.nan}, r"^round_timeout: .*, got nan$"),
+        ({"max_move": 0.0}, r"^max_move: expected a finite number in \(0, inf\), got 0.0$"),
+        ({"max_move": math.inf}, r"^max_move: .*, got inf$"),
+    ],
+)
+def test_a_peer_refuses_a_round_deadline_or_move_bound_out_of_range(bounds, expected):
+    topology = load_topology("topologies/ring4.yaml")
+    identity = Identity(1, topology.hash, "m")
+    transport = InMemoryTransport(identity, topology.neighbors(1), InMemoryHub())
+    try:
+        with pytest.raises(ValueError, match=expected):
+            Peer(_model(1), topology, 1, DPSGD(), transport, **bounds)
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("floor", [0.0, -1.0, math.nan, math.inf, True])
+def test_a_round_pace_floor_must_be_a_positive_finite_number_of_seconds(floor):
+    expected = r"^round pace floor \(seconds\): expected a finite number in \(0, inf\), got "
+    with pytest.raises(ValueError, match=expected):
+        RoundPace(floor=floor)
+
+
 def _lonely_peer(pace: RoundPace | None = None) -> tuple[Peer, InMemoryHub]:
     """Peer 1 of a ring4 over the in-memory hub whose neighbours exist but never gossip (every
     exchange with them fails at a 1 ms deadline); handshakes are injected by the test."""

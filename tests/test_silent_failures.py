@@ -361,7 +361,8 @@ def test_a_peer_whose_exchanges_all_fail_warns_then_stops_while_its_neighbours_t
 
 
 def test_max_failed_rounds_zero_never_stops_and_bad_bounds_are_refused(one_thread):
-    with pytest.raises(ValueError, match="max_failed_rounds: expected an integer >= 0"):
+    expected = r"^max_failed_rounds \(0: never stop\): expected an integer >= 0, got -1$"
+    with pytest.raises(ValueError, match=expected):
         _lone_peer(_batchnorm_model(), max_failed_rounds=-1)
     with pytest.raises(ValueError, match="max_failed_rounds"):
         TrainConfig(max_failed_rounds=-3)

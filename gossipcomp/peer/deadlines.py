@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+from gossipcomp.inputs.numbers import checked_number
 
 MIN_ROUND_SECONDS = 1e-6  # a checkpointed pace below this would believe any claimed round
 MAX_ROUND_TIMEOUT = 86400.0  # seconds: a round deadline beyond a day is a typing mistake
@@ -10,7 +10,4 @@ MAX_ROUND_TIMEOUT = 86400.0  # seconds: a round deadline beyond a day is a typin
 
 def check_round_timeout(seconds: float) -> None:
     """ValueError unless `seconds` is a round deadline in (0, MAX_ROUND_TIMEOUT]."""
-    if not (math.isfinite(seconds) and 0 < seconds <= MAX_ROUND_TIMEOUT):
-        raise ValueError(
-            f"round_timeout: expected seconds in (0, {MAX_ROUND_TIMEOUT:g}], got {seconds}"
-        )
+    checked_number("round_timeout", seconds, 0.0, MAX_ROUND_TIMEOUT, closed_low=False)

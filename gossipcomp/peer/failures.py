@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 
+from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.inputs.text import quoted
 
 # rounds in a row whose exchanges failed with every neighbour before the peer stops (0: never)
@@ -25,15 +26,7 @@ class FailedRounds:
     """The failed rounds of peer `rank` with `neighbours`, since one last heard a neighbour."""
 
     def __init__(self, rank: int, neighbours: Collection[int], max_failed_rounds: int) -> None:
-        if (
-            isinstance(max_failed_rounds, bool)
-            or not isinstance(max_failed_rounds, int)
-            or max_failed_rounds < 0
-        ):
-            raise ValueError(
-                f"max_failed_rounds: expected an integer >= 0 (0: never stop), got "
-                f"{quoted(max_failed_rounds)}"
-            )
+        checked_integer("max_failed_rounds (0: never stop)", max_failed_rounds, 0)
         self.rank = rank
         self.neighbours = set(neighbours)
         self.max_failed_rounds = max_failed_rounds

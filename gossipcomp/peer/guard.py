@@ -12,6 +12,7 @@ import torch
 
 from gossipcomp.gossip.base import NamedParams, Neighbourhood
 from gossipcomp.gossip.clipping import total_norm
+from gossipcomp.inputs.numbers import checked_number
 from gossipcomp.transport.codec import all_finite
 from gossipcomp.workload.models import constant_tensors
 
@@ -22,8 +23,8 @@ log = logging.getLogger("gossipcomp.peer")  # its warnings are the peer's
 
 def check_max_move(max_move: float | None) -> None:
     """ValueError unless `max_move` is a finite number > 0 or None."""
-    if max_move is not None and not (math.isfinite(max_move) and max_move > 0):
-        raise ValueError(f"max_move: expected a number > 0 or None, got {max_move}")
+    if max_move is not None:
+        checked_number("max_move", max_move, 0.0, closed_low=False)
 
 
 class ModelGuard:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from gossipcomp.inputs.numbers import checked_number
 from gossipcomp.transport.base import HelloAnswer
 from gossipcomp.transport.claims import (
     DEFAULT_ROUND_SECONDS,
@@ -90,8 +91,7 @@ class RoundPace:
     _prior: float | None = None
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.floor) and self.floor > 0):
-            raise ValueError(f"round pace floor must be a number of seconds > 0, got {self.floor}")
+        checked_number("round pace floor (seconds)", self.floor, 0.0, closed_low=False)
 
     def record(self, seconds: float) -> None:
         """One round completed in step with a neighbour took `seconds`."""
