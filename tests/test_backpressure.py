@@ -81,7 +81,8 @@ def test_a_receiver_that_never_gets_there_fails_the_push_at_the_deadline_holding
     result = a.exchange(AHEAD, "p", {1: _payload(1.0)}, timeout=1.0)
     elapsed = time.monotonic() - start
     assert set(result.failed) == {1}
-    assert "ABORTED" in result.failed[1]
+    # refused as not yet due, or (on a loaded machine) its last attempt still unanswered
+    assert "ABORTED" in result.failed[1] or "not finished within" in result.failed[1]
     assert 0.8 <= elapsed < 5.0  # retried until the deadline, not given up at once
     assert b.inbox.mailbox.pending() == 0  # the receiver's memory holds nothing of it
 
@@ -128,12 +129,16 @@ def test_a_stranger_pushing_far_ahead_over_grpc_is_told_not_yet_and_nothing_is_h
         b.close()
 
 
-def test_pauses_double_up_to_the_longest_and_stop_before_the_deadline() -> None:
+def test_pauses_double_up_to_the_longest_and_leave_the_last_attempt_time() -> None:
     deadline = time.monotonic() + 0.5
-    pauses = list(pauses_until(deadline))
+    pauses = []
+    for pause in pauses_until(deadline):
+        time.sleep(pause)
+        pauses.append(pause)
     assert pauses[0] == FIRST_PAUSE_S and max(pauses) == LONGEST_PAUSE_S
     assert all(b == min(2 * a, LONGEST_PAUSE_S) for a, b in itertools.pairwise(pauses))
-    assert list(pauses_until(time.monotonic())) == []
+    # no pause after which the attempt would have less than a pause's time left
+    assert list(pauses_until(time.monotonic() + 2 * FIRST_PAUSE_S)) == []
 
 
 def test_a_push_under_a_schedule_not_yet_received_waits_for_it(pair: Pair) -> None:

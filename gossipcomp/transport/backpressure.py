@@ -21,8 +21,9 @@ LONGEST_PAUSE_S = 0.1
 
 def pauses_until(deadline: float) -> Iterator[float]:
     """Seconds to wait before each new attempt, doubling from FIRST_PAUSE_S up to
-    LONGEST_PAUSE_S, while a pause still ends before `deadline` (time.monotonic)."""
+    LONGEST_PAUSE_S, while the attempt after the pause still has at least a pause's time
+    before `deadline` (time.monotonic) to be answered."""
     pause = FIRST_PAUSE_S
-    while deadline - time.monotonic() > pause:
+    while deadline - time.monotonic() > 2 * pause:
         yield pause
         pause = min(2 * pause, LONGEST_PAUSE_S)
