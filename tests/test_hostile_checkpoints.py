@@ -346,7 +346,8 @@ def test_bad_settings_are_refused_naming_field_and_value(field: str, value: Any)
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
 def test_a_bad_attack_scale_is_refused(value: float) -> None:
-    with pytest.raises(ValueError, match=f"attack scale must be a finite number > 0, got {value}"):
+    expected = rf"attack scale: expected a finite number in \(0, inf\), got {value}$"
+    with pytest.raises(ValueError, match=expected):
         TrainConfig(attack_scale=value)
 
 

@@ -10,7 +10,6 @@ training on its own data. Attacks are built by name from `ATTACKS` (`make_attack
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from gossipcomp.gossip.base import GossipAlgorithm, NamedParams, Neighbourhood, Resumable
+from gossipcomp.inputs.numbers import checked_number
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
 
 # attack name -> what the liar sends in place of its parameter x, given the scale
@@ -38,8 +38,7 @@ class Attack:
     def __post_init__(self) -> None:
         if self.name not in ATTACKS:
             raise ValueError(f"unknown attack {self.name!r}; known: {sorted(ATTACKS)}")
-        if not (math.isfinite(self.scale) and self.scale > 0.0):
-            raise ValueError(f"attack scale must be a finite number > 0, got {self.scale}")
+        checked_number("attack scale", self.scale, 0.0, closed_low=False)
 
     def apply(self, tensor: torch.Tensor) -> torch.Tensor:
         return ATTACKS[self.name](tensor, self.scale)

@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
+from gossipcomp.inputs.numbers import checked_integer, checked_number
+
 
 class ClipRadius(Protocol):
     """How a peer picks its clipping radius tau_i from one round's neighbour distances."""
@@ -46,8 +48,7 @@ class FixedRadius:
     name = "fixed"
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.tau) and self.tau > 0.0):
-            raise ValueError(f"clip radius tau must be a finite number > 0, got {self.tau}")
+        checked_number("clip radius tau", self.tau, 0.0, closed_low=False)
 
     def radius(self, distances: Sequence[float]) -> float:
         return self.tau
@@ -72,8 +73,7 @@ class AdaptiveRadius:
     name = "adaptive"
 
     def __post_init__(self) -> None:
-        if isinstance(self.b, bool) or not isinstance(self.b, int) or self.b < 0:
-            raise ValueError(f"adaptive clipping: b must be an integer >= 0, got {self.b!r}")
+        checked_integer("adaptive clipping b", self.b, 0)
 
     def radius(self, distances: Sequence[float]) -> float:
         # a non-finite distance is a liar for sure: it uses up one of the b, and sets no radius
