@@ -295,6 +295,20 @@ def test_a_layer_whose_gradient_norm_changes_by_half_marks_a_critical_phase():
         phase.observe([1.0])
 
 
+@pytest.mark.parametrize(
+    ("bounds", "expected"),
+    [
+        ({"window": 0}, r"^window: expected an integer in \[1, 1000000\], got 0$"),
+        ({"window": True}, r"^window: .*, got True$"),
+        ({"threshold": 0.0}, r"^threshold: expected a finite number in \(0, inf\), got 0.0$"),
+        ({"threshold": float("inf")}, r"^threshold: .*, got inf$"),
+    ],
+)
+def test_a_critical_phase_detector_refuses_bounds_out_of_range(bounds, expected):
+    with pytest.raises(ValueError, match=expected):
+        CriticalPhase(**bounds)
+
+
 def _report(sender: int, critical: bool) -> cpb.PeerReport:
     """A ring4 peer's report: a 5-level ladder, and sends at 1e-6 s per byte to both
     neighbours (level 8 takes 8 ms: the most that fits a 10 ms budget)."""

@@ -64,6 +64,13 @@ def test_brute_force_prices_plans_as_predict_iteration_does() -> None:
                 assert predict_iteration(tensors, plan, costs) >= optimum.seconds * (1 - 1e-12)
 
 
+@pytest.mark.parametrize("tensors", [0, True, 3.0, 100_001])
+def test_a_random_instance_of_a_size_out_of_range_is_refused(tensors) -> None:
+    expected = r"^random_instance: tensors: expected an integer in \[1, 100000\], got "
+    with pytest.raises(ValueError, match=expected):
+        random_instance(np.random.default_rng(0), tensors, "gossip", CANDIDATES)
+
+
 def test_brute_force_refuses_instances_too_large_to_enumerate() -> None:
     tensors, costs = random_instance(np.random.default_rng(0), 13, "gossip", CANDIDATES)
     with pytest.raises(ValueError, match="expected 1 to 12"):
@@ -219,10 +226,14 @@ def test_measured_search_stays_within_its_budget_and_refuses_bad_measurements() 
     best, seconds = measured_search(50, measure, [(0, 25, 50), (0, 50)], budget=7)
     assert len(calls) == 7 or (len(calls) < 7 and best == (0, 50))
     assert seconds == min(float(len(c)) for c in calls)
-    with pytest.raises(ValueError, match="measurement returned nan"):
+    with pytest.raises(ValueError, match=r"^mergecomp: a measurement \(seconds\): .*, got nan$"):
         measured_search(5, lambda cuts: float("nan"), [(0, 5)], budget=3)
-    with pytest.raises(ValueError, match="budget is 0"):
-        MergeComp(measure=lambda g: 0.0, budget=0)
+    with pytest.raises(ValueError, match=r"^mergecomp: a measurement \(seconds\): .*, got True$"):
+        measured_search(5, lambda cuts: True, [(0, 5)], budget=3)
+    expected = r"^mergecomp: budget \(measurements\): expected an integer in \[1, 100000\], got "
+    for budget in (0, True, 2.0, 100_001):
+        with pytest.raises(ValueError, match=expected):
+            MergeComp(measure=lambda g: 0.0, budget=budget)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gossipcomp.inputs.text import quoted
+from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.schedule.costs import CompressorCost, CostModel, LinkCost, Mode
 from gossipcomp.schedule.groups import TensorGroup, TensorInfo
 
@@ -109,8 +109,7 @@ def random_instance(
     costs with fixed parts of 5 us to 2 ms and 0.1 to 10 ns per element, a link with 10 us to
     10 ms latency and 0.1 to 10 ns per byte. All-reduce: gradients ready from the last tensor
     backwards, 0.1 to 10 ms apart, compute ending with the last one."""
-    if isinstance(tensors, bool) or not isinstance(tensors, int) or not 1 <= tensors <= 100_000:
-        raise ValueError(f"random_instance: tensors is {quoted(tensors)}; expected 1..100000")
+    checked_integer("random_instance: tensors", tensors, 1, 100_000)
 
     def log_uniform(low: float, high: float, size: int | None = None) -> np.ndarray:
         return np.exp(rng.uniform(np.log(low), np.log(high), size))

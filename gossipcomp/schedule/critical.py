@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from gossipcomp.inputs.numbers import checked_integer, checked_number
+
 DEFAULT_WINDOW = 10  # rounds per window
 DEFAULT_THRESHOLD = 0.5  # relative change of a layer's mean gradient norm that is critical
 
@@ -21,10 +23,8 @@ class CriticalPhase:
     """Per layer, the mean gradient norm of the current and the previous complete window."""
 
     def __init__(self, window: int = DEFAULT_WINDOW, threshold: float = DEFAULT_THRESHOLD) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 10**6:
-            raise ValueError(f"window: expected an integer in [1, 10^6], got {window!r}")
-        if not (math.isfinite(threshold) and threshold > 0):
-            raise ValueError(f"threshold: expected a number > 0, got {threshold!r}")
+        checked_integer("window", window, 1, 10**6)
+        checked_number("threshold", threshold, 0.0, closed_low=False)
         self.window = window
         self.threshold = threshold
         self._layers: int | None = None  # fixed by the first round observed

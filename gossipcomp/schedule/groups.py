@@ -8,10 +8,10 @@ its messages quote what they echo through `gossipcomp.inputs.text.quoted`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gossipcomp.inputs.numbers import checked_integer, checked_number
 from gossipcomp.inputs.text import quoted
 
 SHOWN_NAMES = 5  # offending names listed in one error message at most
@@ -34,20 +34,8 @@ class TensorInfo:
                 f"tensor name {quoted(self.name)}: expected a string of 1 to "
                 f"{MAX_NAME_CHARS} characters"
             )
-        if isinstance(self.numel, bool) or not isinstance(self.numel, int) or self.numel < 0:
-            raise ValueError(
-                f"tensor {quoted(self.name)}: numel is {quoted(self.numel)}; expected an int >= 0"
-            )
-        ready = self.ready_at
-        if (
-            isinstance(ready, bool)
-            or not isinstance(ready, int | float)
-            or not (math.isfinite(ready) and ready >= 0)
-        ):
-            raise ValueError(
-                f"tensor {quoted(self.name)}: ready_at is {quoted(self.ready_at)}; "
-                "expected a finite number of seconds >= 0"
-            )
+        checked_integer(f"tensor {quoted(self.name)} numel", self.numel, 0)
+        checked_number(f"tensor {quoted(self.name)} ready_at (seconds)", self.ready_at, 0.0)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ runs from the last layer to the first).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -30,6 +29,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 from gossipcomp.compress import parse_spec
+from gossipcomp.inputs.numbers import checked_integer, checked_number
 from gossipcomp.inputs.text import quoted
 from gossipcomp.schedule.costs import CostModel
 from gossipcomp.schedule.groups import TensorGroup, TensorInfo, groups_from_cuts
@@ -179,15 +179,7 @@ class MergeComp:
     name: ClassVar[str] = "mergecomp"
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.budget, bool)
-            or not isinstance(self.budget, int)
-            or not (1 <= self.budget <= 100_000)
-        ):
-            raise ValueError(
-                f"mergecomp: budget is {quoted(self.budget)}; expected an int "
-                "in [1, 100000] measurements"
-            )
+        checked_integer("mergecomp: budget (measurements)", self.budget, 1, 100_000)
 
     def plan(
         self, tensors: Sequence[TensorInfo], costs: CostModel, compressor: str
@@ -241,16 +233,7 @@ def measured_search(
             return memo[cuts]
         if len(memo) >= budget:
             return None
-        seconds = measure(cuts)
-        if (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, int | float)
-            or not (math.isfinite(seconds) and seconds >= 0)
-        ):
-            raise ValueError(
-                f"mergecomp: a measurement returned {quoted(seconds)}; expected finite seconds >= 0"
-            )
-        memo[cuts] = float(seconds)
+        memo[cuts] = checked_number("mergecomp: a measurement (seconds)", measure(cuts), 0.0)
         return memo[cuts]
 
     for start in starts:
