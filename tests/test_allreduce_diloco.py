@@ -257,7 +257,7 @@ def _command(*flags: str) -> argparse.Namespace:
         ("diloco:outer=(sgd:momentum=1)", "momentum: expected a finite number in [0, 1)"),
         ("diloco:outer=(adam)", "unknown outer optimizer 'adam'"),
         ("diloco:compressor=(topk:ratio=0)", "ratio"),
-        ("diloco:compressor=(powersgd:rank=0)", "powersgd rank: expected >= 1, got 0"),
+        ("diloco:compressor=(powersgd:rank=0)", "powersgd rank: expected an integer >= 1, got 0"),
         ("diloco:compressor=(torch:fp16)", "torch's own hooks work on DDP buckets only"),
         ("diloco:compressor=(topk:ratio=0.1", "a '(' is never closed"),
         ("diloco:compressor=topk:ratio=0.1)", "a ')' closes no '('"),

@@ -174,3 +174,44 @@ def test_a_sign_hook_without_an_explicit_momentum_is_refused(tmp_path, spec: str
         assert register(DistributedDataParallel(_model()), "fp16").momentum == 0.0  # others: 0
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("momentum", [1.0, -0.1, float("nan"), True])
+def test_a_momentum_outside_0_1_is_refused_by_a_hook_and_by_marsit(tmp_path, momentum) -> None:
+    import torch.distributed as dist
+
+    from gossipcomp.allreduce.comm import Communicator
+    from gossipcomp.allreduce.marsit import MarsitSync
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        expected = r"momentum: expected a finite number in \[0, 1\), got "
+        with pytest.raises(ValueError, match=rf"^hook {expected}"):
+            register(DistributedDataParallel(_model()), "fp16", momentum=momentum)
+        with pytest.raises(ValueError, match=rf"^marsit {expected}"):
+            MarsitSync(_model(), Communicator(), momentum=momentum)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("round_", [-1, True, 1.0])
+def test_a_saved_round_that_is_not_an_integer_from_0_is_refused(tmp_path, round_) -> None:
+    import torch.distributed as dist
+
+    from gossipcomp.allreduce.comm import Communicator
+    from gossipcomp.allreduce.merged import MergedSync
+    from gossipcomp.schedule.groups import TensorGroup
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        state = register(DistributedDataParallel(_model()), "fp16")
+        with pytest.raises(ValueError, match=r"^hook state round: expected an integer >= 0, got "):
+            state.load_base_state_dict({"round": round_})
+        model = _model()
+        names = tuple(n for n, _ in model.named_parameters())
+        sync = MergedSync(model, [TensorGroup(names, "fp16")], Communicator())
+        with pytest.raises(ValueError, match=r"^merged sync round: expected an integer >= 0, got "):
+            sync.load_state_dict({"round": round_})
+        assert sync.round == 0
+    finally:
+        dist.destroy_process_group()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -39,6 +40,12 @@ def test_measure_backward_leaves_out_the_first_pass_and_keeps_backward_order() -
 
     tensors, compute_s = measure_backward(model, counted, repeats=3)
     assert len(passes) == 4  # one untimed warm-up, then the timed ones
+    for repeats in (0, True, 2.0, 1001):
+        with pytest.raises(
+            ValueError, match=r"^measure_backward: repeats: expected an integer in "
+        ):
+            measure_backward(model, counted, repeats=repeats)
+    assert len(passes) == 4  # refused before any pass
     assert [t.name for t in tensors] == [n for n, _ in model.named_parameters()]
     ready = [t.ready_at for t in tensors]
     assert all(a >= b for a, b in zip(ready, ready[1:], strict=False))  # last layer first

@@ -43,6 +43,7 @@ from gossipcomp.allreduce.merged import (
     tensor_infos,
 )
 from gossipcomp.compress import parse_spec
+from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.schedule import (
     CompressorCost,
     CostModel,
@@ -123,11 +124,9 @@ def calibrate(
     `make_sync(groups)` builds a `MergedSync` with `timed=True` on the run's communicator
     (every rank calls `calibrate` together); each is closed after its probe, its error
     memories dropped with it."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or not MIN_STEPS <= steps <= MAX_STEPS:
-        raise ValueError(
-            f"calibration steps is {steps!r}; expected an int in [{MIN_STEPS}, {MAX_STEPS}] "
-            "per probe (the first is a warm-up)"
-        )
+    checked_integer(
+        "calibration steps per probe (the first a warm-up)", steps, MIN_STEPS, MAX_STEPS
+    )
     measured: list[ProbeStep] = []
     for probe in PROBES:
         sync = make_sync(probe_groups(model, compressor, probe))

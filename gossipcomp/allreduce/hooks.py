@@ -50,6 +50,7 @@ from gossipcomp.allreduce.memory import Names, ParameterMemory
 from gossipcomp.compress import CompressionContext, ErrorFeedback, parse_spec
 from gossipcomp.compress.codec import Codec
 from gossipcomp.compress.device import decode, encode, summable_dtype, summable_view
+from gossipcomp.inputs.numbers import checked_integer, checked_number
 
 POWERSGD = "powersgd"
 MIN_COMPRESSION_RATE = 2.0  # torch's default: compress a matrix only if it shrinks 2x or more
@@ -88,8 +89,7 @@ class HookState:
     velocity: ParameterMemory = field(default_factory=ParameterMemory)
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.momentum, float | int) and 0.0 <= self.momentum < 1.0):
-            raise ValueError(f"hook momentum: expected a number in [0, 1), got {self.momentum!r}")
+        checked_number("hook momentum", self.momentum, 0.0, 1.0, closed_high=False)
 
     def bucket(self, bucket: dist.GradBucket) -> _Bucket:
         parameters = bucket.parameters()
@@ -124,9 +124,7 @@ class HookState:
         }
 
     def load_base_state_dict(self, state: dict[str, Any]) -> None:
-        round_ = state["round"]
-        if not isinstance(round_, int) or round_ < 0:
-            raise ValueError(f"hook state round: expected an integer >= 0, got {round_!r}")
+        round_ = checked_integer("hook state round", state["round"], 0)
         velocity = state.get("velocity", {})
         if not isinstance(velocity, Mapping):
             raise ValueError("hook state velocity: expected a mapping of parameter names")
@@ -356,8 +354,7 @@ def powersgd_options(values: Mapping[str, str]) -> tuple[int, bool]:
         rank = int(values.get("rank", "1"))
     except ValueError:
         raise ValueError(f"powersgd rank: expected an integer, got {values['rank']!r}") from None
-    if rank < 1:
-        raise ValueError(f"powersgd rank: expected >= 1, got {rank}")
+    checked_integer("powersgd rank", rank, 1)
     warm = values.get("warm_start", "true").lower()
     if warm not in ("true", "false"):
         raise ValueError(f"powersgd warm_start: expected true or false, got {warm!r}")

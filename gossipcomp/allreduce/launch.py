@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from gossipcomp.allreduce.liveness import Heartbeats, Liveness, RankFailure
+from gossipcomp.inputs.numbers import checked_integer
 
 HOSTED_ENV = "GOSSIPCOMP_STORE_HOSTED"
 AGENT_ENV = "TORCHELASTIC_USE_AGENT_STORE"
@@ -236,8 +237,7 @@ def spawn(
     `timeout_s` bounds each collective (and how long a dead rank goes unnamed); `deadline_s`
     the whole run; `backend` "gloo" (CPU) or "nccl" (one GPU per rank). fn must be importable (a module-level function) and its result picklable.
     """
-    if nproc < 1:
-        raise ValueError(f"nproc: expected >= 1, got {nproc}")
+    checked_integer("nproc", nproc, 1)
     store = dist.TCPStore(
         LOCALHOST,
         0,

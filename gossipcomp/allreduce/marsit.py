@@ -38,6 +38,7 @@ from gossipcomp.allreduce.agreement import check_model_sync
 from gossipcomp.allreduce.comm import Communicator
 from gossipcomp.compress import CompressionContext, bitpack
 from gossipcomp.compress.flat import FlatLayout
+from gossipcomp.inputs.numbers import checked_number
 
 
 def chunk_bounds(plane_bytes: int, world: int) -> list[tuple[int, int]]:
@@ -95,8 +96,7 @@ class MarsitSync:
         seed: int = 0,
         momentum: float = 0.0,
     ) -> None:
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"marsit momentum: expected a number in [0, 1), got {momentum!r}")
+        checked_number("marsit momentum", momentum, 0.0, 1.0, closed_high=False)
         check_model_sync(communicator, "MarsitSync", model, seed=seed, momentum=momentum)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.layout = FlatLayout.of(self.params)

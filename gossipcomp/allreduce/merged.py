@@ -30,6 +30,7 @@ from gossipcomp.allreduce.hooks import CompressedState
 from gossipcomp.compress import ErrorFeedback, parse_spec
 from gossipcomp.compress.codec import Codec
 from gossipcomp.compress.flat import FlatLayout
+from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.schedule import (
     CompressorCost,
     CostModel,
@@ -170,6 +171,7 @@ class MergedSync:
         }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
+        round_ = checked_integer("merged sync round", state["round"], 0)  # before anything loads
         for key in ("memory", "velocity"):
             saved = state.get(key, {})
             if not isinstance(saved, Mapping):
@@ -182,9 +184,6 @@ class MergedSync:
                 )
             for spec, values in saved.items():
                 getattr(self._states[spec], key).load_state_dict(values)
-        round_ = state["round"]
-        if not isinstance(round_, int) or round_ < 0:
-            raise ValueError(f"merged sync round: expected an integer >= 0, got {round_!r}")
         self.round = round_
 
     def close(self) -> None:
@@ -215,8 +214,7 @@ def measure_backward(
     of a whole `run_backward`, each the median of `repeats` passes after one untimed warm-up:
     the first pass of a model pays for allocations and autograd's set-up, which a planner must
     not take for its compute."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= 1000:
-        raise ValueError(f"measure_backward: repeats is {repeats!r}; expected an int in [1, 1000]")
+    checked_integer("measure_backward: repeats", repeats, 1, 1000)
     stamped_backward(model, run_backward)
     passes = [stamped_backward(model, run_backward) for _ in range(repeats)]
     stamps = [statistics.median(column) for column in zip(*(p[0] for p in passes), strict=True)]
