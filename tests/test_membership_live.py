@@ -162,6 +162,54 @@ def test_a_dead_peer_is_removed_comes_back_and_a_fifth_rank_joins():
         server.stop()
 
 
+def test_a_member_restarted_before_its_removal_and_joining_is_admitted_again():
+    """Rank 3 stops and comes back at once from its checkpoint, joining (it cannot know whether
+    it was removed), long before the member timeout: the coordinator still counts it a member,
+    so no change of members would ever come; its reports say it waits, and a new schedule with
+    the same members admits it again. (Before, it waited outside the network for good.)"""
+    topology = build_topology("ring", n=4, members=[0, 1, 2, 3])
+    models = mlp_models(5, hidden=8)
+    coordinator = Coordinator(
+        topology, planner="per-tensor", report_every=REPORT_EVERY, member_timeout=600.0
+    )
+    server = CoordinatorServer(coordinator, "127.0.0.1:0")
+    peers = [_peer(topology, r, models[r]) for r in range(4)]
+    addresses = {p.rank: p.address for p in peers}
+    threads = [threading.Thread(target=p.start, args=(20, addresses)) for p in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    running = {r: Running(peers[r], server.address) for r in range(4)}
+    try:
+        _wait(lambda: min(r.peer.round for r in running.values()) >= 10, 60, "10 rounds")
+        stopped = running.pop(3)
+        stopped.stop()
+        saved = stopped.peer.state_dict()
+        epochs = len(coordinator.published)
+        back = _peer(topology, 3, models[4], addresses[3], joining=True)
+        back.load_state_dict(saved)
+        back.start(20, addresses)
+        assert not back.member and back.awaiting_admission
+        running[3] = Running(back, server.address)
+        _wait(lambda: back.member and back.round > saved["round"], 60, "rank 3 admitted again")
+        assert coordinator.members == (0, 1, 2, 3)  # never removed: the same members...
+        assert len(coordinator.published) == epochs + 1  # ...under one new epoch
+        assert not back.awaiting_admission
+        heard = dict(back.stats.bytes_received)
+        _wait(
+            lambda: all(back.stats.bytes_received.get(j, 0) > heard.get(j, 0) for j in (0, 2)),
+            60,
+            "rank 3 gossiping with its ring neighbours 0 and 2",
+        )
+        for r in running.values():
+            assert r.error is None
+    finally:
+        for r in list(running.values()):
+            r.stop()
+        server.stop()
+
+
 def _report(topology, sender: int, round: int = 3, **fields) -> cpb.PeerReport:
     return cpb.PeerReport(
         protocol_version=PROTOCOL_VERSION,
@@ -210,6 +258,37 @@ def test_a_report_speaks_only_for_its_sender_and_strangers_are_refused():
         assert coordinator.members == ((0, 1, 2, 3), (0, 1, 2))[step]
     assert coordinator.published[-1].members == (0, 1, 2)
     assert coordinator.published[-1].effective_round > 20  # ahead of the furthest round
+
+
+def test_a_member_saying_it_waits_is_admitted_again_once_and_only_holding_the_newest():
+    """A member's `joining` report gets it a new schedule with the same members only when it
+    holds the newest epoch (else the reply already brings it one naming it); repeating the
+    word adds no epoch within the change interval, and one report speaks only for its sender."""
+    topology = build_topology("ring", n=4, members=[0, 1, 2, 3])
+    clock = Clock()
+    liveness = MemberLiveness((0, 1, 2, 3), 30.0, min_interval=10.0, clock=clock)
+    coordinator = Coordinator(topology, planner="per-tensor", liveness=liveness)
+    for sender in range(4):
+        coordinator.receive(_report(topology, sender, 3))
+    before = len(coordinator.published)
+    held = coordinator.published[-1].epoch  # the planner's first schedule
+    # member 1 restarted and waits, holding the newest: admitted again by a new epoch
+    coordinator.receive(_report(topology, 1, 3, schedule_epoch=held, joining=True))
+    assert len(coordinator.published) == before + 1
+    again = coordinator.published[-1]
+    assert again.members == (0, 1, 2, 3) and coordinator.members == (0, 1, 2, 3)
+    # 1 asks again before it holds the new schedule: the reply carries it, no other epoch
+    asked = _report(topology, 1, 3, schedule_epoch=held, joining=True)
+    assert coordinator.receive(asked) == again
+    clock.now = 5.0  # and holding it, within the change interval: none either
+    for sender in (0, 2, 3):
+        coordinator.receive(
+            _report(topology, sender, again.effective_round, schedule_epoch=again.epoch)
+        )
+    coordinator.receive(
+        _report(topology, 1, again.effective_round, schedule_epoch=again.epoch, joining=True)
+    )
+    assert len(coordinator.published) == before + 1
 
 
 def test_a_flood_of_joining_ranks_is_admitted_a_few_at_a_time():

@@ -158,6 +158,7 @@ class CoordinatorClient:
             ],
             exchanges_per_round=0 if levels is None else levels.exchanges_per_round,
             critical=self.phase.critical,
+            joining=peer.awaiting_admission,
         )
 
     def close(self) -> None:

@@ -10,6 +10,11 @@ pass the door: a rank of the capacity, the network's protocol, topology and mode
 network at a bounded pace, and every change is a schedule epoch the peers apply at its
 effective round (planning.py publishes it).
 
+A member that restarted before it was removed and joins (it cannot know whether it was
+removed) is a member only by a schedule newer than the one it holds; when it holds the newest
+and says it waits, it is admitted again: the same members under a new epoch, paced like any
+change, so a member repeating that costs at most one epoch per change interval.
+
 The coordinator keeps no membership state across a restart: it starts from the topology's
 initial members, removes those it does not hear from within `timeout`, and admits the others
 as they report.
@@ -51,11 +56,17 @@ class MemberLiveness:
         self._clock = clock
         self._started = clock()
         self._heard: dict[int, float] = {}  # rank -> when its last accepted report came
+        self._rejoining: set[int] = set()  # ranks waiting for a schedule naming them again
         self._changed_at: float | None = None
 
-    def heard(self, rank: int) -> None:
-        """An accepted report from `rank` (checked: a rank of the capacity) just came."""
+    def heard(self, rank: int, rejoining: bool = False) -> None:
+        """An accepted report from `rank` (checked: a rank of the capacity) just came;
+        `rejoining`: it holds the newest schedule and still waits to be admitted."""
         self._heard[rank] = self._clock()
+        if rejoining:
+            self._rejoining.add(rank)
+        else:
+            self._rejoining.discard(rank)
 
     def silent(self, members: tuple[int, ...]) -> list[int]:
         """The members not heard within the timeout (counted from the coordinator's start for
@@ -64,10 +75,10 @@ class MemberLiveness:
         return [r for r in members if now - self._heard.get(r, self._started) > self.timeout]
 
     def decide(self, members: tuple[int, ...]) -> tuple[int, ...] | None:
-        """The members from now on, or None when they stay `members`: silent ones out, ranks
+        """The members from now on, or None when no change is due: silent ones out, ranks
         heard within the timeout that are not members in (at most `admit_per_change`, lowest
-        first). Never empties the network (the last members stay while nobody else is
-        heard)."""
+        first), and the same members again when a member waits to be admitted again. Never
+        empties the network (the last members stay while nobody else is heard)."""
         now = self._clock()
         if self._changed_at is not None and now - self._changed_at < self.min_interval:
             return None
@@ -80,7 +91,8 @@ class MemberLiveness:
         if not kept and not admitted:
             return None
         new = tuple(sorted({*kept, *admitted}))
-        if new == members:
+        if new == members and not self._rejoining.intersection(kept):
             return None
+        self._rejoining.clear()  # the new schedule names them; a report holding it says so
         self._changed_at = now
         return new

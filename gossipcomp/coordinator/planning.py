@@ -141,7 +141,9 @@ class Coordinator:
         self._lead = 0
         self._rounds = RoundClaims(
             # time allows a peer at most the fastest round peers assume before measuring one
-            DEFAULT_ROUND_SECONDS, margin=4 * report_every, quorum=lambda _: quorum_of(topology.n)
+            DEFAULT_ROUND_SECONDS,
+            margin=4 * report_every,
+            quorum=lambda _: quorum_of(topology.n),
         )
         self._republished_at: int | None = None  # lead round of the last republication
         self._planned_at: int | None = None  # lead round of this coordinator's last plan
@@ -188,7 +190,9 @@ class Coordinator:
             report = replace(report, round=believed.round)
             self._members[report.rank] = report
             if self._liveness is not None:
-                self._liveness.heard(report.rank)
+                newest = self.published[-1].epoch if self.published else 0
+                rejoining = report.joining and report.epoch >= newest  # else the reply admits
+                self._liveness.heard(report.rank, rejoining)
             self._highest_epoch = max(self._highest_epoch, self._believed_epoch())
             agreed = self._rounds.agreed()
             if agreed is not None:  # the furthest round, at most a margin past two peers' word
@@ -246,7 +250,7 @@ class Coordinator:
             list(current),
             list(members),
             sorted(set(current) - set(members)),
-            sorted(set(members) - set(current)),
+            sorted(set(members) - set(current)) or ("again" if members == current else []),
         )
         newest = self.published[-1] if self.published else None
         groups, planner = (newest.groups, newest.planner) if newest else ((), self.planner)

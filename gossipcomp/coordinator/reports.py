@@ -62,6 +62,7 @@ class MemberReport:
     sends: dict[int, tuple[tuple[int, float], ...]]
     levels: LevelCosts | None  # the algorithm's ladder, None without per-link levels
     critical: bool = False  # in a critical learning phase (schedule/critical.py)
+    joining: bool = False  # waits to be admitted by a schedule newer than `epoch`
 
 
 def _level_costs(request: cpb.PeerReport) -> LevelCosts | None:
@@ -213,4 +214,5 @@ def check_report(topology: Topology, request: cpb.PeerReport) -> MemberReport:
         sends=sends,
         levels=levels,
         critical=request.critical,
+        joining=request.joining,
     )

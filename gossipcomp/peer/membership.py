@@ -80,6 +80,11 @@ class PeerMembership:
         """Whether the newest schedule this peer holds names it (always, on a fixed topology)."""
         return not self.live or self.rank in self._named(in_force=False)
 
+    def awaiting_admission(self) -> bool:
+        """Whether this peer joins and holds no schedule naming it yet: it asks the coordinator
+        (its reports say so) for one, which a member restarted before its removal needs too."""
+        return self.joining and not self.will_be_member()
+
     def admission(self) -> Schedule | None:
         """The first staged schedule that names this peer while it is not a member in force
         (None: it is one, or holds none that names it)."""

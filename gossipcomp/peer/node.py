@@ -255,6 +255,12 @@ class Peer:
         return self._membership.member()
 
     @property
+    def awaiting_admission(self) -> bool:
+        """Whether this peer joins and holds no schedule naming it yet (its reports ask the
+        coordinator for one)."""
+        return self._membership.awaiting_admission()
+
+    @property
     def max_move(self) -> float | None:
         """How far a gossip round may move the model, in (||x|| + 1) (None: no bound)."""
         return self._guard.max_move
