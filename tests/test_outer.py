@@ -365,13 +365,24 @@ def test_hostile_outer_specs_are_refused_naming_what_is_wrong(spec, wrong):
         ("scaffold", "unknown drift correction"),
         ("tracking:rate=0", r"\(0, 1\]"),
         ("tracking:rate=2", r"\(0, 1\]"),
-        ("tracking:speed=1", "expected rate=R"),
+        ("tracking:speed=1", "expected key=value with key in rate, got 'speed=1'"),
+        ("tracking:rate=0.5,rate=0.6", "tracking: rate given twice"),
+        ("tracking:rate=0.5,rate=0.5", "tracking: rate given twice"),
+        ("tracking:rate=fast", "rate expected a number"),
+        ("none:rate=1", "drift correction none takes no options, got 'rate=1'"),
+        ("none:" + "x" * 90, r"takes no options, got 'x+\.\.\."),
+        ("tracking:rate=(0.5", r"'\(' is never closed"),
         ("tracking:rate=" + "9" * 5000, "at most 100"),
     ],
 )
 def test_hostile_drift_specs_are_refused(spec, wrong):
-    with pytest.raises(ValueError, match=wrong):
+    """A key given twice is refused as --outer refuses it (one parser of options for both),
+    not the last one quietly kept; 'none' with options names what is wrong with it."""
+    with pytest.raises(ValueError, match=wrong) as caught:
         parse_drift(spec)
+    assert len(str(caught.value)) < 400
+    if spec.startswith("none:"):
+        assert "unknown" not in str(caught.value)
 
 
 def _phases(trained) -> LocalPhases:

@@ -6,6 +6,7 @@ million-entry shape would make the error itself the attack.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 QUOTE_LIMIT = 80  # characters of a quoted value kept in an error message
@@ -43,3 +44,20 @@ def split_top_level(text: str, label: str) -> list[str]:
         raise ValueError(f"{label}: a '(' is never closed")
     items.append(text[start:])
     return [item.strip() for item in items if item.strip()]
+
+
+def spec_options(text: str, label: str, keys: Collection[str]) -> dict[str, str]:
+    """The "key=value,..." part of a spec as {key: raw value}, items split by `split_top_level`:
+    every key one of `keys` and given once (a repeated key is refused, never the last one kept);
+    ValueError, beginning with `label`, naming the item that is not."""
+    values: dict[str, str] = {}
+    for item in split_top_level(text, label):
+        key, equals, raw = (piece.strip() for piece in item.partition("="))
+        if not equals or key not in keys:
+            raise ValueError(
+                f"{label}: expected key=value with key in {', '.join(keys)}, got {quoted(item)}"
+            )
+        if key in values:
+            raise ValueError(f"{label}: {key} given twice")
+        values[key] = raw
+    return values

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from gossipcomp.inputs.numbers import checked_number
-from gossipcomp.inputs.text import quoted
+from gossipcomp.inputs.text import quoted, spec_options
 from gossipcomp.outer.optimizers import checked_finite, spec_of
 
 DRIFT_CORRECTIONS = ("none", "tracking")
@@ -118,22 +118,25 @@ def parse_drift(spec: str) -> DriftTracker | None:
             f"{MAX_DRIFT_SPEC_CHARS} characters), got {quoted(spec)}"
         )
     name, _, arguments = spec.strip().partition(":")
-    if name.strip() == "none" and not arguments.strip():
-        return None
-    if name.strip() != "tracking":
+    name = name.strip()
+    if name not in DRIFT_CORRECTIONS:
         raise ValueError(
             f"unknown drift correction {quoted(name)}; known: {', '.join(DRIFT_CORRECTIONS)}"
         )
+    if name == "none":
+        if arguments.strip():
+            raise ValueError(
+                f"drift correction none takes no options, got {quoted(arguments.strip())}"
+            )
+        return None
+    options = spec_options(arguments, "drift correction tracking", ("rate",))
     rate = None
-    for item in filter(None, (part.strip() for part in arguments.split(","))):
-        key, equals, raw = (piece.strip() for piece in item.partition("="))
-        if key != "rate" or not equals:
-            raise ValueError(f"drift correction tracking: expected rate=R, got {quoted(item)}")
+    if "rate" in options:
         try:
-            rate = float(raw)
+            rate = float(options["rate"])
         except ValueError:
             raise ValueError(
-                f"drift correction tracking: rate expected a number, got {quoted(raw)}"
+                f"drift correction tracking: rate expected a number, got {quoted(options['rate'])}"
             ) from None
     return DriftTracker(rate)
 

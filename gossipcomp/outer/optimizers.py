@@ -26,7 +26,7 @@ import torch
 
 from gossipcomp.gossip.state import checked_tensors
 from gossipcomp.inputs.numbers import checked_number
-from gossipcomp.inputs.text import quoted
+from gossipcomp.inputs.text import quoted, spec_options
 from gossipcomp.transport.codec import all_finite
 
 MAX_OUTER_SPEC_CHARS = 200
@@ -110,17 +110,7 @@ def parse_outer(spec: str) -> OuterSGD:
             f"unknown outer optimizer {quoted(name)}; known: {', '.join(OUTER_OPTIMIZERS)}"
         )
     values = dict(OuterSGD.DEFAULTS[name])
-    given: set[str] = set()
-    for item in filter(None, (part.strip() for part in arguments.split(","))):
-        key, equals, raw = (piece.strip() for piece in item.partition("="))
-        if not equals or key not in values:
-            raise ValueError(
-                f"outer optimizer {name}: expected key=value with key in "
-                f"{', '.join(values)}, got {quoted(item)}"
-            )
-        if key in given:
-            raise ValueError(f"outer optimizer {name}: {key} given twice")
-        given.add(key)
+    for key, raw in spec_options(arguments, f"outer optimizer {name}", values).items():
         try:
             values[key] = float(raw)
         except ValueError:
