@@ -11,6 +11,11 @@ described by a URL (`--rendezvous`):
   (the topology's n when unset).
 - ``slurm://HOST:PORT`` or ``slurm://``: rank SLURM_PROCID, SLURM_NTASKS ranks; the store at
   HOST:PORT, or at MASTER_ADDR:MASTER_PORT when the URL names none, hosted by rank 0.
+- ``coordinator://HOST:PORT``: the store a coordinator hosts (`gossipcomp coordinator
+  --registry HOST:PORT`: `Registry` here); rank RANK, WORLD_SIZE ranks (the topology's n when
+  unset), as with tcp://. Every peer is a client of the store and no rank hosts it, so the
+  addresses outlive any peer, rank 0 included: a rank that joins later finds the store, and every
+  address in it, however many of the launch's processes have died.
 
 A value given on the command line (--rank, the URL's endpoint) wins over the environment. Every
 value read from the environment or the store is hostile until checked: integers are
@@ -22,9 +27,9 @@ the launch's world size may be smaller than n, and at start a peer waits only fo
 members' addresses (a joiner, or a rank that is not an initial member, waits for nobody). Every
 other rank's address is read from the store when it is needed (`StoreAddresses`: the transport
 asks before probing a neighbour), so a rank that joins later, from outside the launch, announces
-itself in the same store (`tcp://` at the launch's store, its own --rank) and the members find
-it once they admit it. Until then such a rank stands at an address in the reserved `.invalid`
-domain, which never resolves. A joiner replaces its rank's earlier announcement (a peer that
+itself in the same store (`tcp://` at the launch's store, or the launch's `coordinator://`, its
+own --rank) and the members find it once they admit it. Until then such a rank stands at an
+address in the reserved `.invalid` domain, which never resolves. A joiner replaces its rank's earlier announcement (a peer that
 comes back may listen at another port); a peer starting fresh may not.
 """
 
@@ -48,7 +53,12 @@ from gossipcomp.inputs.text import quoted
 from gossipcomp.topology import Topology
 from gossipcomp.topology.checks import MAX_PEERS, _check_address
 
-SCHEMES = ("env", "tcp", "slurm")
+SCHEMES = ("env", "tcp", "slurm", "coordinator")
+_EXPECTED_URL = (
+    "expected env:// (torchrun), tcp://HOST:PORT, slurm[://HOST:PORT] or coordinator://HOST:PORT"
+)
+_ENDPOINT_ONLY = ("tcp", "coordinator")  # schemes whose URL must name the store
+_STORE_TIMEOUT = timedelta(seconds=30)  # a hosted store's default for its own operations
 MAX_ADDRESS_BYTES = 262  # "[" + a 253-character host + "]:" + five port digits, with room
 MAX_ENV_DIGITS = 9  # RANK, WORLD_SIZE and ports are small integers: longer is a mistake
 _KEY = "gossipcomp/peer/{rank}/address"
@@ -99,8 +109,8 @@ def _endpoint(url: str, scheme: str, netloc: str, environ: Mapping[str, str]) ->
         checked = _check_address(netloc, "the store's", f"--rendezvous {quoted(url)}")
         host, _, port = checked.rpartition(":")
         return host.strip("[]"), int(port)
-    if scheme == "tcp":
-        raise ValueError(f"--rendezvous {quoted(url)}: expected tcp://HOST:PORT, the store")
+    if scheme in _ENDPOINT_ONLY:
+        raise ValueError(f"--rendezvous {quoted(url)}: expected {scheme}://HOST:PORT, the store")
     host, port = environ.get("MASTER_ADDR"), _env_int(environ, "MASTER_PORT", 1, 65535)
     if not host or port is None:
         raise ValueError(
@@ -118,14 +128,11 @@ def parse_launch(
     the environment, RANK or SLURM_PROCID by scheme); ValueError naming what is wrong. `live`:
     n is a live topology's capacity, and the launch may start fewer ranks."""
     if not isinstance(url, str) or len(url) > MAX_ADDRESS_BYTES + 16:
-        raise ValueError(f"--rendezvous {quoted(url)}: expected env://, tcp://HOST:PORT or slurm")
+        raise ValueError(f"--rendezvous {quoted(url)}: {_EXPECTED_URL}")
     parts = urlsplit(url if "://" in url else f"{url}://")
     scheme = parts.scheme
     if scheme not in SCHEMES or parts.path or parts.query or parts.fragment:
-        raise ValueError(
-            f"--rendezvous {quoted(url)}: expected env:// (torchrun), tcp://HOST:PORT or "
-            "slurm[://HOST:PORT]"
-        )
+        raise ValueError(f"--rendezvous {quoted(url)}: {_EXPECTED_URL}")
     if scheme == "env" and parts.netloc:
         raise ValueError(
             f"--rendezvous {quoted(url)}: env:// takes the store from MASTER_ADDR/MASTER_PORT; "
@@ -136,7 +143,7 @@ def parse_launch(
         ("SLURM_PROCID", "SLURM_NTASKS") if scheme == "slurm" else ("RANK", "WORLD_SIZE")
     )
     world = _env_int(environ, world_var, 1, MAX_PEERS)
-    if world is None and scheme != "tcp":
+    if world is None and scheme not in _ENDPOINT_ONLY:
         raise ValueError(
             f"--rendezvous {scheme}: {world_var} is not set; expected the launch's size"
         )
@@ -161,8 +168,12 @@ def parse_launch(
 
 
 def open_store(launch: Launch, timeout: float) -> dist.Store:
-    """Torch's store for `launch` (rank 0 hosts it, unless torchrun's agent does), waiting at
-    most `timeout` seconds for it and for every rank to reach it."""
+    """Torch's store for `launch` (rank 0 hosts it, unless torchrun's agent or, with
+    coordinator://, the coordinator does), waiting at most `timeout` seconds for it and (but
+    with coordinator://, where a peer waits only for the addresses it needs) for every rank to
+    reach it."""
+    if launch.scheme == "coordinator":
+        return _registry_client(launch, timeout)
     url = "env://" if launch.scheme == "env" else f"tcp://{launch.endpoint}"
     try:
         store, _, _ = next(
@@ -175,6 +186,68 @@ def open_store(launch: Launch, timeout: float) -> dist.Store:
             "expected every rank started with the same --rendezvous"
         ) from None
     return store
+
+
+def _registry_client(launch: Launch, timeout: float) -> dist.Store:
+    """A client of the store a coordinator hosts (`Registry`), connected within `timeout`."""
+    try:
+        return dist.TCPStore(
+            launch.host, launch.port, None, False, timedelta(seconds=max(timeout, 0.001))
+        )
+    except (RuntimeError, ValueError) as error:  # torch's DistNetworkError: nobody there
+        raise RendezvousError(
+            f"rank {launch.rank}: the coordinator's registry at {launch.endpoint} not reached "
+            f"within {timeout:g} s ({quoted(str(error), 200)}); expected a coordinator started "
+            f"with --registry {launch.endpoint}"
+        ) from None
+
+
+def registry_endpoint(address: str) -> tuple[str, int]:
+    """The host and port of a coordinator's --registry HOST:PORT (port 0: any free one);
+    ValueError naming the value otherwise."""
+    expected = 'expected HOST:PORT with port 0..65535 (0: any free one; IPv6 as "[::1]:PORT")'
+    if not isinstance(address, str) or len(address) > MAX_ADDRESS_BYTES:
+        raise ValueError(f"--registry {quoted(address)}: {expected}")
+    host, sep, port = address.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    name = host[1:-1] if bracketed else host  # an IPv6 address only in brackets
+    name_ok = name.isascii() and (bracketed or ":" not in name) and "[" not in name
+    host_ok = bool(name) and name_ok and "]" not in name and not any(c.isspace() for c in name)
+    port_ok = port.isascii() and port.isdigit() and len(port) <= 5 and int(port) <= 65535
+    if not sep or not host_ok or not port_ok:
+        raise ValueError(f"--registry {quoted(address)}: {expected}")
+    return name, int(port)
+
+
+class Registry:
+    """The peers' addresses in a store a coordinator hosts for as long as it runs, or until
+    close(): torch's TCPStore, the one engine every scheme uses, with no rank hosting it, so
+    the addresses outlive every peer. `url` is what peers pass as --rendezvous. Torch's store
+    listens on every interface at the port, whatever the host; HOST is the name peers reach it
+    at. Nothing in it is trusted: peers check every address read, as with any scheme."""
+
+    def __init__(self, address: str) -> None:
+        host, port = registry_endpoint(address)
+        try:
+            store = dist.TCPStore(host, port, None, True, _STORE_TIMEOUT, wait_for_workers=False)
+        except (RuntimeError, ValueError) as error:  # torch's DistNetworkError: port taken
+            raise RendezvousError(
+                f"--registry {quoted(address)}: cannot host the store there "
+                f"({quoted(str(error), 200)}); expected a free port"
+            ) from None
+        self._store: dist.TCPStore | None = store
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"coordinator://{shown}:{store.port}"
+
+    def close(self) -> None:
+        """Stop serving: torch shuts its store's server down with the last reference to it."""
+        self._store = None
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _decoded(raw: bytes, rank: int, source: str) -> str:

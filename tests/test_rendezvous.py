@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -24,11 +26,15 @@ import torch.distributed as dist
 from helpers import benchmark
 
 from gossipcomp.cli import main
+from gossipcomp.inputs.text import quoted
 from gossipcomp.rendezvous import (
     Launch,
+    Registry,
     RendezvousError,
     exchange_addresses,
+    open_store,
     parse_launch,
+    registry_endpoint,
     rendezvous_topology,
     reserved_port,
 )
@@ -150,6 +156,8 @@ SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "MASTER_ADDR": "node1", "MAST
         ("tcp://[::1]:7", 0, {}, Launch("tcp", "::1", 7, 0, 4)),  # world: the topology's n
         ("slurm", None, SLURM, Launch("slurm", "node1", 29400, 3, 4)),
         ("slurm://s:9", None, {**SLURM, "RANK": "0"}, Launch("slurm", "s", 9, 3, 4)),
+        ("coordinator://h:7", None, ENV, Launch("coordinator", "h", 7, 2, 4)),  # RANK, WORLD_SIZE
+        ("coordinator://[::1]:7", 3, {}, Launch("coordinator", "::1", 7, 3, 4)),  # world: n
     ],
 )
 def test_a_launch_takes_flags_over_the_environment(
@@ -174,7 +182,19 @@ def test_a_launch_takes_flags_over_the_environment(
         ("env://h:1", None, ENV, "env:// takes the store from MASTER_ADDR"),
         ("tcp://", 0, {}, "expected tcp://HOST:PORT"),
         ("tcp://h:0", 0, {}, "is not host:port"),
-        ("udp://h:1", 0, {}, "expected env:// (torchrun), tcp://HOST:PORT or slurm"),
+        ("udp://h:1", 0, {}, "expected env:// (torchrun), tcp://HOST:PORT, slurm"),
+        ("coordinator://", 0, {}, "'coordinator://': expected coordinator://HOST:PORT, the store"),
+        ("coordinator", 0, {}, "'coordinator': expected coordinator://HOST:PORT, the store"),
+        ("coordinator://h", 0, {}, "the store's address 'h' is not host:port"),
+        ("coordinator://h:0", 0, {}, "the store's address 'h:0' is not host:port"),
+        ("coordinator://h:99999", 0, {}, "the store's address 'h:99999' is not host:port"),
+        ("coordinator://h:1/x", 0, {}, "'coordinator://h:1/x': expected env:// (torchrun)"),
+        ("coordinator://h:1?a=b", 0, {}, "'coordinator://h:1?a=b': expected env:// (torchrun)"),
+        ("coordinator://h:1", None, {}, "no --rank given and RANK not set"),
+        ("coordinator://h:1", None, {"RANK": "x1"}, "RANK='x1' (environment): expected"),
+        ("coordinator://h:1", 0, {"WORLD_SIZE": "5"}, "WORLD_SIZE=5 (environment): the topology"),
+        ("coordinator://h:1", 9, {}, "rank 9: the topology has ranks 0 to 3"),
+        ("coordinator://" + "h" * 10_000 + ":1", 0, {}, "characters)"),
         ("slurm", None, {"SLURM_PROCID": "0", **ENV}, "SLURM_NTASKS is not set"),
         ("tcp://h:1", 4, {}, "rank 4: the topology has ranks 0 to 3"),
         ("x" * 10_000, 0, {}, "characters)"),
@@ -312,3 +332,205 @@ def test_four_peer_processes_started_by_torchrun_write_their_own_reports(tmp_pat
         (mine,) = report["per_peer"]
         assert mine["rank"] == rank and report["rounds"] == 4
         assert mine["failed_exchanges"] == 0 and mine["bytes_received"] > 0
+
+
+def _connects(port: int) -> bool:
+    """Whether a store client reaches a store at 127.0.0.1:`port` within a second or two."""
+    try:
+        client = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=1))
+    except RuntimeError:  # torch's DistNetworkError: nobody serves there
+        return False
+    client.set("probe", "1")
+    return client.get("probe") == b"1"
+
+
+def test_the_coordinator_s_registry_serves_until_it_is_closed() -> None:
+    """The coordinator's side (`Registry`): a store on a free port (port 0), its URL naming the
+    port it got, readable by any client, and gone once closed; a taken port is refused."""
+    registry = Registry("127.0.0.1:0")
+    launch = parse_launch(registry.url, 0, 4, {})
+    assert launch.scheme == "coordinator" and launch.host == "127.0.0.1" and launch.port > 0
+    try:
+        assert _connects(launch.port)
+        with pytest.raises(RendezvousError, match="--registry '127.0.0.1:.*cannot host the"):
+            Registry(f"127.0.0.1:{launch.port}")
+    finally:
+        registry.close()
+    assert not _connects(launch.port)
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["h", "h:", ":1", "h:-1", "h:65536", "h:123456", "h:\u00b2", "::1:5", "[]:5", "h h:1",
+     "h\u00e9:1", "[::1]x:5", "h" * 10_000 + ":1", 5],
+)  # fmt: skip
+def test_hostile_registry_addresses_are_refused_naming_the_value(address: object) -> None:
+    with pytest.raises(ValueError) as caught:
+        registry_endpoint(address)  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert message.startswith(f"--registry {quoted(address)}: expected HOST:PORT")
+    assert len(message) < 400
+
+
+def test_a_peer_without_the_coordinator_s_registry_says_so() -> None:
+    (port,) = benchmark("faults").free_ports(1)  # nobody hosts a store there
+    launch = parse_launch(f"coordinator://127.0.0.1:{port}", 1, 4, {})
+    with pytest.raises(RendezvousError) as caught:
+        open_store(launch, 1.0)
+    assert f"rank 1: the coordinator's registry at 127.0.0.1:{port} not reached within 1 s" in (
+        str(caught.value)
+    )
+    assert f"expected a coordinator started with --registry 127.0.0.1:{port}" in str(caught.value)
+
+
+def test_peers_rendezvous_through_the_coordinator_s_registry_and_handshake_over_grpc() -> None:
+    """The coordinator's side hosts the store in this thread; four ranks in threads, every one
+    a client of it (coordinator://), build the same topology and their gRPC servers, bound at
+    the announced ports, accept each other's handshakes."""
+    base = topology_from_dict(RING4)
+    all_connected = threading.Barrier(4, timeout=120.0)  # every server up until all are done
+
+    def peer(rank: int) -> tuple[Topology, str, dict[int, Any]]:
+        launch = parse_launch(registry.url, rank, 4, {})
+        with rendezvous_topology(base, launch, "127.0.0.1:0", None, 60.0) as rendezvoused:
+            topology, bound, late = rendezvoused
+            assert late is None  # a fixed topology: every address known at start
+            identity = Identity(rank, topology.hash, "model")
+            transport = GrpcTransport(identity, topology.neighbors(rank), bind=bound)
+            try:
+                neighbours = {j: topology.addresses[j] for j in topology.neighbors(rank)}
+                answers = transport.connect(neighbours, timeout=60.0)
+                all_connected.wait()
+            except BaseException:
+                all_connected.abort()
+                raise
+            finally:
+                transport.close()
+        return topology, bound, answers
+
+    with Registry("127.0.0.1:0") as registry:
+        got = _in_threads(4, peer)
+        held = [_client_at(registry.url).get(f"gossipcomp/peer/{r}/address") for r in range(4)]
+    for result in got:
+        assert not isinstance(result, Exception), result
+    topologies = [topology for topology, _, _ in got]
+    assert len({t.hash for t in topologies}) == 1
+    assert topologies[0].addresses == tuple(bound for _, bound, _ in got)
+    assert held == [bound.encode() for _, bound, _ in got]  # the coordinator's store holds them
+    assert all(sorted(answers) == t.neighbors(r) for r, (t, _, answers) in enumerate(got))
+
+
+def _client_at(url: str) -> dist.TCPStore:
+    launch = parse_launch(url, 0, 4, {})
+    return dist.TCPStore(launch.host, launch.port, None, False, timedelta(seconds=30))
+
+
+LIVE5 = {"name": "live5", "kind": "ring", "n": 5, "members": [0, 1, 2, 3]}
+
+
+def test_rank_0_is_not_special_with_the_coordinator_s_registry() -> None:
+    """Members 0-3 of a capacity-5 live ring meet in the coordinator's store; rank 0 closes its
+    transport and leaves (with tcp:// it hosted the store, which went with it). A joiner, rank
+    4, still announces itself there; the members left read its address, and rank 0's old one,
+    from the store, and rank 3 handshakes with the joiner over gRPC at the address it read."""
+    live = topology_from_dict(LIVE5)
+    met = threading.Barrier(4, timeout=120.0)
+    gone, joined, greeted = threading.Event(), threading.Event(), threading.Event()
+
+    def member(rank: int) -> tuple[str | None, str | None, list[int]]:
+        launch = parse_launch(registry.url, rank, 5, {"WORLD_SIZE": "4"}, live=True)
+        with rendezvous_topology(live, launch, "127.0.0.1:0", None, 60.0) as rendezvoused:
+            topology, bound, late = rendezvoused
+            assert late is not None and topology.addresses[4] == "rank4.unresolved.invalid:1"
+            identity = Identity(rank, topology.hash, "model")
+            transport = GrpcTransport(identity, [4], bind=bound, address_source=late)
+            try:
+                met.wait()
+                if rank == 0:
+                    return None, None, []  # its transport and store client close on the way out
+                assert gone.wait(120) and joined.wait(120)
+                found, zero = late(4), late(0)
+                answered = []
+                if rank == 3 and found is not None:  # the joiner's neighbour on the ring
+                    answered = sorted(transport.connect({4: found}, timeout=60.0))
+                return found, zero, answered
+            finally:
+                transport.close()
+                if rank == 0:
+                    gone.set()
+                if rank == 3:
+                    greeted.set()
+
+    with Registry("127.0.0.1:0") as registry, ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(member, r) for r in range(4)]
+        assert gone.wait(120), [f.exception() for f in futures if f.done()]
+        futures[0].result(timeout=60)  # rank 0 left its rendezvous block too
+        joiner = parse_launch(registry.url, 4, 5, {}, live=True)
+        with rendezvous_topology(live, joiner, "127.0.0.1:0", None, 30.0, joining=True) as (
+            topology,
+            bound,
+            _,
+        ):
+            transport = GrpcTransport(Identity(4, topology.hash, "model"), [3], bind=bound)
+            try:
+                joined.set()
+                results = [future.result(timeout=120) for future in futures[1:]]
+                assert greeted.wait(120)
+            finally:
+                transport.close()
+    zero_address = topology.addresses[0]
+    assert zero_address.startswith("127.0.0.1:")  # rank 0 had announced itself
+    for found, zero, _ in results:
+        assert found == bound and zero == zero_address
+    assert results[2][2] == [4]  # rank 3 greeted the joiner
+
+
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [("h:0", ("h", 0)), ("node1.example:29400", ("node1.example", 29400)), ("[::1]:7", ("::1", 7))],
+)
+def test_a_registry_address_may_name_any_free_port(address: str, expected: tuple) -> None:
+    assert registry_endpoint(address) == expected
+
+
+def test_the_coordinator_command_hosts_the_registry_until_it_is_terminated(tmp_path: Path) -> None:
+    """`gossipcomp coordinator --registry` prints the URL peers start with; a store client
+    sets and gets a key there while it runs; SIGTERM stops it cleanly (status 0), and the
+    store with it."""
+    registry_port, address_port = benchmark("faults").free_ports(2)
+    command = [
+        sys.executable, "-m", "gossipcomp", "coordinator", "--topology", "ring4",
+        "--address", f"127.0.0.1:{address_port}", "--registry", f"127.0.0.1:{registry_port}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "500", "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env
+    )
+    try:
+        assert process.stdout is not None
+        seen = ""
+        deadline = time.monotonic() + 240
+        while "registry:" not in seen and process.poll() is None and time.monotonic() < deadline:
+            seen += process.stdout.readline()
+        url = f"coordinator://127.0.0.1:{registry_port}"
+        assert f"registry: peers start with --rendezvous {url}" in seen, seen
+        client = _client_at(url)
+        client.set("gossipcomp/peer/0/address", "127.0.0.1:1234")
+        assert _client_at(url).get("gossipcomp/peer/0/address") == b"127.0.0.1:1234"
+        del client
+        process.send_signal(signal.SIGTERM)
+        rest, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0, seen + rest
+    assert "terminated (SIGTERM); stopped serving" in " ".join(rest.split())
+    assert not _connects(registry_port)
+
+
+def test_the_coordinator_command_refuses_a_bad_registry_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["coordinator", "--topology", "ring4", "--registry", "127.0.0.1:99999"]
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--registry '127.0.0.1:99999': expected HOST:PORT" in lines[0]

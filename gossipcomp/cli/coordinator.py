@@ -17,6 +17,7 @@ from gossipcomp.topology import Topology
 
 if TYPE_CHECKING:  # `peer` takes this module's flags: the coordinator itself loads when run
     from gossipcomp.coordinator import Coordinator
+    from gossipcomp.rendezvous import Registry
 
 
 def add_coordinator_flags(group: argparse._ActionsContainer) -> None:
@@ -96,6 +97,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     coordinator.add_argument(
         "--address", default="127.0.0.1:50099", help="address to listen on (HOST:PORT)"
     )
+    coordinator.add_argument(
+        "--registry",
+        metavar="HOST:PORT",
+        help="also host the peers' address registry (torch's TCPStore, listening on every "
+        "interface at PORT; 0: any free one) while this coordinator runs; peers start with "
+        "--rendezvous coordinator://HOST:PORT (printed) and need no addresses in the file",
+    )
     add_coordinator_flags(coordinator)
     add_tls_flags(coordinator, "coordinator")
 
@@ -132,6 +140,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             "who reaches it pose as a peer; expected --tls-cert/--tls-key/--tls-ca, or --insecure"
         )
     topology = resolve_topology(args.topology)
+    registry = _registry(args.registry) if args.registry is not None else None
     server = CoordinatorServer(make_coordinator(args, topology), args.address, tls)
     # before the address is printed: a script that reads it may kill the coordinator at once
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
@@ -140,13 +149,29 @@ def run(args: argparse.Namespace, console: Console) -> int:
             f"coordinator for {topology.name} ({topology.n} peers) at {server.address}, "
             f"planner {args.planner}; peers join with --coordinator {server.address}"
         )
+        if registry is not None:
+            console.print(
+                f"registry: peers start with --rendezvous {registry.url}",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
         server.wait()
     except _Terminated:
         console.print("coordinator: terminated (SIGTERM); stopped serving")
     finally:
         signal.signal(signal.SIGTERM, previous)
         server.stop()
+        if registry is not None:
+            registry.close()
     return 0
+
+
+def _registry(address: str) -> Registry:
+    """The address registry --registry asks for, hosted from now (torch loads only here)."""
+    from gossipcomp.rendezvous import Registry
+
+    return Registry(address)
 
 
 class _Terminated(Exception):

@@ -50,11 +50,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="URL",
         help="take every peer's address from torch's rendezvous store instead of the topology "
         "file: env:// (torchrun: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), tcp://HOST:PORT "
-        "(rank 0 hosts the store; RANK, WORLD_SIZE) or slurm[://HOST:PORT] (SLURM_PROCID, "
-        "SLURM_NTASKS; store at MASTER_ADDR:MASTER_PORT when not given); --rank and the URL's "
-        "endpoint win over the environment. A live topology's launch may start fewer ranks than "
-        "its capacity; a rank joins later with tcp://STORE (the store its members print), its "
-        "--rank and --join",
+        "(rank 0 hosts the store; RANK, WORLD_SIZE), slurm[://HOST:PORT] (SLURM_PROCID, "
+        "SLURM_NTASKS; store at MASTER_ADDR:MASTER_PORT when not given) or "
+        "coordinator://HOST:PORT (the store a coordinator started with --registry hosts, which "
+        "outlives every peer; RANK, WORLD_SIZE); --rank and the URL's endpoint win over the "
+        "environment. A live topology's launch may start fewer ranks than its capacity; a rank "
+        "joins later with the URL its members print, its --rank and --join",
     )
     peer.add_argument(
         "--advertise",
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         if addresses is not None:  # live: joiners are found in the store as they come
             console.print(
                 f"peer {rank}: rendezvous store at {launch.endpoint}; a rank joins with "
-                f"--rendezvous tcp://{launch.endpoint} --rank RANK --join",
+                f"--rendezvous {_join_scheme(launch)}://{launch.endpoint} --rank RANK --join",
                 highlight=False,
                 soft_wrap=True,
             )
@@ -178,6 +179,12 @@ def _launch(args: argparse.Namespace, topology: Topology) -> Launch:
     return parse_launch(
         args.rendezvous, args.rank, topology.n, os.environ, topology.live is not None
     )
+
+
+def _join_scheme(launch: Launch) -> str:
+    """The scheme a later rank reaches this launch's store with: the coordinator's as it is,
+    any other (torchrun's, SLURM's, rank 0's) as a plain tcp:// store."""
+    return "coordinator" if launch.scheme == "coordinator" else "tcp"
 
 
 def _rendezvous_bind(args: argparse.Namespace, secure: bool) -> str:
