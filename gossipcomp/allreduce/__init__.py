@@ -8,44 +8,25 @@
 - `DiLoCoSync`: phases of local steps ended by compressed, error-fed pseudo-gradients and an
   outer optimizer step (diloco.py; `--sync diloco:...`).
 - `init_from_env` (torchrun) and `spawn` (local processes), with dead ranks named (launch.py).
+
+Each public name is imported from its module on first use (PEP 562): `gossipcomp allreduce
+--help` reads settings.py and flags.py without loading torch.distributed.
 """
 
-from gossipcomp.allreduce.comm import Communicator, Traffic
-from gossipcomp.allreduce.diloco import DiLoCoSpec, DiLoCoSync, parse_diloco
-from gossipcomp.allreduce.hooks import (
-    CompressedState,
-    PowerSGDState,
-    compressed_hook,
-    half_wrapper,
-    powersgd_hook,
-    register,
-)
-from gossipcomp.allreduce.launch import LaunchError, Session, init_from_env, spawn
-from gossipcomp.allreduce.liveness import RankFailure
-from gossipcomp.allreduce.marsit import MarsitSync, marsit_allreduce
-from gossipcomp.allreduce.merged import MergedSync, threshold_groups
-from gossipcomp.allreduce.ssd import SSDSGD
+from gossipcomp import lazy_exports
 
-__all__ = [
-    "SSDSGD",
-    "Communicator",
-    "CompressedState",
-    "DiLoCoSpec",
-    "DiLoCoSync",
-    "LaunchError",
-    "MarsitSync",
-    "MergedSync",
-    "PowerSGDState",
-    "RankFailure",
-    "Session",
-    "Traffic",
-    "compressed_hook",
-    "half_wrapper",
-    "init_from_env",
-    "marsit_allreduce",
-    "parse_diloco",
-    "powersgd_hook",
-    "register",
-    "spawn",
-    "threshold_groups",
-]
+# module -> the public names it defines, each imported from it on first use
+_EXPORTS = {
+    "gossipcomp.allreduce.comm": "Communicator Traffic",
+    "gossipcomp.allreduce.diloco": "DiLoCoSpec DiLoCoSync parse_diloco",
+    "gossipcomp.allreduce.hooks": (
+        "CompressedState PowerSGDState compressed_hook half_wrapper powersgd_hook register"
+    ),
+    "gossipcomp.allreduce.launch": "LaunchError Session init_from_env spawn",
+    "gossipcomp.allreduce.liveness": "RankFailure",
+    "gossipcomp.allreduce.marsit": "MarsitSync marsit_allreduce",
+    "gossipcomp.allreduce.merged": "MergedSync threshold_groups",
+    "gossipcomp.allreduce.ssd": "SSDSGD",
+}
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

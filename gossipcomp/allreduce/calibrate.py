@@ -42,6 +42,7 @@ from gossipcomp.allreduce.merged import (
     stamped_backward,
     tensor_infos,
 )
+from gossipcomp.allreduce.settings import MAX_CALIBRATION_STEPS
 from gossipcomp.compress import parse_spec
 from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.schedule import (
@@ -55,7 +56,7 @@ from gossipcomp.schedule import (
 from gossipcomp.schedule.costs import fit_link_totals
 
 MIN_STEPS = 2  # per probe: one warm-up and at least one timed step
-MAX_STEPS = 100
+MAX_STEPS = MAX_CALIBRATION_STEPS
 PROBES = ("per-tensor", "single")
 
 

@@ -51,6 +51,13 @@ from gossipcomp.allreduce.merged import (
     measure_backward,
     threshold_groups,
 )
+from gossipcomp.allreduce.settings import (
+    DATASETS,
+    MODEL_NAMES,
+    SYNCS,
+    THRESHOLD,
+    AllreduceSettings,
+)
 from gossipcomp.allreduce.ssd import SSDSGD
 from gossipcomp.inputs.text import quoted
 from gossipcomp.schedule import TensorGroup
@@ -66,44 +73,25 @@ from gossipcomp.workload.training import (
     prediction_loss,
 )
 
-SYNCS = ("ddp-hook", "merged", "marsit", "ssd", "diloco")  # diloco takes a spec (diloco.py)
-MODELS: dict[str, Callable[[int], nn.Module]] = {
-    "mlp": build_mlp,
-    "resmlp": build_resmlp,
-    # the same 102 tensors, 256 wide: a backward long against one collective's fixed cost
-    "resmlp-wide": lambda seed: build_resmlp(seed, width=256),
-    # for dataset pysource: windows of 64 characters, 101 character ids (workload/text.py)
-    "chartransformer": lambda seed: build_chartransformer(seed, DEFAULT_CONTEXT, VOCABULARY_SIZE),
-}
-DATASETS = ("digits", "pysource")  # the models above are sized for these
-THRESHOLD = "threshold"
+MODELS: dict[str, Callable[[int], nn.Module]] = dict(
+    zip(
+        MODEL_NAMES,
+        (
+            build_mlp,
+            build_resmlp,
+            lambda seed: build_resmlp(seed, width=256),
+            # windows of 64 characters, 101 character ids (workload/text.py)
+            lambda seed: build_chartransformer(seed, DEFAULT_CONTEXT, VOCABULARY_SIZE),
+        ),
+        strict=True,
+    )
+)
 TIMED_AFTER = 5  # steps left out of the step-time median (start-up, DDP's bucket rebuild)
 
 
 @dataclass(frozen=True)
-class AllreduceConfig:
-    """One all-reduce training run (module docstring for sync)."""
-
-    sync: str = "ddp-hook"  # or a diloco spec
-    compressor: str = "identity"
-    planner: str = "mergecomp"  # merged: a gossipcomp.schedule planner, or "threshold"
-    steps: int = 300
-    lr: float = 0.1
-    momentum: float = 0.9
-    batch_size: int = 32
-    seed: int = 0
-    partition: str = "iid"
-    eval_every: int = 0  # steps between accuracy checkpoints (0: only at the end)
-    timeout_s: float = 30.0  # every collective; a dead rank is named within about this
-    ssd_k: int = 5
-    ssd_warmup: int = 50
-    bucket_cap_mb: float = 25.0  # DDP bucket size
-    model: str = "mlp"  # mlp (digits MLP), resmlp or resmlp-wide (102 parameter tensors)
-    dataset: str = "digits"  # or pysource, for model chartransformer
-    error_feedback: bool = True
-    # merged with a planner: training steps under each probe plan (per-tensor, then single)
-    # timed to price the plan (calibrate.py; they count among `steps`); 0: an idle link fit
-    calibration_steps: int = 4
+class AllreduceConfig(AllreduceSettings):
+    """One all-reduce training run (module docstring for sync): AllreduceSettings, checked."""
 
     def __post_init__(self) -> None:
         if is_diloco(self.sync):

@@ -7,7 +7,7 @@ import argparse
 
 from rich.console import Console
 
-from gossipcomp.allreduce import command
+from gossipcomp.allreduce.flags import add_arguments
 from gossipcomp.inputs.arguments import HelpWithDefaults
 
 
@@ -18,9 +18,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="data-parallel training on torch.distributed with compressed all-reduce",
         formatter_class=HelpWithDefaults,
     )
-    command.add_arguments(allreduce)
+    add_arguments(allreduce)
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """Run it; it writes its own errors, one line each, and returns the exit status."""
+    from gossipcomp.allreduce import command  # torch.distributed: a run, not --help, loads it
+
     return command.run(args)

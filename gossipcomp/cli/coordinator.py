@@ -12,7 +12,7 @@ from rich.console import Console
 from gossipcomp.cli.common import add_tls_flags, planner_spec, resolve_topology, tls_files
 from gossipcomp.coordinator.membership import DEFAULT_MEMBER_TIMEOUT, MAX_MEMBER_TIMEOUT
 from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
-from gossipcomp.schedule import PLANNERS
+from gossipcomp.schedule.catalog import PLANNER_NAMES
 from gossipcomp.topology import Topology
 
 if TYPE_CHECKING:  # `peer` takes this module's flags: the coordinator itself loads when run
@@ -26,7 +26,7 @@ def add_coordinator_flags(group: argparse._ActionsContainer) -> None:
         "--planner",
         type=planner_spec,
         default="mergecomp",
-        help=f"the coordinator's planner: {', '.join(sorted(PLANNERS))}",
+        help=f"the coordinator's planner: {', '.join(sorted(PLANNER_NAMES))}",
     )
     add_report_every(group, "rounds between each peer's reports to the coordinator")
     group.add_argument(

@@ -8,18 +8,20 @@ import argparse
 import os
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from gossipcomp.cli.common import add_tls_flags, tls_files
 from gossipcomp.cli.coordinator import add_report_every, add_round_budget
-from gossipcomp.cli.training import prepare, train_and_finish
 from gossipcomp.cli.training_flags import add_training_flags
-from gossipcomp.experiment.simulation import PeerLevels, run_peer
 from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
 from gossipcomp.inputs.text import quoted
-from gossipcomp.rendezvous import Launch, parse_launch, rendezvous_topology
 from gossipcomp.topology import Topology
+
+if TYPE_CHECKING:  # the training stack and torch.distributed: loaded by a run, not by --help
+    from gossipcomp.experiment.simulation import PeerLevels
+    from gossipcomp.rendezvous import Launch
 
 MAX_STARTUP_TIMEOUT = 86400.0  # seconds: waiting a day for neighbours is a typing mistake
 
@@ -107,6 +109,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     """Every check first, then (with --rendezvous) every peer's address, then this peer's
     training, then its report."""
+    from gossipcomp.cli.training import prepare, train_and_finish
+    from gossipcomp.experiment.simulation import run_peer
+    from gossipcomp.rendezvous import rendezvous_topology
+
     tls = tls_files(args)
     bind = _rendezvous_bind(args, tls is not None) if args.rendezvous is not None else args.bind
     if args.advertise is not None and args.rendezvous is None:
@@ -171,11 +177,15 @@ def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:
             "--adaptive with --coordinator: a coordinator started with --adaptive sets the "
             "levels; expected one of them (--adaptive alone: the peers set levels)"
         )
+    from gossipcomp.experiment.simulation import PeerLevels
+
     return PeerLevels(args.round_budget) if args.adaptive else None
 
 
 def _launch(args: argparse.Namespace, topology: Topology) -> Launch:
     """The launch --rendezvous describes, its values checked against the topology."""
+    from gossipcomp.rendezvous import parse_launch
+
     return parse_launch(
         args.rendezvous, args.rank, topology.n, os.environ, topology.live is not None
     )

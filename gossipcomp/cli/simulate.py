@@ -6,16 +6,18 @@ from __future__ import annotations
 import argparse
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from gossipcomp.cli.coordinator import add_coordinator_flags, make_coordinator
-from gossipcomp.cli.training import prepare, train_and_finish
 from gossipcomp.cli.training_flags import add_training_flags
-from gossipcomp.experiment.simulation import MAX_WORKERS, PeerLevels, usable_cores
 from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
 from gossipcomp.topology import Topology
 from gossipcomp.transport.throttled import MAX_MBIT, LinkRates, RateChange
+
+if TYPE_CHECKING:  # the training stack (torch): loaded by a run, not by --help
+    from gossipcomp.experiment.simulation import PeerLevels
 
 DEFAULT_TOPOLOGY = "ring8"
 # bytes of the smallest round a link carries (an envelope of one rank-1 message of the digits
@@ -95,7 +97,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """Every check first, then every peer's training, then the report."""
-    # the network (the coordinator's service, worker processes): only a run needs it
+    # the training stack and the network (the coordinator's service, worker processes): only
+    # a run needs them
+    from gossipcomp.cli.training import prepare, train_and_finish
     from gossipcomp.experiment.simulation import run_simulation
 
     checked, _ = prepare(args, None, "--rank")
@@ -138,10 +142,14 @@ def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:
             raise ValueError(
                 f"--no-coordinator with {flag}: {flag} works through a coordinator; expected one of them"
             )
+    from gossipcomp.experiment.simulation import PeerLevels
+
     return PeerLevels(args.round_budget)
 
 
 def _workers(text: str) -> str | int:
+    from gossipcomp.experiment.simulation import MAX_WORKERS
+
     return text if text == "auto" else integer("worker processes", 1, MAX_WORKERS)(text)
 
 
@@ -153,6 +161,8 @@ def _worker_count(workers: str | int, peers: int, authenticate: bool) -> int:
         return int(workers)
     if authenticate:
         return 1
+    from gossipcomp.experiment.simulation import MAX_WORKERS, usable_cores
+
     return max(1, min(usable_cores(), peers // 4, MAX_WORKERS))
 
 

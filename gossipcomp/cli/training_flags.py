@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gossipcomp.cli.common import planner_spec
-from gossipcomp.experiment import MAX_LOCAL_STEPS, MAX_LR, MAX_SEED, TrainConfig
-from gossipcomp.gossip import ALGORITHMS, ATTACKS, parse_clip
-from gossipcomp.gossip.specs import MAX_GOSSIP_STEPS, parse_options
+from gossipcomp.experiment.settings import MAX_LOCAL_STEPS, MAX_LR, MAX_SEED, TrainSettings
+from gossipcomp.gossip.catalog import ALGORITHM_NAMES, ATTACK_NAMES, MAX_GOSSIP_STEPS
 from gossipcomp.inputs.arguments import (
     OptimizerFlags,
     Setting,
@@ -24,17 +23,16 @@ from gossipcomp.inputs.arguments import (
     number,
 )
 from gossipcomp.inputs.text import quoted
-from gossipcomp.outer import parse_drift, parse_outer
-from gossipcomp.peer import MAX_ROUND_TIMEOUT
-from gossipcomp.schedule import PLANNERS
-from gossipcomp.workload.data import DATASETS
-from gossipcomp.workload.models import MODELS
+from gossipcomp.peer.deadlines import MAX_ROUND_TIMEOUT
+from gossipcomp.schedule.catalog import PLANNER_NAMES
+from gossipcomp.workload.catalog import DATASET_NAMES, MODEL_NAMES
 
 if TYPE_CHECKING:
+    from gossipcomp.experiment import TrainConfig
     from gossipcomp.experiment.simulation import CheckpointPolicy
 
 
-def _optimizer_flags(d: TrainConfig) -> OptimizerFlags:
+def _optimizer_flags(d: TrainSettings) -> OptimizerFlags:
     return OptimizerFlags(
         lr=Setting(d.lr, MAX_LR, "SGD learning rate"),
         momentum=Setting(d.momentum, 1.0, "SGD momentum (per peer), in [0, 1)"),
@@ -55,16 +53,38 @@ def _consensus_step(text: str) -> float | str:
     return text if text == "auto" else _consensus_number(text)
 
 
-_clip_spec = accepted(parse_clip)
+# The parsers below are argparse types: each imports what it checks with (torch's modules) when
+# a flag is given, not when the parser is built, so `--help` loads no torch.
+
+
+def _clip_spec(text: str) -> str:
+    from gossipcomp.gossip.clipping import parse_clip
+
+    return accepted(parse_clip)(text)
+
+
+def _outer_spec(text: str) -> str:
+    from gossipcomp.outer.optimizers import parse_outer
+
+    return accepted(parse_outer)(text)
+
+
+def _drift_spec(text: str) -> str:
+    from gossipcomp.outer.drift import parse_drift
+
+    return accepted(parse_drift)(text)
 
 
 def _algorithm_spec(text: str) -> str:
     """A registered name (its options then come from the flags), or a whole spec."""
     name = text.partition(":")[0].strip()
-    if name not in ALGORITHMS:
-        known = ", ".join(sorted(ALGORITHMS))
+    if name not in ALGORITHM_NAMES:
+        known = ", ".join(sorted(ALGORITHM_NAMES))
         raise argparse.ArgumentTypeError(f"unknown algorithm {quoted(name)}; known: {known}")
     if ":" in text:
+        from gossipcomp.gossip.registry import ALGORITHMS
+        from gossipcomp.gossip.specs import parse_options
+
         try:
             parse_options(text, ALGORITHMS)
         except ValueError as error:
@@ -75,20 +95,20 @@ def _algorithm_spec(text: str) -> str:
 def add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) -> None:
     """Training flags shared by simulate and peer. `--low-rank` is PowerGossip's rank; simulate
     also takes it as `--rank`, which for `peer` is the peer's own rank."""
-    d = TrainConfig()
+    d = TrainSettings()
     g = parser.add_argument_group("training")
     g.add_argument(
         "--algorithm",
         default=d.algorithm,
         type=_algorithm_spec,
-        help=f"gossip algorithm: {', '.join(sorted(ALGORITHMS))}, or a whole spec such as "
+        help=f"gossip algorithm: {', '.join(sorted(ALGORITHM_NAMES))}, or a whole spec such as "
         "choco:compressor=sign,steps=4,gamma=0.7 (whose options then come from it, not from "
         "the flags below)",
     )
     g.add_argument(
         "--dataset",
         default=d.dataset,
-        choices=sorted(DATASETS),
+        choices=sorted(DATASET_NAMES),
         help="bundled scikit-learn data: digits (8x8 images, 10 classes), wine (13 features, 3 "
         "classes), breast-cancer (30, 2), iris (4, 3); tabular features standardised; pysource: "
         "the Python standard library's source text, for model chartransformer",
@@ -96,7 +116,7 @@ def add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) 
     g.add_argument(
         "--model",
         default=d.model,
-        choices=sorted(MODELS),
+        choices=sorted(MODEL_NAMES),
         help="mlp (two hidden layers of 256), wide-mlp (two of 1024: 1.1M parameters), resmlp (24 residual blocks with LayerNorm, 102 "
         "tensors), cnn (digits only: two convolutions with BatchNorm), chartransformer (a "
         "character-level language model, pysource only); sized for the dataset",
@@ -106,7 +126,7 @@ def add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) 
         type=planner_spec,
         default=d.schedule,
         help="choco, def, powergossip: how parameters are merged into groups: per-tensor, "
-        f"single, or a planner ({', '.join(sorted(PLANNERS))}) run on a reference cost model, "
+        f"single, or a planner ({', '.join(sorted(PLANNER_NAMES))}) run on a reference cost model, "
         "the same plan on every peer",
     )
     g.add_argument(
@@ -179,7 +199,7 @@ def add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) 
     )
     g.add_argument(
         "--outer",
-        type=accepted(parse_outer),
+        type=_outer_spec,
         default=d.outer,
         metavar="SPEC",
         help="outer optimizer after each gossip round, stepping from the phase's start by "
@@ -188,7 +208,7 @@ def add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) 
     )
     g.add_argument(
         "--drift",
-        type=accepted(parse_drift),
+        type=_drift_spec,
         default=d.drift,
         metavar="SPEC",
         help="drift correction of local steps on dissimilar data: 'none', or 'tracking' / "
@@ -226,7 +246,7 @@ def add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) 
         help="ranks that lie: they gossip an attacked model and train honestly on their own",
     )
     r.add_argument(
-        "--attack", default=d.attack, choices=sorted(ATTACKS), help="what Byzantine ranks send"
+        "--attack", default=d.attack, choices=sorted(ATTACK_NAMES), help="what Byzantine ranks send"
     )
     r.add_argument(
         "--attack-scale",
@@ -275,6 +295,8 @@ def checkpoints(args: argparse.Namespace) -> CheckpointPolicy | None:
 
 def config(args: argparse.Namespace) -> TrainConfig:
     """The run the training flags describe."""
+    from gossipcomp.experiment import TrainConfig  # checks with the registries: on use
+
     return TrainConfig(
         algorithm=args.algorithm,
         model=args.model,

@@ -1,48 +1,25 @@
-"""Gossip algorithms over a neighbourhood, and a registry to build them from spec strings."""
+"""Gossip algorithms over a neighbourhood, and a registry to build them from spec strings.
+
+Each public name is imported from its module on first use (PEP 562): the command line's flag
+tables read catalog.py (the algorithms' and attacks' names) without loading torch.
+"""
 
 from __future__ import annotations
 
-from gossipcomp.gossip.base import GossipAlgorithm, LinkStats, NamedParams, Neighbourhood
-from gossipcomp.gossip.byzantine import ATTACKS, Attack, Byzantine, make_attack
-from gossipcomp.gossip.choco import Choco
-from gossipcomp.gossip.clipping import CLIP_RULES, ClipRadius, parse_clip
-from gossipcomp.gossip.def_atc import DEFATC
-from gossipcomp.gossip.dpsgd import DPSGD
-from gossipcomp.gossip.powergossip import PowerGossip
-from gossipcomp.gossip.specs import BuildContext, SpecBuilt, parse_options
+from gossipcomp import lazy_exports
 
-ALGORITHMS: dict[str, SpecBuilt] = {
-    DPSGD.name: DPSGD,
-    PowerGossip.name: PowerGossip,
-    Choco.name: Choco,
-    DEFATC.name: DEFATC,
+# module -> the public names it defines, each imported from it on first use
+_EXPORTS = {
+    "gossipcomp.gossip.base": "GossipAlgorithm LinkStats NamedParams Neighbourhood",
+    "gossipcomp.gossip.byzantine": "ATTACKS Attack Byzantine make_attack",
+    "gossipcomp.gossip.catalog": "ALGORITHM_NAMES ATTACK_NAMES",
+    "gossipcomp.gossip.choco": "Choco",
+    "gossipcomp.gossip.clipping": "CLIP_RULES ClipRadius parse_clip",
+    "gossipcomp.gossip.def_atc": "DEFATC",
+    "gossipcomp.gossip.dpsgd": "DPSGD",
+    "gossipcomp.gossip.powergossip": "PowerGossip",
+    "gossipcomp.gossip.registry": "ALGORITHMS make_algorithm",
+    "gossipcomp.gossip.specs": "BuildContext SpecBuilt parse_options",
 }
 
-
-def make_algorithm(spec: str, context: BuildContext) -> GossipAlgorithm:
-    """Build a registered algorithm from its spec (gossip/specs.py), e.g.
-    "choco:compressor=sign,steps=4,gamma=0.7"; ValueError naming what is wrong."""
-    name, options = parse_options(spec, ALGORITHMS)
-    return ALGORITHMS[name].from_options(options, context)
-
-
-__all__ = [
-    "ALGORITHMS",
-    "ATTACKS",
-    "BuildContext",
-    "CLIP_RULES",
-    "DEFATC",
-    "Attack",
-    "Byzantine",
-    "Choco",
-    "ClipRadius",
-    "DPSGD",
-    "GossipAlgorithm",
-    "LinkStats",
-    "NamedParams",
-    "Neighbourhood",
-    "PowerGossip",
-    "make_algorithm",
-    "make_attack",
-    "parse_clip",
-]
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -17,15 +17,15 @@ from typing import Any
 import torch
 
 from gossipcomp.gossip.base import GossipAlgorithm, NamedParams, Neighbourhood, Resumable
+from gossipcomp.gossip.catalog import ATTACK_NAMES, DEFAULT_SCALE
 from gossipcomp.inputs.numbers import checked_number
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
 
-# attack name -> what the liar sends in place of its parameter x, given the scale
-ATTACKS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
-    "sign_flip": lambda x, scale: x * -scale,  # -scale x: pulls neighbours the wrong way
-    "scale": lambda x, scale: x * scale,  # scale x: drags neighbours' weights up (or to 0)
-}
-DEFAULT_SCALE = 4.0
+# attack name -> what the liar sends in place of its parameter x, given the scale: sign_flip
+# -scale x (pulls neighbours the wrong way), scale: scale x (drags their weights up, or to 0)
+ATTACKS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = dict(
+    zip(ATTACK_NAMES, (lambda x, scale: x * -scale, lambda x, scale: x * scale), strict=True)
+)
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gossipcomp.gossip.base import GossipAlgorithm
+from gossipcomp.gossip.catalog import MAX_GOSSIP_STEPS
 from gossipcomp.gossip.clipping import ClipRadius
 from gossipcomp.inputs.text import quoted, split_top_level
 
 AUTO = "auto"
 MAX_SPEC_CHARS = 1000
-MAX_GOSSIP_STEPS = 100  # exchanges per round, each waiting on every neighbour: more is a typo
 
 
 @dataclass(frozen=True)

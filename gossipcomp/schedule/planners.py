@@ -31,6 +31,7 @@ import numpy as np
 from gossipcomp.compress import parse_spec
 from gossipcomp.inputs.numbers import checked_integer, checked_number
 from gossipcomp.inputs.text import quoted
+from gossipcomp.schedule.catalog import PLANNER_NAMES
 from gossipcomp.schedule.costs import CostModel
 from gossipcomp.schedule.groups import TensorGroup, TensorInfo, groups_from_cuts
 
@@ -400,9 +401,9 @@ def _relax(
     return chosen.tolist()
 
 
-PLANNERS: dict[str, Callable[..., Planner]] = {
-    cls.name: cls for cls in (PerTensor, Single, MergeComp, MGWFBP, Strategy)
-}
+PLANNERS: dict[str, Callable[..., Planner]] = dict(
+    zip(PLANNER_NAMES, (PerTensor, Single, MergeComp, MGWFBP, Strategy), strict=True)
+)
 
 
 def planner_specs(planner: Planner, compressor: str) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from gossipcomp.workload.catalog import DATASET_NAMES
 from gossipcomp.workload.text import VOCABULARY_SIZE, python_source_windows
 
 PartitionKind = Literal["iid", "by-label", "dirichlet"]
@@ -79,13 +80,19 @@ class TextDatasetInfo:
     windows: Callable[[int, float], Any]
 
 
-DATASETS: dict[str, DatasetInfo | TextDatasetInfo] = {
-    "digits": DatasetInfo("load_digits", pixels=True),
-    "wine": DatasetInfo("load_wine"),
-    "breast-cancer": DatasetInfo("load_breast_cancer"),
-    "iris": DatasetInfo("load_iris"),
-    "pysource": TextDatasetInfo(python_source_windows),
-}
+DATASETS: dict[str, DatasetInfo | TextDatasetInfo] = dict(
+    zip(
+        DATASET_NAMES,
+        (
+            DatasetInfo("load_digits", pixels=True),
+            DatasetInfo("load_wine"),
+            DatasetInfo("load_breast_cancer"),
+            DatasetInfo("load_iris"),
+            TextDatasetInfo(python_source_windows),
+        ),
+        strict=True,
+    )
+)
 
 
 def is_text(name: str) -> bool:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gossipcomp.inputs.text import quoted
+from gossipcomp.workload.catalog import MODEL_NAMES
 
 
 def build_mlp(
@@ -383,13 +384,13 @@ def build_wide_mlp(seed: int, input_dim: int = 64, num_classes: int = 10) -> nn.
     return build_mlp(seed, input_dim, (1024, 1024), num_classes)
 
 
-MODELS: dict[str, ModelFactory] = {
-    "mlp": build_mlp,
-    "wide-mlp": build_wide_mlp,
-    "cnn": build_cnn,
-    "resmlp": build_resmlp,
-    "chartransformer": build_chartransformer,
-}
+MODELS: dict[str, ModelFactory] = dict(
+    zip(
+        MODEL_NAMES,
+        (build_mlp, build_wide_mlp, build_cnn, build_resmlp, build_chartransformer),
+        strict=True,
+    )
+)
 
 
 def build_model(name: str, seed: int, input_dim: int = 64, num_classes: int = 10) -> nn.Module:

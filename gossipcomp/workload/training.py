@@ -18,14 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: SGD learning rate for the digits MLP (see module docstring for how it was chosen).
-DEFAULT_LR = 0.1
-#: SGD momentum; each peer keeps its own buffer.
-DEFAULT_MOMENTUM = 0.9
+from gossipcomp.workload.catalog import DEFAULT_BATCH_SIZE as DEFAULT_BATCH_SIZE  # re-exported
+from gossipcomp.workload.catalog import DEFAULT_LR as DEFAULT_LR
+from gossipcomp.workload.catalog import DEFAULT_MOMENTUM as DEFAULT_MOMENTUM
+
 #: L2 weight decay passed to SGD.
 DEFAULT_WEIGHT_DECAY = 0.0
-#: Minibatch size per peer per local step.
-DEFAULT_BATCH_SIZE = 32
 
 
 def derive_seed(*parts: int) -> int:
