@@ -368,7 +368,9 @@ def test_a_network_restarted_with_an_edge_down_resynchronises_it():
     hub.inject(1, 0, Fault.ACK_LOST)
     _rounds(peers, 1)
     states = [p.state_dict() for p in peers]
-    assert states[1]["down"] == [0] and states[0]["down"] == []
+    # peer 1 saw its push fail; peer 0 used peer 1's envelope, and its own push is refused
+    # only when it reached peer 1 after peer 1 stopped waiting for it (threads race there)
+    assert states[1]["down"] == [0] and states[0]["down"] in ([], [1])
     for p in peers:
         p.close()
     restored = _network(
