@@ -28,7 +28,9 @@ Measured and checked (exit 1 naming each figure missed):
   `--max-gap` (1 point) of static;
 - memory flat: resident memory, threads and sockets of the process after `--warmup` rounds of
   the churned run against its end (same number of running peers): resident memory growth under
-  10%, threads and sockets not growing by more than `--slack` each;
+  10%, threads and sockets not growing by more than `--slack` each; and every killed peer
+  object freed by the end (the harness once kept each rank's first peer alive past its close:
+  the resident memory growth of the 2000-round run);
 - the coordinator's joins and removals (each one a published membership change), failed
   exchanges (summed over every peer object, killed ones included), rounds finished.
 """
@@ -36,11 +38,13 @@ Measured and checked (exit 1 naming each figure missed):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +111,7 @@ class Network:
         self.last_round: dict[int, tuple[int, float]] = {}  # rank -> (round, when finished)
         self.longest = (0.0, -1, -1)  # (seconds between two rounds, rank, round)
         self.failed_exchanges = 0  # of peer objects already closed
+        self.killed: list[weakref.ref[Peer]] = []  # each killed peer object, not kept alive
         self.errors: list[str] = []
 
     def open_coordinator(self) -> None:
@@ -184,8 +189,15 @@ class Network:
         if running.thread.is_alive():
             self.errors.append(f"peer {rank} did not stop within {STARTUP_TIMEOUT:.0f} s")
         self.close(running)
+        self.killed.append(weakref.ref(running.peer))
         with self.lock:
             self.last_round.pop(rank, None)
+
+    def retained(self) -> int:
+        """Killed peer objects still alive after a full garbage collection: each one a
+        reference kept past its close, and its model, buffers and channels with it."""
+        gc.collect()
+        return sum(ref() is not None for ref in self.killed)
 
     def close(self, running: Running) -> None:
         if running.client is not None:
@@ -254,8 +266,8 @@ def run_network(
     for t in starters:
         t.join()
     net.open_coordinator()
-    for r in initial:
-        net.launch(r, made[r])
+    for r in initial:  # from here the network alone holds them: a killed peer is freed
+        net.launch(r, made.pop(r))
     start = time.perf_counter()
     events: list[dict] = []
     warm: dict[str, int] | None = None
@@ -293,8 +305,10 @@ def run_network(
                 events.append({"round": lead, "killed": victim, "joined": victim})
                 console.print(f"round {lead}: killed {victim}; removed, it joins again")
             if warm is None and lead >= args.warmup:
+                gc.collect()  # both samples count what is held, not garbage not yet collected
                 warm = resources()
                 console.print(f"after {lead} rounds: {warm}")
+        retained = net.retained()  # collects, as before the warm-up sample
         end = resources()
         seconds = time.perf_counter() - start
     finally:
@@ -325,6 +339,7 @@ def run_network(
     if churn:
         result["after_warmup"] = warm
         result["at_end"] = end
+        result["killed_peers_retained"] = retained
     return result
 
 
@@ -370,6 +385,11 @@ def judge(static: dict, churned: dict, args: argparse.Namespace) -> list[str]:
                     f"memory: {what}s grew by {churned[f'{what}_growth']} after warm-up "
                     f"(limit {args.slack})"
                 )
+    if churned["killed_peers_retained"]:
+        missed.append(
+            f"memory: {churned['killed_peers_retained']} of {len(churned['events'])} killed peer "
+            "objects still alive at the end (a reference kept past their close)"
+        )
     return missed
 
 

@@ -55,7 +55,8 @@ def test_churn_benchmark_kills_and_joins_without_stalls(tmp_path):
     has removed it, a new peer object of rank 0 joins from its checkpoint and is admitted. No
     member waits more than one round timeout (plus the static run's longest round) between two
     rounds, every peer finishes, and the churned run's accuracy is within 5 points of the
-    static run's (100 rounds: both still learning; the full run's bound is 1 point)."""
+    static run's (100 rounds: both still learning; the full run's bound is 1 point). The killed
+    peer object is garbage once closed: nothing keeps it, its model or its channels alive."""
     churn = benchmark("churn")
     out = tmp_path / "churn.json"
     code = churn.main(
@@ -74,6 +75,8 @@ def test_churn_benchmark_kills_and_joins_without_stalls(tmp_path):
     assert churned["coordinator_removals"] >= 1 and churned["coordinator_joins"] >= 1
     assert static["all_finished"] and churned["all_finished"]
     assert churned["peers_at_end"] == static["peers_at_end"] == 16
+    # the killed peer object is freed (the harness used to keep every first peer alive)
+    assert churned["killed_peers_retained"] == 0
     limit = result["round_timeout"] + static["longest_round_seconds"]
     assert churned["longest_round_seconds"] <= limit
     assert result["accuracy_gap_points"] <= 5.0
