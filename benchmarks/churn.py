@@ -305,10 +305,9 @@ def run_network(
                 events.append({"round": lead, "killed": victim, "joined": victim})
                 console.print(f"round {lead}: killed {victim}; removed, it joins again")
             if warm is None and lead >= args.warmup:
-                gc.collect()  # both samples count what is held, not garbage not yet collected
                 warm = resources()
                 console.print(f"after {lead} rounds: {warm}")
-        retained = net.retained()  # collects, as before the warm-up sample
+        retained = net.retained()
         end = resources()
         seconds = time.perf_counter() - start
     finally:
