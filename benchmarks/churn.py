@@ -376,8 +376,11 @@ def judge(static: dict, churned: dict, args: argparse.Namespace) -> list[str]:
         churned["rss_growth"] = growth
         churned["thread_growth"] = end["threads"] - warm["threads"]
         churned["socket_growth"] = end["sockets"] - warm["sockets"]
-        if growth >= 0.10:
-            missed.append(f"memory: resident memory grew {growth:.1%} after warm-up (limit 10%)")
+        if growth >= args.max_rss_growth:
+            missed.append(
+                f"memory: resident memory grew {growth:.1%} after warm-up "
+                f"(limit {args.max_rss_growth:.0%})"
+            )
         for what in ("thread", "socket"):
             if churned[f"{what}_growth"] > args.slack:
                 missed.append(
@@ -410,6 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--max-gap", type=float, default=0.01, help="accuracy, as a fraction")
     parser.add_argument("--slack", type=int, default=8, help="threads/sockets growth allowed")
+    parser.add_argument(
+        "--max-rss-growth",
+        type=float,
+        default=0.10,
+        help="resident memory growth allowed after the warm-up sample, as a fraction",
+    )
     parser.add_argument("--no-progress", type=float, default=300.0, help="seconds; then fail")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)

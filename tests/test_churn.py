@@ -65,6 +65,9 @@ def test_churn_benchmark_kills_and_joins_without_stalls(tmp_path):
             "--report-every", "2",
             "--round-timeout", "3", "--member-timeout", "6", "--eval-every", "0",
             "--max-gap", "0.05", "--json", str(out),
+            # 40 rounds in, resident memory has not settled (558-710 MB across runs on a loaded
+            # machine): the tiny run checks the killed peer's objects directly instead
+            "--max-rss-growth", "1.0",
         ]
     )  # fmt: skip
     result = json.loads(out.read_text())
