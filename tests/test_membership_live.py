@@ -84,6 +84,16 @@ def _peer(topology, rank, model, address="127.0.0.1:0", joining=False) -> Peer:
     )
 
 
+def _started(peers: list[Peer], addresses: dict[int, str], coordinator: str) -> dict[int, Running]:
+    """`peers` handshaken together (each in a thread), then each training and reporting."""
+    threads = [threading.Thread(target=p.start, args=(20, addresses)) for p in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return {p.rank: Running(p, coordinator) for p in peers}
+
+
 def test_a_dead_peer_is_removed_comes_back_and_a_fifth_rank_joins():
     topology = build_topology("ring", n=5, members=[0, 1, 2, 3])
     models = mlp_models(6, hidden=8)
@@ -93,12 +103,7 @@ def test_a_dead_peer_is_removed_comes_back_and_a_fifth_rank_joins():
     server = CoordinatorServer(coordinator, "127.0.0.1:0")
     peers = [_peer(topology, r, models[r]) for r in range(5)]  # rank 4 waits to join
     addresses = {p.rank: p.address for p in peers}
-    threads = [threading.Thread(target=p.start, args=(20, addresses)) for p in peers[:4]]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    running = {r: Running(peers[r], server.address) for r in range(4)}
+    running = _started(peers[:4], addresses, server.address)
     try:
         _wait(lambda: min(r.peer.round for r in running.values()) >= 10, 60, "10 rounds")
         # rank 3 stops for good: after the timeout it is removed, the ring is over 0, 1, 2
@@ -175,12 +180,7 @@ def test_a_member_restarted_before_its_removal_and_joining_is_admitted_again():
     server = CoordinatorServer(coordinator, "127.0.0.1:0")
     peers = [_peer(topology, r, models[r]) for r in range(4)]
     addresses = {p.rank: p.address for p in peers}
-    threads = [threading.Thread(target=p.start, args=(20, addresses)) for p in peers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    running = {r: Running(peers[r], server.address) for r in range(4)}
+    running = _started(peers, addresses, server.address)
     try:
         _wait(lambda: min(r.peer.round for r in running.values()) >= 10, 60, "10 rounds")
         stopped = running.pop(3)

@@ -240,6 +240,29 @@ def test_an_overlong_advertised_host_is_refused_before_it_is_announced() -> None
     assert not master.check(["gossipcomp/peer/0/address"])
 
 
+def _handshaken(
+    base: Topology, launch: Launch, all_connected: threading.Barrier
+) -> tuple[Topology, str, Any, str, dict[int, Any]]:
+    """One rank's rendezvous, then a gRPC server at the announced address handshaking with its
+    neighbours; the server stays up until every rank passed `all_connected` (one that closed
+    early would refuse a slower neighbour). Returns the topology, the bound address, the late
+    address source, the address the server reports and the neighbours' answers."""
+    with rendezvous_topology(base, launch, "127.0.0.1:0", None, 60.0) as rendezvoused:
+        topology, bound, late = rendezvoused
+        identity = Identity(launch.rank, topology.hash, "model")
+        transport = GrpcTransport(identity, topology.neighbors(launch.rank), bind=bound)
+        try:
+            neighbours = {j: topology.addresses[j] for j in topology.neighbors(launch.rank)}
+            answers = transport.connect(neighbours, timeout=60.0)
+            all_connected.wait()
+        except BaseException:
+            all_connected.abort()
+            raise
+        finally:
+            transport.close()
+    return topology, bound, late, transport.address, answers
+
+
 def test_peers_rendezvous_through_torch_and_handshake_over_grpc() -> None:
     """Four ranks in threads: torch's tcp:// rendezvous (rank 0 hosts the store), each holds a
     free port, and the topologies they build agree (hash and addresses), so their gRPC servers,
@@ -252,20 +275,8 @@ def test_peers_rendezvous_through_torch_and_handshake_over_grpc() -> None:
 
     def peer(rank: int) -> tuple[Topology, str, dict[int, Any]]:
         launch = Launch("tcp", "127.0.0.1", endpoint_port, rank, 4)
-        with rendezvous_topology(base, launch, "127.0.0.1:0", None, 60.0) as rendezvoused:
-            topology, bound, _ = rendezvoused
-            identity = Identity(rank, topology.hash, "model")
-            transport = GrpcTransport(identity, topology.neighbors(rank), bind=bound)
-            try:
-                assert transport.address == topology.addresses[rank] == bound
-                neighbours = {j: topology.addresses[j] for j in topology.neighbors(rank)}
-                answers = transport.connect(neighbours, timeout=60.0)
-                all_connected.wait()
-            except BaseException:
-                all_connected.abort()
-                raise
-            finally:
-                transport.close()
+        topology, bound, _, served_at, answers = _handshaken(base, launch, all_connected)
+        assert served_at == topology.addresses[rank] == bound
         return topology, bound, answers
 
     got = _in_threads(4, peer)
@@ -392,20 +403,8 @@ def test_peers_rendezvous_through_the_coordinator_s_registry_and_handshake_over_
 
     def peer(rank: int) -> tuple[Topology, str, dict[int, Any]]:
         launch = parse_launch(registry.url, rank, 4, {})
-        with rendezvous_topology(base, launch, "127.0.0.1:0", None, 60.0) as rendezvoused:
-            topology, bound, late = rendezvoused
-            assert late is None  # a fixed topology: every address known at start
-            identity = Identity(rank, topology.hash, "model")
-            transport = GrpcTransport(identity, topology.neighbors(rank), bind=bound)
-            try:
-                neighbours = {j: topology.addresses[j] for j in topology.neighbors(rank)}
-                answers = transport.connect(neighbours, timeout=60.0)
-                all_connected.wait()
-            except BaseException:
-                all_connected.abort()
-                raise
-            finally:
-                transport.close()
+        topology, bound, late, _, answers = _handshaken(base, launch, all_connected)
+        assert late is None  # a fixed topology: every address known at start
         return topology, bound, answers
 
     with Registry("127.0.0.1:0") as registry:
