@@ -1,9 +1,9 @@
 """The character-level language model on 4 peers against one model alone (issue 26).
 
 Run: python benchmarks/language_model.py --json docs/language_model.json
-     python benchmarks/language_model.py --outer-grid 4,16,64 --json PATH  (benchmarks/outer.py's
-     grid on the language model: plain, outer Nesterov, NoLoCo-style, each with and without
-     drift tracking, at each H; PowerGossip rank 1 on ring4)
+     python benchmarks/language_model.py --outer-grid 1,4,16,64 --seeds 0,1,2 --json PATH
+     (benchmarks/outer.py's grid on the language model: plain, outer Nesterov, NoLoCo-style,
+     each with and without drift tracking, at each H and seed; PowerGossip rank 1 on ring4)
 Every run trains model chartransformer on dataset pysource (the Python standard library's own
 source, workload/text.py) for the same local steps, batch size, learning rate and seed: 4 peers
 on ring4 over gRPC on loopback (`simulate`) with each gossip algorithm, and one model alone on all
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from outer import grid, run_one
+from outer import grid, parse_seeds, run_one
 from rich.console import Console
 from rich.table import Table
 
@@ -88,8 +88,8 @@ def compare(
 def outer_grid(
     rounds: int, batch_size: int, lr: float, seed: int, steps: tuple[int, ...]
 ) -> list[dict[str, Any]]:
-    """benchmarks/outer.py's grid on the language model, 4 peers on ring4: one record per
-    configuration (a diverged one is recorded as such), with its validation loss."""
+    """benchmarks/outer.py's grid on the language model, 4 peers on ring4, for one seed: one
+    record per configuration (a diverged one is recorded as such), with its validation loss."""
     # losses, not times, are compared: a round may wait long on a loaded machine rather than
     # fail (a failed exchange would make a peer train alone that round)
     base = replace(base_config(rounds, batch_size, lr, seed), eval_every=0, round_timeout=600.0)
@@ -99,12 +99,20 @@ def outer_grid(
 
 def grid_table(runs: list[dict[str, Any]]) -> Table:
     table = Table(title="outer optimizers on the language model (val loss, lower is better)")
-    for column in ("configuration", "val loss", "average model", "MB sent", "failed exchanges"):
+    for column in (
+        "configuration",
+        "seed",
+        "val loss",
+        "average model",
+        "MB sent",
+        "failed exchanges",
+    ):
         table.add_column(column, justify="right")
     for run in runs:
         diverged = run.get("error") is not None
         table.add_row(
             run["label"],
+            str(run["seed"]),
             "diverged" if diverged else f"{run['test_loss']:.3f}",
             "-" if diverged else f"{run['average_model_test_loss']:.3f}",
             "-" if diverged else f"{run['bytes'] / 1e6:.2f}",
@@ -153,7 +161,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=300, help="local steps of every model")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the comparison")
+    parser.add_argument(
+        "--seeds", default="0", help="seeds of --outer-grid, comma-separated (e.g. 0,1,2)"
+    )
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument(
         "--outer-grid",
@@ -164,7 +175,11 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.outer_grid:
         steps = tuple(int(h) for h in args.outer_grid.split(",") if h)
-        runs = outer_grid(args.rounds, args.batch_size, args.lr, args.seed, steps)
+        runs = [
+            run
+            for seed in parse_seeds(args.seeds)
+            for run in outer_grid(args.rounds, args.batch_size, args.lr, seed, steps)
+        ]
         Console().print(grid_table(runs))
         if args.json is not None:
             args.json.write_text(json.dumps({"outer_grid": runs}, indent=2) + "\n")

@@ -8,8 +8,9 @@ Every run is a real `simulate` (ring8 digits, 8 peers over gRPC on loopback, the
 configuration. The reference is D-PSGD at H = 1 (exact gossip after every step). For each
 partition, the best configuration within the bytes budget (1/100 of D-PSGD's bytes by label,
 1/500 iid) is the one with the highest mean peer accuracy over the seeds among the
-candidates; the grid (one seed) sets plain local SGD, outer Nesterov and NoLoCo-style side by
-side, with and without drift correction, at H in {1, 4, 16, 64}.
+candidates; the grid (by label, seeds 0-2 unless --grid-seeds says otherwise) sets plain local
+SGD, outer Nesterov and NoLoCo-style side by side, with and without drift correction, at H in
+{1, 4, 16, 64}.
 
 Written keys: bylabel_gap_points and bylabel_bytes_ratio (D-PSGD's mean accuracy minus the best
 configuration's, in points; its bytes over D-PSGD's), iid_gap_points and iid_bytes_ratio,
@@ -138,6 +139,19 @@ def grid(steps: tuple[int, ...]) -> list[Setting]:
     ]
 
 
+def parse_seeds(text: str) -> list[int]:
+    """Comma-separated non-negative seeds ('' for none), in the order given, each once."""
+    seeds: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if not part.isdigit():
+            raise ValueError(f"seeds: expected non-negative integers like 0,1,2, got {part[:20]!r}")
+        if int(part) not in seeds:
+            seeds.append(int(part))
+    return seeds
+
+
 def run_one(
     item: Setting, base: TrainConfig, partition: str, seed: int, topology: Any, reports: Path | None
 ) -> dict[str, Any]:
@@ -250,7 +264,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=600, help="local steps of every run")
     parser.add_argument("--topology", default="ring8")
     parser.add_argument(
-        "--grid-steps", default="1,4,16,64", help="H values of the one-seed grid ('' for none)"
+        "--grid-steps", default="1,4,16,64", help="H values of the grid ('' for none)"
+    )
+    parser.add_argument(
+        "--grid-seeds",
+        default="0,1,2",
+        help="seeds of the grid, comma-separated (a part of them, to split a run over processes)",
     )
     parser.add_argument(
         "--partitions", default="by-label,iid", help="partitions of the figures ('' for none)"
@@ -311,7 +330,7 @@ def _quiet_peers() -> Iterator[None]:
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The figures' runs (every seed) and the one-seed grid."""
+    """The figures' runs (every seed) and the grid (each of its seeds)."""
     topology = load_topology(args.topology)
     base = TrainConfig(rounds=args.rounds, eval_every=0)
     if args.reports is not None:
@@ -324,10 +343,11 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                     continue
                 runs.append(run_one(item, base, partition, seed, topology, args.reports))
     steps = tuple(int(h) for h in args.grid_steps.split(",") if h)
-    for item in grid(steps):
-        if args.only and item.label not in args.only:
-            continue
-        runs.append(run_one(item, base, "by-label", 0, topology, args.reports))
+    for seed in parse_seeds(args.grid_seeds):
+        for item in grid(steps):
+            if args.only and item.label not in args.only:
+                continue
+            runs.append(run_one(item, base, "by-label", seed, topology, args.reports))
     return runs
 
 
