@@ -462,7 +462,8 @@ def test_config_and_command_line_refuse_a_bad_outer_or_drift(capsys):
     assert TrainConfig(outer="nesterov").outer_optimizer() == OuterSGD(0.7, 0.9, True, "nesterov")
     assert main(["simulate", "--outer", "nesterov:lr=-1"]) == 2
     assert (
-        "--outer: outer optimizer lr: expected a finite number in (0, 10]" in capsys.readouterr().err
+        "--outer: outer optimizer lr: expected a finite number in (0, 10]"
+        in capsys.readouterr().err
     )
     assert main(["simulate", "--drift", "tracking:rate=3"]) == 2
     assert "--drift: drift tracking rate" in capsys.readouterr().err
@@ -475,11 +476,23 @@ def _simulated(tmp_path, name: str, *argv: str) -> dict:
     return json.loads(path.read_text())
 
 
-def test_schedules_groups_and_compressors_apply_unchanged_under_an_outer_optimizer(tmp_path):
-    """Choco sign over one merged group, two local steps a phase: with outer Nesterov and drift
-    tracking the wire carries exactly the bytes it carries without (sign codes are a fixed
-    size), every peer gossips 4 times, and the models differ (the outer step acted)."""
-    flags = ["--algorithm", "choco", "--compressor", "sign", "--schedule", "single"]
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--algorithm", "choco", "--compressor", "sign"],
+        ["--algorithm", "choco", "--compressor", "qsgd:levels=127"],  # 8 bits an element
+        ["--algorithm", "choco", "--compressor", "topk:ratio=0.05"],
+        ["--algorithm", "def", "--compressor", "qsgd:levels=15"],
+        ["--algorithm", "powergossip", "--rank", "2"],
+    ],
+    ids=["choco-sign", "choco-qsgd8", "choco-topk", "def-qsgd4", "powergossip-rank2"],
+)
+def test_schedules_groups_and_compressors_apply_unchanged_under_an_outer_optimizer(tmp_path, flags):
+    """Each compressed algorithm over one merged group, two local steps a phase: with outer
+    Nesterov and drift tracking the wire carries exactly the bytes it carries without (sign,
+    QSGD, top-k and low-rank codes have a size fixed by the shapes), every peer gossips 4
+    times, and the models differ (the outer step acted)."""
+    flags = [*flags, "--schedule", "single"]
     plain = _simulated(tmp_path, "plain", *flags, "--local-steps", "2")
     outer = _simulated(
         tmp_path,
