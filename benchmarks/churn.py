@@ -302,7 +302,16 @@ def run_network(
                 joiner = net.make(victim, addresses[victim], joining=True)
                 net.prepare(joiner, addresses)
                 net.launch(victim, joiner)
-                events.append({"round": lead, "killed": victim, "joined": victim})
+                # resident memory after each return: the trace tells steady growth (a leak per
+                # kill) from growth that levels off (the allocator's pools filling once)
+                events.append(
+                    {
+                        "round": lead,
+                        "killed": victim,
+                        "joined": victim,
+                        "rss_kib": resources()["rss_kib"],
+                    }
+                )
                 console.print(f"round {lead}: killed {victim}; removed, it joins again")
             if warm is None and lead >= args.warmup:
                 warm = resources()

@@ -72,7 +72,9 @@ class Neighbourhood:
 
     `weights` holds w_ij for each neighbour j and `self_weight` w_ii (rows of the mixing matrix
     W). `exchange` sends one payload per neighbour for this round and returns what they sent; the
-    bytes and the time it takes are accounted in `links` and `comm_seconds`.
+    bytes and the time it takes are accounted in `links` and `comm_seconds`. Every exchange of
+    the round waits until the one `deadline` (a `time.perf_counter()` instant), so a round with
+    several exchanges (a resume, an algorithm's phases) still waits one round timeout at most.
     """
 
     rank: int
@@ -80,7 +82,7 @@ class Neighbourhood:
     weights: Mapping[int, float]
     self_weight: float
     transport: Transport
-    timeout: float
+    deadline: float  # time.perf_counter() past which no exchange of this round waits
     links: LinkStats
     schedule_epoch: int = 0
     turns: ComputeTurns | None = None  # peers of one process taking turns: given up while waiting
@@ -110,9 +112,10 @@ class Neighbourhood:
             {j: outgoing for j in self.neighbours} if isinstance(outgoing, tuple) else outgoing
         )
         start = time.perf_counter()
+        timeout = max(0.0, self.deadline - start)
         with self.turns.waiting() if self.turns is not None else nullcontext():
             result = self.transport.exchange(
-                self.round, phase, per_peer, self.timeout, self.schedule_epoch
+                self.round, phase, per_peer, timeout, self.schedule_epoch
             )
         elapsed = time.perf_counter() - start
         self.comm_seconds += elapsed

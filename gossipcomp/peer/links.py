@@ -14,6 +14,8 @@ the two sides of a partition run at their own pace; an isolated peer runs ahead 
 that is behind moves forward to the round the other end had when they agreed
 (`catch_up_round`): its other edges then see rounds out of step, fail once, and resume the same
 way, so the catch-up spreads, level and never overshooting, until rounds line up again. A peer
+with a live edge that is only a few rounds behind (`WAITED_GAP`) does not move: the other end
+waits for it at the resume round instead. A peer
 that is *alone* (no edge up or agreed) says so in its handshakes; its round is not followed,
 and if it ran past the resume round it moves back instead.
 
@@ -53,6 +55,13 @@ log = logging.getLogger("gossipcomp.links")  # the name it had before it moved h
 RESUME_MARGIN = 5  # rounds between agreeing on a resume round and using it
 MAX_RESUME_MARGIN = 640  # the margin doubles each time an answer came too late to be used
 PACE_WINDOW = 64  # recent in-step rounds whose fastest sets the pace
+# a peer with a live edge that is at most this many rounds behind a resuming neighbour does not
+# jump: at the resume round the neighbour's exchange waits for it (its envelope for that round
+# is let in however far ahead), as a partner's does every round. A jump takes every live edge
+# down, and on a graph that changes every round, where peers that are not partners are
+# legitimately a few rounds apart, those edges' own resumes set off jumps in turn: hundreds of
+# jumps per kill in the churn soak (docs/benchmarks.md, "Churn").
+WAITED_GAP = RESUME_MARGIN
 
 
 class LinkState(enum.Enum):
@@ -254,7 +263,8 @@ class LinkMonitor:
         Forward only, to the round a resuming neighbour had when they agreed (a neighbour that
         is alone follows this peer instead), already bounded by `plausible_round`; when two or
         more neighbours claim to be ahead, the lower of the two highest claims, so one liar
-        cannot move the peer alone; never to or past the first agreed resume round. Back only
+        cannot move the peer alone; never to or past the first agreed resume round; and, for a
+        peer with a live edge, only when more than `WAITED_GAP` rounds ahead. Back only
         for a peer with no live edge that has run past a resume round (isolated, it ran ahead
         alone): to that round minus the margin. None when no move is needed."""
         with self._lock:
@@ -272,6 +282,8 @@ class LinkMonitor:
             agreed = agreed_round(ahead, quorum_of(len(ahead)))
             assert agreed is not None
             target = min(agreed, first_resume - 1)
+            if not free and target - round <= WAITED_GAP:
+                return None  # the resume's wait closes the gap; a jump would drop live edges
             return target if target > round else None
         if free and round > first_resume:
             return max(0, first_resume - RESUME_MARGIN)

@@ -24,6 +24,7 @@ import logging
 import math
 import threading
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -404,12 +405,17 @@ class Peer:
         self._rejoin.moved(before, target)
 
     def _neighbourhood(
-        self, links: LinkStats, live: list[int] | None = None, row: dict[int, float] | None = None
+        self,
+        links: LinkStats,
+        live: list[int] | None = None,
+        row: dict[int, float] | None = None,
+        deadline: float | None = None,
     ) -> Neighbourhood:
         """This peer's view of the network for the current round: the live neighbours (all by
         default) with their weights (`row`: the round's, else the topology's); the weight of any
         neighbour left out stays with the peer, so the live mixing matrix is symmetric and
-        doubly stochastic when both ends agree."""
+        doubly stochastic when both ends agree. Its exchanges wait until `deadline` (a
+        `time.perf_counter()` instant; default: one round timeout from now)."""
         row = self._weights if row is None else row
         weights = row if live is None else {j: row[j] for j in live if j in row}
         return Neighbourhood(
@@ -418,7 +424,7 @@ class Peer:
             weights=weights,
             self_weight=1.0 - sum(weights.values()),
             transport=self.transport,
-            timeout=self.round_timeout,
+            deadline=time.perf_counter() + self.round_timeout if deadline is None else deadline,
             links=links,
             schedule_epoch=self.schedules.current.epoch,
             turns=self.turns,
@@ -438,9 +444,12 @@ class Peer:
         self.links.failed(neighbour, self.round, reason)
         self._failures.failed(neighbour, reason)
 
-    def _exchange(self, phase: str, live: list[int], payload: Payload = ()) -> ExchangeResult:
-        """One exchange of this round with the neighbours `live`, its time counted."""
-        hood = self._neighbourhood(self._links, live)
+    def _exchange(
+        self, deadline: float, phase: str, live: list[int], payload: Payload = ()
+    ) -> ExchangeResult:
+        """One exchange of this round with the neighbours `live`, waiting until the round's
+        `deadline` at most, its time counted."""
+        hood = self._neighbourhood(self._links, live, deadline=deadline)
         result = hood.exchange(phase, payload)
         self._comm_seconds += hood.comm_seconds
         return result
@@ -494,10 +503,12 @@ class Peer:
             self._last_mark = time.perf_counter()
             self._in_step_since = None  # no round in step to time until it is back
             return
-        resumed = self._rejoin.resume_edges(self.round, self._exchange)  # edges back now
+        # one round timeout for all of the round's exchanges: resumes, levels, the algorithm's
+        deadline = time.perf_counter() + self.round_timeout
+        resumed = self._rejoin.resume_edges(self.round, partial(self._exchange, deadline))
         self._levels.decide(self.round, self._links.sends)
         row = self._membership.row(self.round)  # this round's graph (over its members)
-        hood = self._neighbourhood(self._links, self.links.live(), row)
+        hood = self._neighbourhood(self._links, self.links.live(), row, deadline)
         before = self._guard.snapshot()
         ends = self._phases.ends()
         self.algorithm.step(self._params, hood)
