@@ -13,6 +13,7 @@ perturbation (a stand-in for its local step), so every message differs. Checked 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import threading
@@ -42,6 +43,57 @@ def resources() -> dict[str, int]:
         int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:")
     )
     return {"threads": len(os.listdir("/proc/self/task")), "sockets": sockets, "rss_kib": rss}
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (malloc.h, glibc 2.33 and later): byte counts of the heap."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def heap_counts() -> dict[str, int]:
+    """glibc's own counts of the heap: `heap_in_use_kib` (blocks malloc has handed out and not
+    had back, mmapped ones included) and `heap_free_kib` (freed memory its arenas keep). The
+    transport has glibc keep up to 64 MiB of free heap per arena on purpose
+    (gossipcomp/transport/allocator.py), so resident memory alone cannot tell a leak from that
+    cache. Empty where the C library is not glibc 2.33 or later."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return {
+        "heap_in_use_kib": (info.uordblks + info.hblkhd) // 1024,
+        "heap_free_kib": info.fordblks // 1024,
+    }
+
+
+def heap_sample() -> dict[str, int]:
+    """`heap_counts`, and `rss_trimmed_kib`: resident memory once malloc_trim(0) has given
+    back to the kernel what it can. It trims the heap, so take `resources()` first where the
+    untrimmed figure is wanted. Empty where the C library is not glibc 2.33 or later."""
+    counts = heap_counts()
+    if not counts:
+        return {}
+    trim = ctypes.CDLL(None).malloc_trim
+    trim.argtypes = (ctypes.c_size_t,)
+    trim(0)
+    return {**counts, "rss_trimmed_kib": resources()["rss_kib"]}
 
 
 def network_sum(peers: list[Peer]) -> torch.Tensor:

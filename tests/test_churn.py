@@ -80,6 +80,14 @@ def test_churn_benchmark_kills_and_joins_without_stalls(tmp_path):
     assert churned["peers_at_end"] == static["peers_at_end"] == 16
     # the killed peer object is freed (the harness used to keep every first peer alive)
     assert churned["killed_peers_retained"] == 0
+    # memory is told apart: resident as is, heap in use, resident after giving back free heap
+    # (glibc keeps up to 64 MiB free per arena for the transport; resident alone mixes it in)
+    assert "rss_growth" in churned
+    if churned["after_warmup"].get("heap_in_use_kib") is not None:  # glibc 2.33 or later
+        assert {"heap_in_use_growth", "rss_trimmed_growth"} <= churned.keys()
+        warm = churned["after_warmup"]
+        assert 0 < warm["heap_in_use_kib"] and 0 < warm["rss_trimmed_kib"] <= warm["rss_kib"]
+        assert all(e["heap_in_use_kib"] > 0 for e in churned["events"])
     limit = result["round_timeout"] + static["longest_round_seconds"]
     assert churned["longest_round_seconds"] <= limit
     assert result["accuracy_gap_points"] <= 5.0
