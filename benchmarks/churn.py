@@ -280,6 +280,7 @@ def run_network(
         net.launch(r, made.pop(r))
     start = time.perf_counter()
     events: list[dict] = []
+    skipped = 0  # the round at which a kill was left out, too close to the end (0: none)
     warm: dict[str, int] | None = None
     progress = (-1, time.monotonic())
     shown = time.monotonic()
@@ -303,7 +304,14 @@ def run_network(
                 break
             due = (len(events) + 1) * args.churn_every
             more = args.events is None or len(events) < args.events
-            if churn and more and due < config.gossip_rounds and lead >= due:
+            # a kill needs the network to run on until the coordinator has removed the peer
+            # and let it back in (a member timeout and some rounds); at the pace so far, the
+            # rounds left must last 3 member timeouts, or the run ends with the peer outside
+            pace = (time.perf_counter() - start) / max(1, lead)
+            room = (config.gossip_rounds - lead) * pace > 3 * args.member_timeout
+            if churn and more and not room and due < config.gossip_rounds and lead >= due:
+                skipped = skipped or lead
+            if churn and more and room and due < config.gossip_rounds and lead >= due:
                 victim = len(events) % CAPACITY
                 net.kill(victim)
                 # it returns at its address from its newest checkpoint, joining, once the
@@ -342,6 +350,7 @@ def run_network(
         "seconds": seconds,
         "ms_per_round": 1e3 * seconds / config.gossip_rounds,
         "events": events,
+        "kills_left_out_from_round": skipped or None,
         "coordinator_joins": joins,
         "coordinator_removals": removals,
         "failed_exchanges": failed,

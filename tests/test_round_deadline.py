@@ -1,7 +1,7 @@
-"""One round timeout bounds a whole round (issue 27's "no stall longer than one round timeout"):
-a round's exchanges (an edge's resume, then the algorithm's phases) share one deadline, so a
-round in which two neighbours stay silent one after the other still waits one timeout, not
-one per exchange."""
+"""One round timeout bounds a whole round's waiting (issue 27's "no stall longer than one round
+timeout"): a round's exchanges (an edge's resume, then the algorithm's phases) draw on one
+budget (gossip/round_wait.py), so a round in which two neighbours stay silent one after the
+other waits about one timeout, not one per exchange."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gossipcomp.gossip import DPSGD, PowerGossip
+from gossipcomp.gossip.round_wait import MAX_FLOOR_S, RoundWait
 from gossipcomp.peer import Peer
 from gossipcomp.peer.links import LinkState
 from gossipcomp.topology import load_topology
@@ -48,8 +49,21 @@ def test_a_round_with_a_silent_resume_and_a_silent_partner_waits_one_timeout(alg
     peer.gossip()
     elapsed = time.perf_counter() - start
     # the resume exchange with 1 and the model exchange with 3 both went unanswered: one
-    # timeout for the two (it used to be one each, 2 x TIMEOUT_S and more)
+    # timeout for the two, plus the model exchange's floor (it used to be one timeout each,
+    # 2 x TIMEOUT_S and more)
     assert peer.links.state(1) is LinkState.DOWN
     assert peer.links.state(3) is LinkState.DOWN
     assert 0.9 * TIMEOUT_S <= elapsed < 1.5 * TIMEOUT_S, elapsed
     assert peer.round == 2
+
+
+def test_the_round_budget_is_shared_and_each_exchange_keeps_a_floor():
+    wait = RoundWait(5.0)
+    assert wait.timeout() == 5.0
+    wait.spent(3.0)
+    assert wait.timeout() == 2.0  # what is left for the next exchange
+    wait.spent(2.5)
+    assert wait.timeout() == pytest.approx(0.05)  # spent: a hundredth, envelopes there are taken
+    assert RoundWait(60.0, waited=60.0).timeout() == MAX_FLOOR_S  # at most 50 ms
+    wait.spent(-1.0)  # a clock step back counts nothing
+    assert wait.waited == 5.5

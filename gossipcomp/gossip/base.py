@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from gossipcomp.gossip.round_wait import RoundWait
 from gossipcomp.gossip.turns import ComputeTurns
 from gossipcomp.levels.rate import LevelCosts
 from gossipcomp.schedule.costs import TransferLog
@@ -73,8 +74,8 @@ class Neighbourhood:
     `weights` holds w_ij for each neighbour j and `self_weight` w_ii (rows of the mixing matrix
     W). `exchange` sends one payload per neighbour for this round and returns what they sent; the
     bytes and the time it takes are accounted in `links` and `comm_seconds`. Every exchange of
-    the round waits until the one `deadline` (a `time.perf_counter()` instant), so a round with
-    several exchanges (a resume, an algorithm's phases) still waits one round timeout at most.
+    the round draws on the round's one waiting budget (`wait`, gossip/round_wait.py), so a round
+    with several exchanges (a resume, an algorithm's phases) waits about one round timeout.
     """
 
     rank: int
@@ -82,7 +83,7 @@ class Neighbourhood:
     weights: Mapping[int, float]
     self_weight: float
     transport: Transport
-    deadline: float  # time.perf_counter() past which no exchange of this round waits
+    wait: RoundWait  # what the round may still wait for its neighbours, shared by its exchanges
     links: LinkStats
     schedule_epoch: int = 0
     turns: ComputeTurns | None = None  # peers of one process taking turns: given up while waiting
@@ -112,11 +113,12 @@ class Neighbourhood:
             {j: outgoing for j in self.neighbours} if isinstance(outgoing, tuple) else outgoing
         )
         start = time.perf_counter()
-        timeout = max(0.0, self.deadline - start)
         with self.turns.waiting() if self.turns is not None else nullcontext():
+            sent = time.perf_counter()
             result = self.transport.exchange(
-                self.round, phase, per_peer, timeout, self.schedule_epoch
+                self.round, phase, per_peer, self.wait.timeout(), self.schedule_epoch
             )
+            self.wait.spent(time.perf_counter() - sent)
         elapsed = time.perf_counter() - start
         self.comm_seconds += elapsed
         self.exchanges += 1

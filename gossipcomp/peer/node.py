@@ -38,6 +38,7 @@ from gossipcomp.gossip.base import (
     Regroupable,
 )
 from gossipcomp.gossip.dpsgd import DPSGD
+from gossipcomp.gossip.round_wait import RoundWait
 from gossipcomp.gossip.turns import ComputeTurns
 from gossipcomp.inputs.numbers import checked_integer
 from gossipcomp.levels.edges import EdgeLevels
@@ -409,13 +410,13 @@ class Peer:
         links: LinkStats,
         live: list[int] | None = None,
         row: dict[int, float] | None = None,
-        deadline: float | None = None,
+        wait: RoundWait | None = None,
     ) -> Neighbourhood:
         """This peer's view of the network for the current round: the live neighbours (all by
         default) with their weights (`row`: the round's, else the topology's); the weight of any
         neighbour left out stays with the peer, so the live mixing matrix is symmetric and
-        doubly stochastic when both ends agree. Its exchanges wait until `deadline` (a
-        `time.perf_counter()` instant; default: one round timeout from now)."""
+        doubly stochastic when both ends agree. Its exchanges draw on the round's waiting
+        budget `wait` (default: a fresh one of one round timeout)."""
         row = self._weights if row is None else row
         weights = row if live is None else {j: row[j] for j in live if j in row}
         return Neighbourhood(
@@ -424,7 +425,7 @@ class Peer:
             weights=weights,
             self_weight=1.0 - sum(weights.values()),
             transport=self.transport,
-            deadline=time.perf_counter() + self.round_timeout if deadline is None else deadline,
+            wait=RoundWait(self.round_timeout) if wait is None else wait,
             links=links,
             schedule_epoch=self.schedules.current.epoch,
             turns=self.turns,
@@ -445,11 +446,11 @@ class Peer:
         self._failures.failed(neighbour, reason)
 
     def _exchange(
-        self, deadline: float, phase: str, live: list[int], payload: Payload = ()
+        self, wait: RoundWait, phase: str, live: list[int], payload: Payload = ()
     ) -> ExchangeResult:
-        """One exchange of this round with the neighbours `live`, waiting until the round's
-        `deadline` at most, its time counted."""
-        hood = self._neighbourhood(self._links, live, deadline=deadline)
+        """One exchange of this round with the neighbours `live`, drawing on the round's
+        waiting budget `wait`, its time counted."""
+        hood = self._neighbourhood(self._links, live, wait=wait)
         result = hood.exchange(phase, payload)
         self._comm_seconds += hood.comm_seconds
         return result
@@ -503,12 +504,13 @@ class Peer:
             self._last_mark = time.perf_counter()
             self._in_step_since = None  # no round in step to time until it is back
             return
-        # one round timeout for all of the round's exchanges: resumes, levels, the algorithm's
-        deadline = time.perf_counter() + self.round_timeout
-        resumed = self._rejoin.resume_edges(self.round, partial(self._exchange, deadline))
+        # one round timeout of waiting for all of the round's exchanges: resumes, levels, the
+        # algorithm's phases (gossip/round_wait.py)
+        wait = RoundWait(self.round_timeout)
+        resumed = self._rejoin.resume_edges(self.round, partial(self._exchange, wait))
         self._levels.decide(self.round, self._links.sends)
         row = self._membership.row(self.round)  # this round's graph (over its members)
-        hood = self._neighbourhood(self._links, self.links.live(), row, deadline)
+        hood = self._neighbourhood(self._links, self.links.live(), row, wait)
         before = self._guard.snapshot()
         ends = self._phases.ends()
         self.algorithm.step(self._params, hood)
