@@ -18,30 +18,44 @@ from gossipcomp.topology import load_topology
 from gossipcomp.transport.base import HelloAnswer, Identity
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
 from gossipcomp.workload.models import model_signature
+from tests.conftest import grpc_network
 
 TIMEOUT_S = 2.0
 
 
-def _silent_ring(algorithm: type) -> Peer:
-    """Peer 0 of ring4 over the in-process transport, started; its neighbours 1 and 3 (and 2)
-    are started too but never gossip."""
+def _silent_ring(algorithm: type, transport: str) -> list[Peer]:
+    """ring4's peers over the in-process transport or real gRPC, started; only peer 0 will
+    gossip: its neighbours 1 and 3 (and 2) never do."""
     topology = load_topology("ring4")
-    hub = InMemoryHub()
-    peers = []
+    models = []
     for rank in range(4):
         torch.manual_seed(rank)
-        model = torch.nn.Linear(6, 4)
+        models.append(torch.nn.Linear(6, 4))
+    if transport == "grpc":
+        return grpc_network(topology, models, algorithm, round_timeout=TIMEOUT_S)
+    hub = InMemoryHub()
+    peers = []
+    for rank, model in enumerate(models):
         identity = Identity(rank, topology.hash, model_signature(model))
-        transport = InMemoryTransport(identity, topology.neighbors(rank), hub)
-        peers.append(Peer(model, topology, rank, algorithm(), transport, round_timeout=TIMEOUT_S))
+        link = InMemoryTransport(identity, topology.neighbors(rank), hub)
+        peers.append(Peer(model, topology, rank, algorithm(), link, round_timeout=TIMEOUT_S))
     for peer in peers:
         peer.start(5, {})
-    return peers[0]
+    return peers
 
 
+@pytest.mark.parametrize("transport", ["memory", "grpc"])
 @pytest.mark.parametrize("algorithm", [DPSGD, PowerGossip], ids=["dpsgd", "powergossip"])
-def test_a_round_with_a_silent_resume_and_a_silent_partner_waits_one_timeout(algorithm):
-    peer = _silent_ring(algorithm)
+def test_a_round_with_a_silent_resume_and_a_silent_partner_waits_one_timeout(algorithm, transport):
+    peers = _silent_ring(algorithm, transport)
+    try:
+        _one_round_waits_one_timeout(peers[0])
+    finally:
+        for p in peers:
+            p.close()
+
+
+def _one_round_waits_one_timeout(peer: Peer) -> None:
     # the edge to 1 resumes at round 1 (agreed by a handshake); the edge to 3 is up
     assert peer.links.resume(1, HelloAnswer(round=0, resume_round=1), peer.round, alone=False)
     peer.round = 1
