@@ -15,10 +15,8 @@ from gossipcomp.gossip.round_wait import MAX_FLOOR_S, RoundWait
 from gossipcomp.peer import Peer
 from gossipcomp.peer.links import LinkState
 from gossipcomp.topology import load_topology
-from gossipcomp.transport.base import HelloAnswer, Identity
-from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
-from gossipcomp.workload.models import model_signature
-from tests.conftest import grpc_network
+from gossipcomp.transport.base import HelloAnswer
+from tests.conftest import build_network
 
 TIMEOUT_S = 2.0
 
@@ -26,22 +24,13 @@ TIMEOUT_S = 2.0
 def _silent_ring(algorithm: type, transport: str) -> list[Peer]:
     """ring4's peers over the in-process transport or real gRPC, started; only peer 0 will
     gossip: its neighbours 1 and 3 (and 2) never do."""
-    topology = load_topology("ring4")
     models = []
     for rank in range(4):
         torch.manual_seed(rank)
         models.append(torch.nn.Linear(6, 4))
-    if transport == "grpc":
-        return grpc_network(topology, models, algorithm, round_timeout=TIMEOUT_S)
-    hub = InMemoryHub()
-    peers = []
-    for rank, model in enumerate(models):
-        identity = Identity(rank, topology.hash, model_signature(model))
-        link = InMemoryTransport(identity, topology.neighbors(rank), hub)
-        peers.append(Peer(model, topology, rank, algorithm(), link, round_timeout=TIMEOUT_S))
-    for peer in peers:
-        peer.start(5, {})
-    return peers
+    return build_network(
+        load_topology("ring4"), models, algorithm, transport=transport, round_timeout=TIMEOUT_S
+    )
 
 
 @pytest.mark.parametrize("transport", ["memory", "grpc"])
