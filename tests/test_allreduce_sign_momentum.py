@@ -1,5 +1,7 @@
 """Issue 22 finding 4: every sign method of the all-reduce mode trains at the printed default
-momentum (0.9), within 2 points of plain all-reduce on digits.
+momentum (0.9), close to plain all-reduce on digits: within 2.5 points on the mean of six seeds
+(measured within 2: docs/benchmarks.md "Sign methods at the default momentum"), no seed
+collapsed.
 
 Before, the optimizer's momentum was applied after the error-fed sign update and replayed its
 delayed remainder: `gossipcomp allreduce --sync marsit` ended at 0.19, the sign hook at 0.35.
@@ -25,6 +27,9 @@ SIGN_METHODS = {
 }
 
 
+SEEDS = tuple(range(6))
+
+
 def _accuracies(session: Session, configs: dict[str, AllreduceConfig]) -> dict[str, float]:
     return {name: train_rank(session, config).test_accuracy for name, config in configs.items()}
 
@@ -40,11 +45,28 @@ def test_the_sign_methods_take_the_momentum_and_the_others_leave_it_to_the_optim
     assert not sync_takes_momentum(replace(DEFAULTS, sync="ssd"))
 
 
-def test_every_sign_method_trains_at_the_default_momentum_within_two_points() -> None:
-    configs = {"plain": replace(DEFAULTS, compressor="identity"), **SIGN_METHODS}
-    ranks = spawn(_accuracies, 2, (configs,), timeout_s=60, deadline_s=600)
-    plain = ranks[0]["plain"]
+def test_every_sign_method_trains_at_the_default_momentum_near_plain_all_reduce() -> None:
+    """Mean test accuracy over seeds 0-5: one seed of a method moves by 2-9 points (360 test
+    images, and a CPU with other vector units sums in another order: merged sign was 0.944
+    against plain 0.972 on seed 0 on one machine, within a point on another), while the bug
+    this guards against left the sign hook at 0.35 and Marsit at 0.19."""
+    configs = {
+        f"{name} s{seed}": replace(config, seed=seed)
+        for seed in SEEDS
+        for name, config in {
+            "plain": replace(DEFAULTS, compressor="identity"),
+            **SIGN_METHODS,
+        }.items()
+    }
+    ranks = spawn(_accuracies, 2, (configs,), timeout_s=60, deadline_s=900)
+    for name in configs:
+        assert ranks[1][name] == ranks[0][name], name  # every rank applies the same update
+
+    def mean(name: str) -> float:
+        return sum(ranks[0][f"{name} s{seed}"] for seed in SEEDS) / len(SEEDS)
+
+    plain = mean("plain")
     assert plain >= 0.9, plain
     for name in SIGN_METHODS:
-        assert ranks[0][name] >= plain - 0.02, (name, ranks[0][name], plain)
-        assert ranks[1][name] == ranks[0][name], name  # every rank applies the same update
+        assert mean(name) >= plain - 0.025, (name, mean(name), plain)
+        assert min(ranks[0][f"{name} s{seed}"] for seed in SEEDS) >= 0.85, name
