@@ -50,7 +50,9 @@ from gossipcomp.workload.checkpoint import CheckpointStore
 ROOT = Path(__file__).resolve().parents[1]
 LEAVER = 2
 JOINER = 4
-ROUNDS = 800
+# the network must outlast the joiner's admission and the leaver's removal (an 8 s member
+# timeout after the kill): on a fast machine 800 rounds ended first ("a process ended")
+ROUNDS = 2400
 WRAPPER = """\
 import os, subprocess, sys, time
 from pathlib import Path

@@ -264,12 +264,16 @@ class LinkMonitor:
         is alone follows this peer instead), already bounded by `plausible_round`; when two or
         more neighbours claim to be ahead, the lower of the two highest claims, so one liar
         cannot move the peer alone; never to or past the first agreed resume round; and, for a
-        peer with a live edge, only when more than `WAITED_GAP` rounds ahead. Back only
+        peer with a working edge (up, and an exchange tried on it), only when more than
+        `WAITED_GAP` rounds ahead. Back only
         for a peer with no live edge that has run past a resume round (isolated, it ran ahead
         alone): to that round minus the margin. None when no move is needed."""
         with self._lock:
             resuming = [link for link in self._links.values() if link.state is LinkState.RESUMING]
             free = all(link.state is not LinkState.UP for link in self._links.values())
+            # an edge that has carried an exchange: one never tried (a joiner's, before its
+            # admission) keeps nobody's round, and a peer holding only such edges still jumps
+            working = any(link.state is LinkState.UP and link.used for link in self._links.values())
         if not resuming:
             return None
         first_resume = min(link.resume_round for link in resuming)
@@ -282,7 +286,7 @@ class LinkMonitor:
             agreed = agreed_round(ahead, quorum_of(len(ahead)))
             assert agreed is not None
             target = min(agreed, first_resume - 1)
-            if not free and target - round <= WAITED_GAP:
+            if working and target - round <= WAITED_GAP:
                 return None  # the resume's wait closes the gap; a jump would drop live edges
             return target if target > round else None
         if free and round > first_resume:
