@@ -309,9 +309,10 @@ def run_network(
             # rounds left must last 3 member timeouts, or the run ends with the peer outside
             pace = (time.perf_counter() - start) / max(1, lead)
             room = (config.gossip_rounds - lead) * pace > 3 * args.member_timeout
-            if churn and more and not room and due < config.gossip_rounds and lead >= due:
+            kill_due = churn and more and due < config.gossip_rounds and lead >= due
+            if kill_due and not room:
                 skipped = skipped or lead
-            if churn and more and room and due < config.gossip_rounds and lead >= due:
+            elif kill_due:
                 victim = len(events) % CAPACITY
                 net.kill(victim)
                 # it returns at its address from its newest checkpoint, joining, once the

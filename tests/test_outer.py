@@ -542,3 +542,15 @@ def test_the_outer_benchmark_runs_tiny_and_reports_its_keys(tmp_path):
     # (a global logging.disable here once hid them from test_schedules' caplog)
     assert logging.root.manager.disable == logging.NOTSET
     assert logging.getLogger("gossipcomp").getEffectiveLevel() <= logging.WARNING
+
+
+def test_the_outer_benchmarks_seed_list_refuses_what_is_not_a_seed():
+    """--grid-seeds (outer.py) and --seeds (language_model.py) share one parser: seeds in the
+    order given, each once; a negative or non-numeric one is refused, named, and cut short."""
+    outer = benchmark("outer")
+    assert outer.parse_seeds("2, 0,2,,1") == [2, 0, 1]
+    assert outer.parse_seeds("") == []
+    for hostile in ("-1", "1e3", "x" * 1000):
+        with pytest.raises(ValueError, match="seeds: expected non-negative integers") as raised:
+            outer.parse_seeds(f"0,{hostile}")
+        assert len(str(raised.value)) < 100

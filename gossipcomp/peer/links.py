@@ -14,8 +14,8 @@ the two sides of a partition run at their own pace; an isolated peer runs ahead 
 that is behind moves forward to the round the other end had when they agreed
 (`catch_up_round`): its other edges then see rounds out of step, fail once, and resume the same
 way, so the catch-up spreads, level and never overshooting, until rounds line up again. A peer
-with a live edge that is only a few rounds behind (`WAITED_GAP`) does not move: the other end
-waits for it at the resume round instead. A peer
+with a working edge (up, and an exchange tried on it) that is only a few rounds behind
+(`WAITED_GAP`) does not move: the other end waits for it at the resume round instead. A peer
 that is *alone* (no edge up or agreed) says so in its handshakes; its round is not followed,
 and if it ran past the resume round it moves back instead.
 
@@ -55,7 +55,7 @@ log = logging.getLogger("gossipcomp.links")  # the name it had before it moved h
 RESUME_MARGIN = 5  # rounds between agreeing on a resume round and using it
 MAX_RESUME_MARGIN = 640  # the margin doubles each time an answer came too late to be used
 PACE_WINDOW = 64  # recent in-step rounds whose fastest sets the pace
-# a peer with a live edge that is at most this many rounds behind a resuming neighbour does not
+# a peer with a working edge that is at most this many rounds behind a resuming neighbour does not
 # jump: at the resume round the neighbour's exchange waits for it (its envelope for that round
 # is let in however far ahead), as a partner's does every round. A jump takes every live edge
 # down, and on a graph that changes every round, where peers that are not partners are
