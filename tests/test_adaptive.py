@@ -234,7 +234,7 @@ def test_link_changes_are_parsed_and_bad_ones_named():
 def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_when_it_recovers(
     one_thread,
 ):
-    """ring4 over the throttled transport, a coordinator choosing levels every 2 rounds within
+    """ring4 over the throttled transport, a coordinator choosing levels every round within
     a 60 ms budget. Link 0-1 drops from 16 to 1.6 Mbit/s at round 16 and recovers at round 40.
     Its rank falls to one whose transfers fit the slow link within 12 rounds, and its transfer
     time returns within the budget; after the recovery it rises again. Both ends of every edge

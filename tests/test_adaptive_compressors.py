@@ -247,7 +247,7 @@ def test_a_link_that_slows_tenfold_lowers_its_ends_levels_and_they_rise_when_it_
     one_thread,
 ):
     """Choco with top-k on ring4 over the throttled transport, a coordinator choosing levels
-    every 2 rounds within a 120 ms budget (CPU noise on a busy machine, tens of ms, stays small
+    every round within a 120 ms budget (CPU noise on a busy machine, tens of ms, stays small
     beside it). Link 0-1 drops from 8 to 0.8 Mbit/s at round 24 and recovers at round 52. Peers 0 and 1 fall to a level whose payload fits the slow link within
     12 rounds, the link's transfers fit the budget again before it recovers, and the levels
     rise after it. No exchange fails or mismatches, and both ends track the same copies."""

@@ -3,6 +3,8 @@ and comes back; hostile reports are refused naming the field."""
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -111,6 +113,44 @@ def test_peers_train_on_when_the_coordinator_dies_and_a_new_one_continues_the_ep
         assert [s.epoch for s in second.published] == [2]  # above what the peers held
         assert all(p.schedules.current.epoch == 2 for p in peers)
         assert all(p.stats.mismatched_epoch_exchanges == 0 for p in peers)
+
+
+def test_reports_go_out_from_one_kept_thread_not_a_new_thread_each(monkeypatch):
+    """Peers reporting every round for 12 rounds start one thread each for their reports (the
+    one kept for them). Sent as gRPC futures, every report started a thread to poll its
+    completion and waited for it to run: 12 a peer here, several milliseconds of each round
+    on a busy machine (docs/benchmarks.md, issue 24)."""
+    peers = build_network(
+        RING4, _models(4), lambda: Choco(parse_spec("sign"), consensus_step=0.4), "grpc"
+    )
+    coordinator = Coordinator(RING4, planner="single", report_every=1)
+    server = CoordinatorServer(coordinator, "127.0.0.1:0")
+    clients = [CoordinatorClient(server.address, p, "sign", report_every=1) for p in peers]
+    started: Counter[str] = Counter()  # threads started, by the thread that started them
+    start = threading.Thread.start
+
+    def counted(thread: threading.Thread) -> None:
+        started[threading.current_thread().name] += 1
+        start(thread)
+
+    def one(peer, client) -> None:
+        threading.current_thread().name = f"trainer-{peer.rank}"
+        for _ in range(12):
+            peer.gossip()
+            client.after_round()
+
+    try:
+        monkeypatch.setattr(threading.Thread, "start", counted)
+        run_in_threads([lambda p=p, c=c: one(p, c) for p, c in zip(peers, clients, strict=True)])
+        monkeypatch.undo()
+        assert all(p.schedules.current.epoch == 1 for p in peers)  # the reports were answered
+        assert [started[f"trainer-{p.rank}"] for p in peers] == [1, 1, 1, 1], started
+    finally:
+        for client in clients:
+            client.close()
+        server.stop()
+        for peer in peers:
+            peer.close()
 
 
 def _report(**fields) -> cpb.PeerReport:

@@ -1,7 +1,11 @@
 """A peer's side of the coordinator: report every few rounds, stage the schedules it sends.
 
-Nothing here blocks training: a report is sent as a gRPC future after a round, and its reply is
-looked at after a later round. A coordinator that cannot be reached costs a warning (once until
+Nothing here blocks training: a report is sent after a round by one thread kept for the
+purpose (a blocking call there), and its reply is looked at after a later round. Not as a gRPC
+future: on a channel with no call in flight, grpcio starts a thread to poll each future's
+completion and waits until that thread runs, several milliseconds a report on a busy machine
+(6 ms a round of each peer's time with reports every round, doubling ring4's round time in
+one process; docs/benchmarks.md, issue 24). A coordinator that cannot be reached costs a warning (once until
 it answers again) and the peer trains on with the schedules it has; one that sends a schedule
 the peer refuses (`ScheduleRefused`) costs an error naming why, and the peer keeps its current
 schedule. Schedules are staged from the training thread, as `Peer.apply` requires.
@@ -10,6 +14,7 @@ schedule. Schedules are staged from the training thread, as `Peer.apply` require
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import torch
@@ -70,7 +75,8 @@ class CoordinatorClient:
             if isinstance(algorithm, LinkLeveled | PeerLeveled)
             else None
         )
-        self._pending: grpc.Future | None = None
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"report-{peer.rank}")
+        self._pending: Future[cpb.ReportReply] | None = None
         self._unreachable = False
         self.phase = CriticalPhase()  # reported: the coordinator may boost a critical peer
         self.refused: list[str] = []  # why schedules were refused, once per epoch
@@ -93,9 +99,11 @@ class CoordinatorClient:
         due = self.peer.round % self.report_every == 0
         # a peer outside a live network does no rounds: it reports until it is admitted
         if self._pending is None and (due or not self.peer.member):
-            self._pending = self._report.future(self._request(), timeout=REPORT_TIMEOUT)
+            self._pending = self._sender.submit(
+                self._report, self._request(), timeout=REPORT_TIMEOUT
+            )
 
-    def _take(self, answered: grpc.Future) -> None:
+    def _take(self, answered: Future[cpb.ReportReply]) -> None:
         try:
             reply = answered.result()
         except grpc.RpcError as error:
@@ -164,4 +172,5 @@ class CoordinatorClient:
     def close(self) -> None:
         if self._pending is not None:
             self._pending.cancel()
-        self._channel.close()
+        self._channel.close()  # a report in flight ends with an error its thread drops
+        self._sender.shutdown(wait=False)

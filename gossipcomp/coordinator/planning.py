@@ -19,7 +19,7 @@ margin doubled, until it fits.
 
 Rate control (`adaptive`): peers also report their last sends to each neighbour (bytes, and
 seconds until the neighbour had them) and, for an algorithm with per-link levels, the bytes a
-round sends at each level. Every time the furthest round has moved `2 x report_every` rounds
+round sends at each level. Every time the furthest round has moved `report_every` rounds
 on, the coordinator estimates every link from both ends' sends and lets the rate controller
 (levels/rate.py) choose each link's level within the round budget (set, or else the slowest
 peer's compute time per round); when any level changes it publishes a schedule with the same
@@ -358,12 +358,14 @@ class Coordinator:
 
     def _maybe_adapt(self) -> None:
         """Choose every link's level when every peer has reported and, after the first time,
-        the furthest round has moved 2 x report_every rounds on; publish when one changes."""
+        the furthest round has moved report_every rounds on (every peer has reported once
+        more: a link that slowed waits one report for its decision, not two); publish when one
+        changes."""
         if not self.adaptive or len(self._model_members()) < len(self.members):
             return
         reports = self._model_members()
         if self._adapted_at is not None and (
-            0 <= self._lead - self._adapted_at < 2 * self.report_every
+            0 <= self._lead - self._adapted_at < self.report_every
         ):
             return
         if self._adapted_at is None and min(m.round for m in reports) < FIRST_DECISION_ROUND:
