@@ -8,8 +8,10 @@ each) and run_peer (one peer), so a peer is built and trained the same way in al
 
 from __future__ import annotations
 
+import gc
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,6 +158,36 @@ class _Setup:
             _trainer(peer, data, self.config, self.checkpoints, clients[i] if clients else None)
             for i, peer in enumerate(peers)
         ]
+
+
+#: gen-0 collections' threshold during a run (CPython's own: 700 allocations): the peers' event
+#: loop and training threads allocate that many in well under a millisecond, and each
+#: collection walks every young object alive at the time (in-flight calls, tensors) again.
+RUN_GC_THRESHOLD = 10_000
+
+
+@contextmanager
+def garbage_collection_for_run() -> Iterator[None]:
+    """The garbage collector set up for a run until exit, restored then: the objects alive at
+    entry (modules, torch's and grpc's internals: ~400,000 of them) left out of its full
+    passes (gc.freeze), and young collections every RUN_GC_THRESHOLD allocations. Measured on
+    ring32 in one process (100 rounds, 2-core EPYC, three runs each): collections held the
+    interpreter lock 16-21 ms a round before (a full pass 0.12-0.2 s), 2.8-3.8 ms after;
+    ring8 5-6 ms before, 1.2-1.8 after. Nothing is lost: at exit the frozen objects go back
+    to the oldest generation (gc.unfreeze) and garbage among them is collected as before. A
+    caller that froze objects itself (or a run already under way in this process) keeps its
+    settings: nothing is changed then."""
+    if gc.get_freeze_count():
+        yield
+        return
+    threshold = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(max(threshold[0], RUN_GC_THRESHOLD), *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
 
 
 def _failed_rounds_bound(config: TrainConfig, rank: int) -> int:
