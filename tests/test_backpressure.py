@@ -142,8 +142,9 @@ def test_pauses_double_up_to_the_longest_and_leave_the_last_attempt_time() -> No
 
 
 def test_a_push_under_a_schedule_not_yet_received_waits_for_it(pair: Pair) -> None:
-    """Peer 0 already switched to schedule epoch 1; peer 1 receives that schedule 0.5 s later.
-    The push is not yet acceptable, not wrong: it is taken once epoch 1 is staged."""
+    """Peer 0 already switched to schedule epoch 1 at round 1; peer 1, still before round 1,
+    receives that schedule 0.5 s later. The push is not yet acceptable, not wrong: it is taken
+    once epoch 1 is staged."""
     a, b = pair
     spec = (tensor_spec("w", torch.zeros(2)),)
     a.inbox.expect("p", spec, schedule_epoch=1)
@@ -151,10 +152,10 @@ def test_a_push_under_a_schedule_not_yet_received_waits_for_it(pair: Pair) -> No
     def behind() -> object:
         time.sleep(0.5)
         b.inbox.expect("p", spec, schedule_epoch=1)
-        return b.exchange(0, "p", {0: _payload(2.0)}, timeout=20.0, schedule_epoch=1)
+        return b.exchange(1, "p", {0: _payload(2.0)}, timeout=20.0, schedule_epoch=1)
 
     ahead, late = run_in_threads(
-        [lambda: a.exchange(0, "p", {1: _payload(1.0)}, timeout=20.0, schedule_epoch=1), behind]
+        [lambda: a.exchange(1, "p", {1: _payload(1.0)}, timeout=20.0, schedule_epoch=1), behind]
     )
     assert not ahead.failed and not late.failed
     assert torch.equal(decode_raw(late.received[0].tensor("w")), torch.full((2,), 1.0))
@@ -170,3 +171,49 @@ def test_a_push_under_a_replaced_schedule_is_refused_at_once(pair: Pair) -> None
     assert set(result.failed) == {1} and "FAILED_PRECONDITION" in result.failed[1]
     assert "long replaced" in result.failed[1]
     assert time.monotonic() - start < 5.0
+
+
+def test_a_push_under_a_schedule_the_receiver_received_too_late_fails_both_ends_at_once(
+    pair: Pair,
+) -> None:
+    """Peer 0 switched to schedule epoch 1 at round 0; peer 1 is already in round 0 under epoch
+    0 (the schedule reached it too late: it refused it as taking effect in its past). Epoch 1
+    can never come to peer 1 for round 0, so peer 0's push is refused at once, not pushed again
+    until the deadline, and peer 1 stops waiting for peer 0's envelope: both ends fail the edge
+    for the round within seconds. Pushed again as not yet due, both waited the whole 20 s (60 s
+    in the adaptive benchmark of docs/benchmarks.md, issue 24)."""
+    a, b = pair
+    a.inbox.expect("p", (tensor_spec("w", torch.zeros(2)),), schedule_epoch=1)
+    start = time.monotonic()
+    behind, ahead = run_in_threads(
+        [
+            lambda: b.exchange(0, "p", {0: _payload(2.0)}, timeout=20.0, schedule_epoch=0),
+            _later(
+                0.3,
+                lambda: a.exchange(0, "p", {1: _payload(1.0)}, timeout=20.0, schedule_epoch=1),
+            ),
+        ]
+    )
+    assert time.monotonic() - start < 5.0
+    assert set(ahead.failed) == {1} and "FAILED_PRECONDITION" in ahead.failed[1]
+    assert set(behind.failed) == {0}  # it waited for peer 0 no longer
+    assert not ahead.received and not behind.received
+
+
+def test_an_unknown_newer_epoch_is_not_yet_for_a_round_not_reached_and_final_for_one_reached():
+    """The mailbox's reached round decides: before a peer opens round 3, an envelope of round 3
+    under an epoch newer than any held may still become acceptable (ABORTED); once round 3 is
+    open it cannot (FAILED_PRECONDITION, told to strangers without the round)."""
+    hub = InMemoryHub()
+    receiver = InMemoryTransport(Identity(1, "t", "m"), [0], hub)
+    receiver.inbox.expect("p", (tensor_spec("w", torch.zeros(2)),))
+    envelope = Envelope(0, 3, "p", _payload(1.0), schedule_epoch=1)
+    with pytest.raises(EnvelopeRejected) as early:
+        receiver.receive(envelope)
+    assert early.value.code is RejectCode.ABORTED
+    receiver.inbox.open_round(3)
+    with pytest.raises(EnvelopeRejected) as reached:
+        receiver.receive(envelope)
+    assert reached.value.code is RejectCode.FAILED_PRECONDITION
+    assert "round" not in reached.value.public
+    receiver.close()

@@ -87,6 +87,15 @@ def tensor_spec(name: str, tensor: torch.Tensor, require_finite: bool = True) ->
     )
 
 
+class UnstageableEpoch(EnvelopeRejected):
+    """An envelope under a schedule epoch the receiver does not hold, for a round it has
+    already reached: a schedule reached the sender in time and this peer too late (refused as
+    taking effect in its past). Final, not back-pressure: pushed again until the round's
+    deadline it held both ends for a whole round timeout (60 s in the adaptive benchmark of
+    docs/benchmarks.md, issue 24), and the receiver stops waiting for that sender's envelope
+    of the round, which comes under that epoch or not at all."""
+
+
 def validate_header(
     *,
     protocol_version: int,
@@ -98,12 +107,16 @@ def validate_header(
     max_envelope_bytes: int,
     round: int = 0,
     schedule_epoch: int = 0,
+    reached_round: int = -1,
 ) -> PayloadSpec:
     """Check an envelope header against the receiver's expectations; return the matching spec.
 
     `tensors` carries the declared name, dtype, shape, codec and nbytes of each tensor. Raises
     EnvelopeRejected naming the field, the expected and the actual value (values from the wire
-    quoted no longer than `gossipcomp.inputs.text.QUOTE_LIMIT`).
+    quoted no longer than `gossipcomp.inputs.text.QUOTE_LIMIT`). An epoch newer than any held
+    is not yet acceptable (ABORTED: the sender pushes it again) unless the envelope's round is
+    at most `reached_round`, the furthest round the receiver opened: no schedule it stages now
+    can take effect there, so that epoch never comes for that round (UnstageableEpoch).
     """
     if not 0 <= round < MAX_WIRE_ROUND:
         raise EnvelopeRejected(
@@ -129,6 +142,14 @@ def validate_header(
         phases = sorted({p for _, p in specs})
         if phase in phases:
             newest = max(e for e, p in specs if p == phase)
+            if schedule_epoch > newest and round <= reached_round:
+                raise UnstageableEpoch(
+                    RejectCode.FAILED_PRECONDITION,
+                    f"schedule_epoch: {schedule_epoch} is not a schedule this peer has for phase "
+                    f"{quoted(phase)} (newest {newest}), and none it stages now takes effect "
+                    f"as early as round {round}",
+                    public=f"schedule_epoch {schedule_epoch}: not accepted now",
+                )
             if schedule_epoch > newest:  # the sender may push it again once it has come
                 raise EnvelopeRejected(
                     RejectCode.ABORTED,

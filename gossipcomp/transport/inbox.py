@@ -35,7 +35,12 @@ from gossipcomp.transport.base import (
     PayloadSpec,
     epoch_mismatch,
 )
-from gossipcomp.transport.codec import check_finite, decode_payloads, validate_header
+from gossipcomp.transport.codec import (
+    UnstageableEpoch,
+    check_finite,
+    decode_payloads,
+    validate_header,
+)
 from gossipcomp.transport.mailbox import Mailbox
 
 SpecTable = Mapping[tuple[int, str], Mapping[int, PayloadSpec]]
@@ -189,18 +194,25 @@ class Inbox:
 
     def check_header(self, header: pb.EnvelopeHeader) -> PayloadSpec:
         """Validate a header (its level notice included, and its round against the mailbox's)
-        before any data is read; return the spec it matched."""
-        spec = validate_header(
-            protocol_version=header.protocol_version,
-            round=header.round,
-            schedule_epoch=header.schedule_epoch,
-            sender=header.sender,
-            phase=header.phase,
-            tensors=list(header.tensors),
-            neighbours=self.neighbours,
-            specs=self._specs_at(header),
-            max_envelope_bytes=self._max_envelope_bytes,
-        )
+        before any data is read; return the spec it matched. A sender whose envelope comes
+        under an epoch this peer cannot hold for its round (UnstageableEpoch) is not waited for
+        in that round and phase."""
+        try:
+            spec = validate_header(
+                protocol_version=header.protocol_version,
+                round=header.round,
+                schedule_epoch=header.schedule_epoch,
+                sender=header.sender,
+                phase=header.phase,
+                tensors=list(header.tensors),
+                neighbours=self.neighbours,
+                specs=self._specs_at(header),
+                max_envelope_bytes=self._max_envelope_bytes,
+                reached_round=self.mailbox.reached,
+            )
+        except UnstageableEpoch:
+            self.mailbox.abandon(header.round, header.phase, header.sender)
+            raise
         check_notice(header, self.rank, self._notice_rules)
         self.mailbox.check_round(header.round, header.sender)  # late or not yet: no data read
         return spec

@@ -28,6 +28,7 @@ class Mailbox:
             raise ValueError(f"window must be >= 1 round, got {window}")
         self._window = window
         self._floor = 0
+        self._reached = -1  # the furthest round opened (-1: none yet)
         self._items: dict[tuple[int, str, int], tuple[Envelope, int]] = {}
         self._consumed: set[tuple[int, str, int]] = set()
         self._closed: set[tuple[int, str, int]] = set()  # collect gave up on these
@@ -45,6 +46,7 @@ class Mailbox:
     def open_round(self, round: int) -> None:
         """Mark rounds before `round` finished: their envelopes are dropped and refused from now."""
         with self._cond:
+            self._reached = max(self._reached, round)
             if round > self._floor:
                 self._floor = round
                 self._items = {k: v for k, v in self._items.items() if k[0] >= round}
@@ -58,12 +60,21 @@ class Mailbox:
         dropped (agreed resume rounds from `round` on stay allowed)."""
         with self._cond:
             self._floor = round
+            self._reached = round - 1
             self._items.clear()
             self._consumed.clear()
             self._closed.clear()
             self._abandoned.clear()
             self._allowed = {s: r for s, r in self._allowed.items() if r >= round}
             self._cond.notify_all()
+
+    @property
+    def reached(self) -> int:
+        """The furthest round this peer has opened (-1 before its first): a schedule it stages
+        from now on takes effect after it, so an epoch it does not hold for a round up to this
+        one never comes for that round."""
+        with self._cond:
+            return self._reached
 
     def check_round(self, round: int, sender: int) -> None:
         """Refuse `sender`'s envelope for `round` as late (FAILED_PRECONDITION: that round is
