@@ -9,6 +9,8 @@ every edge always on the same level.
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
 import torch
@@ -336,6 +338,25 @@ def test_boost_raises_the_links_of_a_critical_peer_one_level(boost):
     levels = {(x.low, x.high): x.level for x in coordinator.published[-1].links}
     boosted = 16 if boost else 8
     assert levels == {(0, 1): 8, (0, 3): 8, (1, 2): boosted, (2, 3): boosted}
+
+
+def test_each_change_of_levels_is_logged_with_its_budget_floor_and_estimates(caplog):
+    """What a level change was decided on, one line: the round, the budget (10 ms given) and
+    its floor (the slowest link at the lowest level: 1 ms at 1 us per byte), each link's
+    level and settled estimate. Nothing is logged while the levels stay."""
+    coordinator = Coordinator(RING4, report_every=1, adaptive=True, round_budget=0.01)
+    with caplog.at_level(logging.INFO, logger="gossipcomp.coordinator.levels"):
+        for rank in range(4):
+            coordinator.receive(_report(rank, critical=False))
+        for rank in range(4):  # the same sends again: the same levels
+            again = _report(rank, critical=False)
+            again.round = 6
+            coordinator.receive(again)
+    lines = [r.getMessage() for r in caplog.records if r.name == "gossipcomp.coordinator.levels"]
+    assert len(lines) == 1, lines
+    assert "at round 4: budget 10.0 ms (floor 1.0 ms" in lines[0]
+    for link in ("0-1", "1-2", "2-3", "0-3"):
+        assert f"{link} level 8 (0.0 ms + 1000 ns/B)" in lines[0]
 
 
 def test_the_coordinator_decides_levels_only_past_the_start_up_rounds():

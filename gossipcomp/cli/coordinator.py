@@ -4,6 +4,7 @@ measurements; its flags, which `simulate` shares for the coordinator it runs in-
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 from typing import TYPE_CHECKING
 
@@ -141,7 +142,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
         )
     topology = resolve_topology(args.topology)
     registry = _registry(args.registry) if args.registry is not None else None
-    server = CoordinatorServer(make_coordinator(args, topology), args.address, tls)
+    coordinator = make_coordinator(args, topology)
+    if args.adaptive:
+        from gossipcomp.coordinator.planning import decisions_log
+
+        decisions_log.setLevel(logging.INFO)  # each change of link levels is news
+    server = CoordinatorServer(coordinator, args.address, tls)
     # before the address is printed: a script that reads it may kill the coordinator at once
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:

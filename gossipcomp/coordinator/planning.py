@@ -84,6 +84,9 @@ from gossipcomp.transport.claims import (
 )
 
 log = logging.getLogger("gossipcomp.coordinator")  # the name it had as one module
+# each change of link levels and what it was decided on (`gossipcomp coordinator --adaptive`
+# shows them): the budget, its floor and every link's estimate
+decisions_log = logging.getLogger("gossipcomp.coordinator.levels")
 
 ADAPTIVE_PLANNER = "adaptive"  # the planner label of schedules that change link levels
 
@@ -397,8 +400,36 @@ class Coordinator:
         }
         if chosen == current:
             return
+        self._log_decision(chosen, budget)
         links = tuple(LinkLevel(a, b, level) for (a, b), level in sorted(chosen.items()))
         self._publish(newest.groups if newest else (), ADAPTIVE_PLANNER, links, budget)
+
+    def _log_decision(self, chosen: dict[Link, int], budget: float) -> None:
+        """One line per change of levels: the round it was decided at, the budget and where it
+        came from, and each link's level with the settled estimate the floor was taken from."""
+        if self._rate is None or not decisions_log.isEnabledFor(logging.INFO):
+            return
+        estimated = self._rate.estimated
+        lowest = self._rate.costs.levels[0]
+        floor = max((self._rate.costs.seconds(lowest, c) for c in estimated.values()), default=0)
+        links = ", ".join(
+            f"{a}-{b} level {level}"
+            + (
+                f" ({1e3 * estimated[(a, b)].latency_s:.1f} ms + "
+                f"{1e9 * estimated[(a, b)].seconds_per_byte:.0f} ns/B)"
+                if (a, b) in estimated
+                else ""
+            )
+            for (a, b), level in sorted(chosen.items())
+        )
+        decisions_log.info(
+            "coordinator: levels decided at round %d: budget %.1f ms (floor %.1f ms: the "
+            "slowest link at the lowest level); %s",
+            self._lead,
+            1e3 * budget,
+            1e3 * floor,
+            links,
+        )
 
     def _plan(self) -> tuple[TensorGroup, ...]:
         """The planner's groups under the cost model the reports give (none for algorithms

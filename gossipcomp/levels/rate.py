@@ -258,6 +258,8 @@ class RateController:
         # link -> the latencies its sends separated at the last decisions that could
         self._latency: dict[Link, deque[float]] = {}
         self.budget_s: float | None = None  # the budget of the last `update` (`round_budget`)
+        # each link's settled estimate at the last `update` (what the budget's floor came from)
+        self.estimated: dict[Link, LinkCost] = {}
 
     def choose(
         self,
@@ -316,7 +318,8 @@ class RateController:
                 for kind in zip(*estimates, strict=True)
             )
             estimated[key] = (worst, settled, lenient)
-        self.budget_s = self.round_budget(budget_s, [e[1] for e in estimated.values()])
+        self.estimated = {key: e[1] for key, e in estimated.items()}
+        self.budget_s = self.round_budget(budget_s, list(self.estimated.values()))
         for key, (worst, settled, lenient) in estimated.items():
             chosen[key] = self._patient(
                 key, current.get(key), worst, settled, self.budget_s, lenient
