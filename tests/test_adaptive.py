@@ -359,6 +359,22 @@ def test_each_change_of_levels_is_logged_with_its_budget_floor_and_estimates(cap
         assert f"{link} level 8 (0.0 ms + 1000 ns/B)" in lines[0]
 
 
+def test_the_coordinator_decides_again_once_the_furthest_round_moved_report_every_on():
+    """Reports every 2 rounds: levels decided at round 4 are decided again as soon as a report
+    of round 6 comes (peer 0's links, slowed tenfold, are lowered then), not at round 8."""
+    coordinator = Coordinator(RING4, report_every=2, adaptive=True, round_budget=0.01)
+    for rank in range(4):
+        coordinator.receive(_report(rank, critical=False))
+    assert {x.level for x in coordinator.published[-1].links} == {8}
+    slower = _report(0, critical=False)
+    slower.round = 6
+    for samples in slower.sends:
+        samples.seconds[:] = [10 * s for s in samples.seconds]
+    coordinator.receive(slower)
+    levels = {(x.low, x.high): x.level for x in coordinator.published[-1].links}
+    assert levels == {(0, 1): 1, (0, 3): 1, (1, 2): 8, (2, 3): 8}
+
+
 def test_the_coordinator_decides_levels_only_past_the_start_up_rounds():
     """Start-up sends (handshakes, first rounds) are slow: no level is set until every peer
     has reported from round FIRST_DECISION_ROUND on."""

@@ -217,3 +217,19 @@ def test_an_unknown_newer_epoch_is_not_yet_for_a_round_not_reached_and_final_for
     assert reached.value.code is RejectCode.FAILED_PRECONDITION
     assert "round" not in reached.value.public
     receiver.close()
+
+
+def test_headers_naming_finished_rounds_under_an_unknown_epoch_keep_nothing():
+    """A neighbour (or one posing as it over plaintext) sending headers for every finished
+    round under an epoch this peer never held: each is refused, and nothing is remembered for
+    rounds already finished; only the current round's wait for that sender ends."""
+    hub = InMemoryHub()
+    receiver = InMemoryTransport(Identity(1, "t", "m"), [0], hub)
+    receiver.inbox.expect("p", (tensor_spec("w", torch.zeros(2)),))
+    receiver.inbox.open_round(100)
+    for round in range(101):
+        with pytest.raises(EnvelopeRejected) as refused:
+            receiver.receive(Envelope(0, round, "p", _payload(1.0), schedule_epoch=1))
+        assert refused.value.code is RejectCode.FAILED_PRECONDITION
+    assert receiver.inbox.mailbox._abandoned == {(100, "p", 0)}
+    receiver.close()

@@ -3,9 +3,10 @@
 Nothing here blocks training: a report is sent after a round by one thread kept for the
 purpose (a blocking call there), and its reply is looked at after a later round. Not as a gRPC
 future: on a channel with no call in flight, grpcio starts a thread to poll each future's
-completion and waits until that thread runs, several milliseconds a report on a busy machine
-(6 ms a round of each peer's time with reports every round, doubling ring4's round time in
-one process; docs/benchmarks.md, issue 24). A coordinator that cannot be reached costs a warning (once until
+completion and waits until that thread runs, milliseconds a report on a busy machine (ring4
+in one process reporting every round: 40 ms a round with futures, 30 ms without, one run each;
+the shaped adaptive runs of docs/benchmarks.md, issue 24: a reporting peer's time outside
+gossip 0.012-0.016 s a round before, 0.004-0.007 s after). A coordinator that cannot be reached costs a warning (once until
 it answers again) and the peer trains on with the schedules it has; one that sends a schedule
 the peer refuses (`ScheduleRefused`) costs an error naming why, and the peer keeps its current
 schedule. Schedules are staged from the training thread, as `Peer.apply` requires.

@@ -361,9 +361,8 @@ class Coordinator:
 
     def _maybe_adapt(self) -> None:
         """Choose every link's level when every peer has reported and, after the first time,
-        the furthest round has moved report_every rounds on (every peer has reported once
-        more: a link that slowed waits one report for its decision, not two); publish when one
-        changes."""
+        the furthest round has moved report_every rounds on (one report interval: a link that
+        slowed waits one interval for its decision, not two); publish when one changes."""
         if not self.adaptive or len(self._model_members()) < len(self.members):
             return
         reports = self._model_members()
@@ -410,8 +409,6 @@ class Coordinator:
         if self._rate is None or not decisions_log.isEnabledFor(logging.INFO):
             return
         estimated = self._rate.estimated
-        lowest = self._rate.costs.levels[0]
-        floor = max((self._rate.costs.seconds(lowest, c) for c in estimated.values()), default=0)
         links = ", ".join(
             f"{a}-{b} level {level}"
             + (
@@ -427,7 +424,7 @@ class Coordinator:
             "slowest link at the lowest level); %s",
             self._lead,
             1e3 * budget,
-            1e3 * floor,
+            1e3 * self._rate.floor_s,
             links,
         )
 

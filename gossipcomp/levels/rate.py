@@ -258,8 +258,10 @@ class RateController:
         # link -> the latencies its sends separated at the last decisions that could
         self._latency: dict[Link, deque[float]] = {}
         self.budget_s: float | None = None  # the budget of the last `update` (`round_budget`)
-        # each link's settled estimate at the last `update` (what the budget's floor came from)
+        # each link's settled estimate at the last `update`, and the floor the budget took from
+        # them (`round_budget`): what the coordinator logs of a decision
         self.estimated: dict[Link, LinkCost] = {}
+        self.floor_s = 0.0
 
     def choose(
         self,
@@ -334,8 +336,8 @@ class RateController:
         budget follows the network, and every faster link rises to what fits beside the
         slowest one instead of all sinking to the lowest level."""
         lowest = self.costs.levels[0]
-        floor = max((self.costs.seconds(lowest, cost) for cost in links), default=0.0)
-        return max(budget_s, floor)
+        self.floor_s = max((self.costs.seconds(lowest, cost) for cost in links), default=0.0)
+        return max(budget_s, self.floor_s)
 
     def _estimates(
         self, key: Link, directions: Sequence[Sequence[tuple[int, float]]], bytes_only: bool

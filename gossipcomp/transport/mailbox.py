@@ -159,8 +159,12 @@ class Mailbox:
 
     def abandon(self, round: int, phase: str, sender: int) -> None:
         """Stop waiting for `sender`'s envelope of (round, phase): it is known not to come (our
-        push to that sender was refused, so it has moved on or gone)."""
+        push to that sender was refused, so it has moved on or gone; or it came under an epoch
+        this peer cannot hold for that round). A finished round is nobody's wait: nothing is
+        kept for it, so headers naming old rounds cannot fill memory until the next round."""
         with self._cond:
+            if round < self._floor:
+                return
             self._abandoned.add((round, phase, sender))
             self._cond.notify_all()
 

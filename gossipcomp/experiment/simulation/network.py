@@ -38,6 +38,7 @@ from gossipcomp.transport.grpc_transport import WHY_AUTHENTICATION_NEEDS_TLS
 from gossipcomp.transport.throttled import LinkRates
 
 
+@garbage_collection_for_run()  # full collections skip what was alive before the run
 def run_simulation(
     config: TrainConfig,
     topology: Topology,
@@ -69,58 +70,57 @@ def run_simulation(
     if workers != 1:
         _check_workers(workers, topology, authenticate)
     start = time.perf_counter()
-    with garbage_collection_for_run():  # full collections skip what was alive before the run
-        data = load_data(config)
-        peers: list[Peer] = []
-        keys = _throwaway_keys(topology.n) if authenticate else [None] * topology.n
-        with _simulation_tls(topology.n, tls) as (tls_files, coordinator_tls):
-            server = None
-            clients: list[CoordinatorClient] = []
-            try:
-                if coordinator is not None:
-                    server = CoordinatorServer(coordinator, "127.0.0.1:0", coordinator_tls)
-                setup = _Setup(
-                    config,
-                    topology,
-                    tls_files,
-                    None if server is None else server.address,
-                    report_every,
-                    link_rates,
-                    checkpoints,
-                    startup_timeout,
-                    peer_levels,
-                )
-                if workers != 1:
-                    outcomes, params = _train_in_workers(setup, workers, progress)
-                else:
-                    setup.build_peers(range(topology.n), data, keys, peers, usable_cores())
-                    clients = setup.clients(peers)
-                    trainers = setup.trainers(peers, clients, data)
-                    addresses = {p.rank: p.address for p in peers}
-                    for peer in peers:
-                        peer.start(startup_timeout, addresses)
-                    outcomes = _train_all(trainers, progress)
-                    params = [[p.detach() for _, p in peer.gossiped] for peer in peers]
-                average = [torch.stack(group).mean(dim=0) for group in zip(*params, strict=True)]
-                mean_vector = flat(average)
-                distances = [float((flat(ps) - mean_vector).pow(2).sum()) for ps in params]
-                return _report(
-                    "simulate",
-                    config,
-                    topology,
-                    outcomes,
-                    distances,
-                    average,
-                    data,
-                    time.perf_counter() - start,
-                )
-            finally:
-                for client in clients:
-                    client.close()
+    data = load_data(config)
+    peers: list[Peer] = []
+    keys = _throwaway_keys(topology.n) if authenticate else [None] * topology.n
+    with _simulation_tls(topology.n, tls) as (tls_files, coordinator_tls):
+        server = None
+        clients: list[CoordinatorClient] = []
+        try:
+            if coordinator is not None:
+                server = CoordinatorServer(coordinator, "127.0.0.1:0", coordinator_tls)
+            setup = _Setup(
+                config,
+                topology,
+                tls_files,
+                None if server is None else server.address,
+                report_every,
+                link_rates,
+                checkpoints,
+                startup_timeout,
+                peer_levels,
+            )
+            if workers != 1:
+                outcomes, params = _train_in_workers(setup, workers, progress)
+            else:
+                setup.build_peers(range(topology.n), data, keys, peers, usable_cores())
+                clients = setup.clients(peers)
+                trainers = setup.trainers(peers, clients, data)
+                addresses = {p.rank: p.address for p in peers}
                 for peer in peers:
-                    peer.close()
-                if server is not None:
-                    server.stop()
+                    peer.start(startup_timeout, addresses)
+                outcomes = _train_all(trainers, progress)
+                params = [[p.detach() for _, p in peer.gossiped] for peer in peers]
+            average = [torch.stack(group).mean(dim=0) for group in zip(*params, strict=True)]
+            mean_vector = flat(average)
+            distances = [float((flat(ps) - mean_vector).pow(2).sum()) for ps in params]
+            return _report(
+                "simulate",
+                config,
+                topology,
+                outcomes,
+                distances,
+                average,
+                data,
+                time.perf_counter() - start,
+            )
+        finally:
+            for client in clients:
+                client.close()
+            for peer in peers:
+                peer.close()
+            if server is not None:
+                server.stop()
 
 
 @contextmanager

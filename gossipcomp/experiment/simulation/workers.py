@@ -150,6 +150,7 @@ def _expect(pipe: Connection, process: BaseProcess, kind: str, seconds: float) -
     return message[0]
 
 
+@garbage_collection_for_run()  # full collections skip what was alive before the run
 def _worker(setup: _Setup, ranks: range, pipe: Connection, slots: int) -> None:
     """One worker process: build its peers (computing `slots` at once), trade addresses
     through the parent, train, and send back outcomes and final tensors (or the error that
@@ -161,31 +162,30 @@ def _worker(setup: _Setup, ranks: range, pipe: Connection, slots: int) -> None:
         with lock:
             pipe.send(message)
 
-    with garbage_collection_for_run():  # full collections skip what was alive before the run
-        peers: list[Peer] = []
-        clients: list[CoordinatorClient] = []
+    peers: list[Peer] = []
+    clients: list[CoordinatorClient] = []
+    try:
+        data = load_data(setup.config)
+        setup.build_peers(ranks, data, [None] * setup.topology.n, peers, slots)
+        send("addresses", {p.rank: p.address for p in peers})
+        addresses = pipe.recv()
+        clients = setup.clients(peers)
+        trainers = setup.trainers(peers, clients, data)
+        for peer in peers:
+            peer.start(setup.startup_timeout, addresses)
+        outcomes = _train_all(trainers, lambda rank, r: send("progress", rank, r))
+        # as numpy arrays: torch would share tensors through file descriptors that close with
+        # this process
+        params = {p.rank: [t.detach().numpy().copy() for _, t in p.gossiped] for p in peers}
+        send("done", {o.rank: o for o in outcomes}, params)
+    except BaseException as error:  # sent to the parent, which raises it
         try:
-            data = load_data(setup.config)
-            setup.build_peers(ranks, data, [None] * setup.topology.n, peers, slots)
-            send("addresses", {p.rank: p.address for p in peers})
-            addresses = pipe.recv()
-            clients = setup.clients(peers)
-            trainers = setup.trainers(peers, clients, data)
-            for peer in peers:
-                peer.start(setup.startup_timeout, addresses)
-            outcomes = _train_all(trainers, lambda rank, r: send("progress", rank, r))
-            # as numpy arrays: torch would share tensors through file descriptors that close with
-            # this process
-            params = {p.rank: [t.detach().numpy().copy() for _, t in p.gossiped] for p in peers}
-            send("done", {o.rank: o for o in outcomes}, params)
-        except BaseException as error:  # sent to the parent, which raises it
-            try:
-                send("error", error)
-            except Exception:  # an error that does not pickle: its text does
-                send("error", RuntimeError(f"{type(error).__name__}: {error}"))
-        finally:
-            for client in clients:
-                client.close()
-            for peer in peers:
-                peer.close()
-            pipe.close()
+            send("error", error)
+        except Exception:  # an error that does not pickle: its text does
+            send("error", RuntimeError(f"{type(error).__name__}: {error}"))
+    finally:
+        for client in clients:
+            client.close()
+        for peer in peers:
+            peer.close()
+        pipe.close()
