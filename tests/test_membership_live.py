@@ -279,7 +279,7 @@ def test_a_member_saying_it_waits_is_admitted_again_once_and_only_holding_the_ne
     assert again.members == (0, 1, 2, 3) and coordinator.members == (0, 1, 2, 3)
     # 1 asks again before it holds the new schedule: the reply carries it, no other epoch
     asked = _report(topology, 1, 3, schedule_epoch=held, joining=True)
-    assert coordinator.receive(asked) == again
+    assert coordinator.receive(asked) == (again,)
     clock.now = 5.0  # and holding it, within the change interval: none either
     for sender in (0, 2, 3):
         coordinator.receive(

@@ -28,7 +28,7 @@ from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
 from gossipcomp.schedule import CompressorCost, measure_compressor
 from gossipcomp.schedule.critical import CriticalPhase
 from gossipcomp.schedule.messages import schedule_from_proto
-from gossipcomp.schedule.schedule import ScheduleRefused
+from gossipcomp.schedule.schedule import MAX_STAGED, ScheduleRefused
 from gossipcomp.security.tls import TlsFiles, channel_credentials
 from gossipcomp.transport.base import PROTOCOL_VERSION
 
@@ -122,12 +122,27 @@ class CoordinatorClient:
         self._unreachable = False
         if not reply.has_schedule or reply.schedule.epoch == self._refused_epoch:
             return  # nothing new, or the schedule this peer already refused (said once)
-        try:
-            self.peer.apply(schedule_from_proto(reply.schedule))
-        except ScheduleRefused as refused:
-            self._refused_epoch = reply.schedule.epoch
-            self.refused.append(str(refused))
-            log.error("peer %d: refused the coordinator's schedule: %s", self.peer.rank, refused)
+        if len(reply.earlier) > MAX_STAGED - 1:
+            self._refuse(
+                reply.schedule.epoch,
+                f"a reply with {len(reply.earlier)} earlier schedules: expected at most "
+                f"{MAX_STAGED - 1} (no more wait at a peer)",
+            )
+            return
+        for message in (*reply.earlier, reply.schedule):
+            if message.epoch <= self.peer.schedules.newest.epoch:
+                continue  # held already: staged from a neighbour since the report went out
+            try:
+                self.peer.apply(schedule_from_proto(message))
+            except ScheduleRefused as refused:
+                self._refuse(message.epoch, str(refused))
+
+    def _refuse(self, epoch: int, why: str) -> None:
+        """Keep the current schedules and say why (the newest refused epoch is not tried
+        again)."""
+        self._refused_epoch = epoch
+        self.refused.append(why)
+        log.error("peer %d: refused the coordinator's schedule: %s", self.peer.rank, why)
 
     def _request(self) -> cpb.PeerReport:
         peer = self.peer

@@ -3,7 +3,8 @@
 Optional: peers train on their static schedule without it, and on their last schedule when it
 dies. Peers report every few rounds (`PeerReport`: round, newest epoch, compute seconds per
 round, their compressor's measured cost, the model's tensors, and the recent transfers of each
-link); the reply carries the newest schedule when the peer does not hold it yet.
+link); the reply carries the newest schedule when the peer does not hold it yet, and before
+it those published since the peer's epoch that still take effect after its round (`lacking`).
 
 Planning: once every peer of the topology has reported, and then every `replan_every` rounds,
 the coordinator builds a cost model from the reports (the slowest peer's compute and
@@ -169,8 +170,8 @@ class Coordinator:
         """The report, checked; ReportRefused naming what is wrong."""
         return check_report(self.topology, request)
 
-    def receive(self, request: cpb.PeerReport) -> Schedule | None:
-        """Take a peer's report; the newest schedule when the peer does not hold it yet.
+    def receive(self, request: cpb.PeerReport) -> tuple[Schedule, ...]:
+        """Take a peer's report; the schedules it lacks, oldest first (`lacking`).
 
         The report's word on the model counts toward the majority first; a report of another
         model than the majority's is then refused (FAILED_PRECONDITION). Its round and epoch
@@ -205,10 +206,26 @@ class Coordinator:
             self._maybe_change_members()
             self._maybe_plan()
             self._maybe_adapt()
-            newest = self.published[-1] if self.published else None
-        if newest is not None and newest.epoch > report.epoch:
-            return newest
-        return None
+            return self.lacking(report.epoch, report.round)
+
+    def lacking(self, epoch: int, round: int) -> tuple[Schedule, ...]:
+        """What a peer holding `epoch` at `round` is sent, oldest first: the newest schedule
+        when it is newer than `epoch` (also when its round has passed at the peer, which
+        refuses it: `_republish_if_missed` then publishes it again), and before it every
+        other schedule newer than `epoch` that still takes effect after `round`, at most
+        MAX_STAGED in all. With only the newest, a peer that reported before one schedule and
+        after the next ran on under the old one while its neighbours were under the one
+        between: their envelopes were refused as long replaced, and the edge went down for a
+        whole round timeout (benchmarks/adaptive.py, decisions every round)."""
+        if not self.published or self.published[-1].epoch <= epoch:
+            return ()
+        earlier = []
+        for schedule in reversed(self.published[:-1]):
+            if schedule.epoch <= epoch or len(earlier) == MAX_STAGED - 1:
+                break
+            if schedule.effective_round > round:
+                earlier.append(schedule)
+        return (*reversed(earlier), self.published[-1])
 
     def _agreed_model(self) -> tuple[str, tuple[TensorInfo, ...]] | None:
         """The model (signature, tensors) a majority of the topology's peers report; None
@@ -376,6 +393,9 @@ class Coordinator:
         ladder = ladders[0]
         if ladder is None or any(other != ladder for other in ladders):
             return  # an algorithm without levels, or peers that disagree on the ladder
+        waiting = sum(s.effective_round > self._lead for s in self.published[-MAX_STAGED:])
+        if waiting >= MAX_STAGED - 1:
+            return  # a peer holds at most MAX_STAGED waiting: decide once one is in force
         self._adapted_at = self._lead
         budget = self.round_budget or max(m.compute_seconds for m in reports)
         if budget <= 0:

@@ -27,7 +27,9 @@ from gossipcomp.transport.serving import (
 MAX_REPORT_BYTES = 16 << 20  # a serialised report (the tensor list dominates)
 REPORT_HEADER_TIMEOUT = 5.0  # seconds from a report call's headers to its message
 REPORT_CALL_TIMEOUT = 10.0  # seconds one report call may take in all
-REPORTS_IN_FLIGHT = 2  # per sender of the topology on one connection (any other sender: per connection)
+REPORTS_IN_FLIGHT = (
+    2  # per sender of the topology on one connection (any other sender: per connection)
+)
 # calls in flight on one connection: in-process peers share one connection to the coordinator
 REPORT_CALLS_PER_CONNECTION = 64
 SERVICE_NAME = "gossipcomp.v1.Coordinator"
@@ -52,14 +54,19 @@ class _Service:
             caller = (request.sender, context.peer())
         async with self._slots.hold(caller, context):
             try:
-                schedule = await self._work.run(lambda: self._coordinator.receive(request))
+                schedules = await self._work.run(lambda: self._coordinator.receive(request))
             except ReportRefused as refused:
                 await context.abort(refused.code, str(refused))
             except ScheduleRefused as error:  # a plan that cannot be a schedule: a bug, say so
                 await context.abort(grpc.StatusCode.INTERNAL, str(error))
-        if schedule is None:
+        if not schedules:
             return cpb.ReportReply()
-        return cpb.ReportReply(has_schedule=True, schedule=schedule_to_proto(schedule))
+        *earlier, newest = schedules
+        return cpb.ReportReply(
+            has_schedule=True,
+            schedule=schedule_to_proto(newest),
+            earlier=[schedule_to_proto(s) for s in earlier],
+        )
 
 
 REPORT_LIMITS = ServingLimits(

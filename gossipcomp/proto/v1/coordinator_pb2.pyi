@@ -107,9 +107,11 @@ class PeerReport(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., round: _Optional[int] = ..., schedule_epoch: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., compressor_fixed_seconds: _Optional[float] = ..., compressor_element_seconds: _Optional[float] = ..., compressor: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSize, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkSamples, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[LinkSamples, _Mapping]]] = ..., level_costs: _Optional[_Iterable[_Union[LevelCost, _Mapping]]] = ..., exchanges_per_round: _Optional[int] = ..., critical: _Optional[bool] = ..., joining: _Optional[bool] = ...) -> None: ...
 
 class ReportReply(_message.Message):
-    __slots__ = ("has_schedule", "schedule")
+    __slots__ = ("has_schedule", "schedule", "earlier")
     HAS_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    EARLIER_FIELD_NUMBER: _ClassVar[int]
     has_schedule: bool
     schedule: Schedule
-    def __init__(self, has_schedule: _Optional[bool] = ..., schedule: _Optional[_Union[Schedule, _Mapping]] = ...) -> None: ...
+    earlier: _containers.RepeatedCompositeFieldContainer[Schedule]
+    def __init__(self, has_schedule: _Optional[bool] = ..., schedule: _Optional[_Union[Schedule, _Mapping]] = ..., earlier: _Optional[_Iterable[_Union[Schedule, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,181 @@
+"""Every schedule reaches every peer before its round (coordinator/planning.py `lacking`).
+
+A report's reply carried only the newest schedule. With the rate controller deciding at every
+report, two schedules can be published between two reports of one peer: that peer staged only
+the second and ran on under the old epoch while its neighbours were under the first; their
+envelopes were refused as "long replaced", the edge went down and a round timed out
+(benchmarks/adaptive.py at its defaults: 60 s lost, a peer training alone). A reply now also
+carries the schedules published before the newest that still take effect after the peer's
+round, oldest first, and the peer stages them in order."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import build_network, run_in_threads
+from torch import nn
+
+from gossipcomp.compress import parse_spec
+from gossipcomp.coordinator import Coordinator, CoordinatorServer
+from gossipcomp.coordinator.client import CoordinatorClient
+from gossipcomp.gossip import Choco
+from gossipcomp.proto.v1 import coordinator_pb2 as cpb
+from gossipcomp.schedule.messages import schedule_to_proto
+from gossipcomp.schedule.schedule import MAX_STAGED, Schedule
+from gossipcomp.topology import build_topology
+
+RING4 = build_topology("ring", n=4)
+LATE = 1  # the peer that does not report while the two schedules are published
+
+
+def _models() -> list[nn.Module]:
+    models = []
+    for rank in range(4):
+        torch.manual_seed(rank)
+        models.append(nn.Sequential(nn.Linear(9, 6), nn.ReLU(), nn.Linear(6, 3)))
+    return models
+
+
+def _answered(client: CoordinatorClient) -> None:
+    """Send a report and stage its reply (the peer's round does not move)."""
+    client.after_round()  # sends
+    deadline = time.monotonic() + 10
+    while client._pending is not None and not client._pending.done():  # noqa: SLF001
+        assert time.monotonic() < deadline, "report not answered in 10 s"
+        time.sleep(0.01)
+    client.after_round()  # takes the reply (and sends the next report)
+
+
+def _rounds(peers, clients, count: int) -> None:
+    def one(peer, client) -> None:
+        for _ in range(count):
+            peer.gossip()
+            client.after_round()
+
+    run_in_threads([lambda p=p, c=c: one(p, c) for p, c in zip(peers, clients, strict=True)])
+
+
+def test_a_peer_that_missed_a_schedule_between_two_reports_stages_it_before_the_newest():
+    peers = build_network(
+        RING4, _models(), lambda: Choco(parse_spec("sign"), consensus_step=0.4), "grpc", 8.0
+    )
+    coordinator = Coordinator(RING4, planner="single", report_every=1)
+    server = CoordinatorServer(coordinator, "127.0.0.1:0")
+    clients = [CoordinatorClient(server.address, p, "sign", report_every=1) for p in peers]
+    try:
+        _rounds(peers, clients, 6)  # the planner's first schedule, then in force everywhere
+        first = coordinator.published[-1]
+        _rounds(peers, clients, first.effective_round - min(p.round for p in peers) + 1)
+        for client in clients:
+            _answered(client)
+        assert {p.schedules.current.epoch for p in peers} == {first.epoch}
+        # two schedules published while the late peer does not report, the others hearing of each
+        second = coordinator.publish(first.groups, "single")
+        for client in clients:
+            if client.peer.rank != LATE:
+                _answered(client)
+        third = coordinator.publish(first.groups, "single")
+        assert first.effective_round < second.effective_round < third.effective_round
+        for client in clients:
+            _answered(client)
+        late = peers[LATE].schedules
+        assert [s.epoch for s in late.staged] == [second.epoch, third.epoch]
+        _rounds(peers, clients, third.effective_round - peers[0].round + 2)
+        for peer in peers:
+            took = [(s.epoch, s.effective_round) for s in peer.schedules.history[-3:]]
+            assert took == [
+                (first.epoch, first.effective_round),
+                (second.epoch, second.effective_round),
+                (third.epoch, third.effective_round),
+            ], (peer.rank, took)
+            assert not any(peer.stats.failed_exchanges.values()), peer.stats.failed_exchanges
+    finally:
+        for client in clients:
+            client.close()
+        server.stop()
+        for peer in peers:
+            peer.close()
+
+
+def test_a_reply_carries_what_the_peer_lacks_that_can_still_take_effect_at_it():
+    coordinator = Coordinator(RING4, planner="single", report_every=1)
+    published = [coordinator.publish((), "single") for _ in range(MAX_STAGED + 2)]
+    rounds = [s.effective_round for s in published]
+    assert rounds == sorted(rounds) and len(set(rounds)) == len(rounds)
+    newest = published[-1]
+    # holding nothing at round 0: the newest and the MAX_STAGED - 1 before it
+    assert coordinator.lacking(0, 0) == tuple(published[-MAX_STAGED:])
+    # holding the third: what came after it
+    assert coordinator.lacking(published[2].epoch, 0) == tuple(published[3:])
+    # past the fourth's round: that one and those before it cannot take effect any more
+    assert coordinator.lacking(0, published[3].effective_round) == tuple(published[4:])
+    # the newest even when its round has passed (the peer refuses it, and it comes again)
+    assert coordinator.lacking(0, newest.effective_round + 5) == (newest,)
+    assert coordinator.lacking(newest.epoch, 0) == ()
+
+
+def _schedule(epoch: int, round: int) -> cpb.Schedule:
+    return schedule_to_proto(Schedule(epoch, round))
+
+
+def test_a_reply_with_more_earlier_schedules_than_can_wait_is_refused_and_nothing_staged():
+    peers = build_network(
+        RING4, _models(), lambda: Choco(parse_spec("sign"), consensus_step=0.4), "memory"
+    )
+    client = CoordinatorClient("127.0.0.1:1", peers[0], "sign", report_every=1)
+    try:
+        reply = cpb.ReportReply(
+            has_schedule=True,
+            schedule=_schedule(MAX_STAGED + 1, 50),
+            earlier=[_schedule(epoch, 10 + epoch) for epoch in range(1, MAX_STAGED + 1)],
+        )
+        done = client._sender.submit(lambda: reply)  # noqa: SLF001
+        done.result()
+        client._take(done)  # noqa: SLF001
+        assert peers[0].schedules.staged == ()
+        assert client.refused and f"expected at most {MAX_STAGED - 1}" in client.refused[-1]
+        # and a reply within the bound stages each in order
+        fine = cpb.ReportReply(
+            has_schedule=True,
+            schedule=_schedule(3, 40),
+            earlier=[_schedule(1, 20), _schedule(2, 30)],
+        )
+        done = client._sender.submit(lambda: fine)  # noqa: SLF001
+        done.result()
+        client._take(done)  # noqa: SLF001
+        assert [(s.epoch, s.effective_round) for s in peers[0].schedules.staged] == [
+            (1, 20),
+            (2, 30),
+            (3, 40),
+        ]
+    finally:
+        client.close()
+        for peer in peers:
+            peer.close()
+
+
+@pytest.mark.parametrize("held", [1, 2])
+def test_earlier_schedules_the_peer_already_holds_are_skipped_quietly(held):
+    peers = build_network(
+        RING4, _models(), lambda: Choco(parse_spec("sign"), consensus_step=0.4), "memory"
+    )
+    client = CoordinatorClient("127.0.0.1:1", peers[0], "sign", report_every=1)
+    try:
+        for epoch in range(1, held + 1):
+            peers[0].apply(Schedule(epoch, 10 * (epoch + 1)))
+        reply = cpb.ReportReply(
+            has_schedule=True,
+            schedule=_schedule(3, 40),
+            earlier=[_schedule(1, 20), _schedule(2, 30)],
+        )
+        done = client._sender.submit(lambda: reply)  # noqa: SLF001
+        done.result()
+        client._take(done)  # noqa: SLF001
+        assert [s.epoch for s in peers[0].schedules.staged] == [1, 2, 3]
+        assert client.refused == []
+    finally:
+        client.close()
+        for peer in peers:
+            peer.close()
