@@ -25,6 +25,7 @@ from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.messages import schedule_to_proto
 from gossipcomp.schedule.schedule import MAX_STAGED, Schedule
 from gossipcomp.topology import build_topology
+from gossipcomp.transport.base import PROTOCOL_VERSION
 
 RING4 = build_topology("ring", n=4)
 LATE = 1  # the peer that does not report while the two schedules are published
@@ -179,3 +180,39 @@ def test_earlier_schedules_the_peer_already_holds_are_skipped_quietly(held):
         client.close()
         for peer in peers:
             peer.close()
+
+
+def _report(sender: int, round: int, epoch: int, slower: float) -> cpb.PeerReport:
+    """A ring4 peer's report at `round` holding `epoch`: a 5-level ladder (1 KB a round per
+    level) and sends at `slower` x 1 us a byte to both neighbours."""
+    return cpb.PeerReport(
+        protocol_version=PROTOCOL_VERSION,
+        sender=sender,
+        topology_hash=RING4.hash,
+        model_signature="m",
+        round=round,
+        schedule_epoch=epoch,
+        level_costs=[cpb.LevelCost(level=x, bytes_per_round=1000 * x) for x in (1, 2, 4, 8, 16)],
+        exchanges_per_round=1,
+        sends=[
+            cpb.LinkSamples(neighbour=j, bytes=[1000, 8000], seconds=[1e-3 * slower, 8e-3 * slower])
+            for j in RING4.neighbors(sender)
+        ],
+    )
+
+
+def test_levels_are_decided_only_while_a_peer_can_hold_one_more_schedule():
+    """Links 30x slower every other two rounds, every peer reporting every round: the
+    coordinator would have had MAX_STAGED schedules waiting at once (a peer refuses the last
+    one); it now decides again once fewer than MAX_STAGED - 1 wait."""
+    coordinator = Coordinator(RING4, report_every=1, adaptive=True, round_budget=0.01)
+    most = 0
+    for round in range(4, 60):
+        slower = 30.0 if (round // 2) % 2 else 1.0
+        for rank in range(4):
+            held = coordinator.published[-1].epoch if coordinator.published else 0
+            coordinator.receive(_report(rank, round, held, slower))
+            lead = max(r.round for r in coordinator._members.values())  # noqa: SLF001
+            most = max(most, sum(s.effective_round > lead for s in coordinator.published))
+    assert len({s.links for s in coordinator.published}) >= 3  # levels did move
+    assert most <= MAX_STAGED - 1
