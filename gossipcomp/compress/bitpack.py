@@ -141,7 +141,9 @@ def _pack_torch(codes: torch.Tensor, bits: int) -> torch.Tensor:
     padded = torch.zeros(plane_bytes(n) * 8, dtype=torch.uint8, device=codes.device)
     padded[:n] = codes
     groups = padded.view(-1, 8)
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=codes.device)
+    # made on the device: a tensor from a host list is a copy that waits for the device
+    ones = torch.ones(8, dtype=torch.uint8, device=codes.device)
+    weights = ones << torch.arange(8, dtype=torch.uint8, device=codes.device)
     planes = [((groups >> j) & 1).mul_(weights).sum(dim=1, dtype=torch.uint8) for j in range(bits)]
     return torch.cat(planes)
 
