@@ -147,12 +147,33 @@ def estimate_link(
     else 0 (and with `bytes_only`, always: every second counts as bytes, which never
     overshoots). With `past_noise`, a send that took no longer than the latency plus the sends'
     noise (`send_noise`) counts no cost per byte. ValueError when there is no send."""
+    sends = checked_sends(samples)
+    separated = None if bytes_only else separate_latency(sends)
+    return _estimate(sends, separated, window, latency_s, settled, bytes_only, past_noise)
+
+
+def checked_sends(samples: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """`samples` checked (`check_sample`: ValueError naming a bad one), those of no byte
+    left out."""
     sends = [check_sample(nbytes, seconds, "link estimate") for nbytes, seconds in samples]
-    sends = [(b, s) for b, s in sends if b > 0]
+    return [(b, s) for b, s in sends if b > 0]
+
+
+def _estimate(
+    sends: Sequence[tuple[int, float]],
+    separated: float | None,
+    window: int,
+    latency_s: float | None,
+    settled: bool,
+    bytes_only: bool,
+    past_noise: bool,
+) -> LinkCost:
+    """`estimate_link` of checked `sends` whose latency `separate_latency` gave as
+    `separated` (a decision estimates each direction three ways: it is separated once)."""
     recent = sends[-window:]
     if not recent:
         raise ValueError("link estimate: no send of at least one byte to estimate from")
-    latency = 0.0 if bytes_only else separate_latency(sends)
+    latency = 0.0 if bytes_only else separated
     if latency is None:
         latency = min(latency_s or 0.0, statistics.median(s for _, s in recent))
     noise = send_noise(recent) if past_noise else 0.0
@@ -415,20 +436,20 @@ class RateController:
         memory = self._latency.setdefault(key, deque(maxlen=LATENCY_MEMORY))
         known = statistics.median(memory) if memory else None
         estimates, separated = [], []
+        window = DEFAULT_WINDOW
         for samples in directions:
             try:
+                sends = checked_sends(samples)
+                latency = separate_latency(sends)
                 estimates.append(
                     (
-                        estimate_link(samples, latency_s=known, bytes_only=bytes_only),
-                        estimate_link(samples, latency_s=known, settled=True),
-                        estimate_link(
-                            samples, latency_s=known, bytes_only=bytes_only, past_noise=True
-                        ),
+                        _estimate(sends, latency, window, known, False, bytes_only, False),
+                        _estimate(sends, latency, window, known, True, False, False),
+                        _estimate(sends, latency, window, known, False, bytes_only, True),
                     )
                 )
             except ValueError:
                 continue
-            latency = separate_latency([(b, t) for b, t in samples if b > 0])
             if latency is not None:
                 separated.append(latency)
         if separated:
