@@ -43,6 +43,18 @@ def run_in_threads(functions: Sequence[Callable[[], Any]], timeout: float = 60.0
     return results
 
 
+def reporting_rounds(peers: Sequence[Any], clients: Sequence[Any], count: int) -> None:
+    """`count` gossip rounds of every peer in its own thread, each followed by its coordinator
+    client's `after_round` (a report when due, the reply of an earlier one staged)."""
+
+    def one(peer: Any, client: Any) -> None:
+        for _ in range(count):
+            peer.gossip()
+            client.after_round()
+
+    run_in_threads([lambda p=p, c=c: one(p, c) for p, c in zip(peers, clients, strict=True)])
+
+
 @pytest.fixture
 def grpc_pair() -> Iterator[Callable[..., tuple[GrpcTransport, GrpcTransport]]]:
     """Factory for two connected gRPC transports (ranks 0 and 1) sharing an identity."""

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 import torch
-from conftest import build_network, run_in_threads
+from conftest import build_network, reporting_rounds, run_in_threads
 from torch import nn
 
 from gossipcomp.compress import parse_spec
@@ -36,15 +36,6 @@ def _models(n: int) -> list[nn.Module]:
         torch.manual_seed(rank)
         models.append(nn.Sequential(nn.Linear(9, 6), nn.ReLU(), nn.Linear(6, 3)))
     return models
-
-
-def _rounds(peers, clients, count: int) -> None:
-    def one(peer, client) -> None:
-        for _ in range(count):
-            peer.gossip()
-            client.after_round()
-
-    run_in_threads([lambda p=p, c=c: one(p, c) for p, c in zip(peers, clients, strict=True)])
 
 
 @contextmanager
@@ -75,14 +66,14 @@ def test_published_schedules_reach_every_peer_and_switch_at_one_round():
     tensors), then the test publishes two more schedules mid-run: every peer holds all three,
     switched at the same rounds, and no exchange of the run failed or mismatched epochs."""
     with _coordinated_ring("single", replan_every=10**6) as (peers, clients, coordinator, _):
-        _rounds(peers, clients, 12)
+        reporting_rounds(peers, clients, 12)
         names = [name for name, _ in peers[0].model.named_parameters()]
         coordinator.publish(
             [TensorGroup(tuple(names[:2]), "sign"), TensorGroup(tuple(names[2:]), "fp16")], "hand"
         )
-        _rounds(peers, clients, 12)
+        reporting_rounds(peers, clients, 12)
         coordinator.publish([], "per-tensor")
-        _rounds(peers, clients, 14)
+        reporting_rounds(peers, clients, 14)
         published = [(s.epoch, s.effective_round) for s in coordinator.published]
         assert [e for e, _ in published] == [1, 2, 3]
         for peer, client in zip(peers, clients, strict=True):
@@ -98,16 +89,16 @@ def test_published_schedules_reach_every_peer_and_switch_at_one_round():
 
 def test_peers_train_on_when_the_coordinator_dies_and_a_new_one_continues_the_epochs():
     with _coordinated_ring("single") as (peers, clients, _, servers):
-        _rounds(peers, clients, 14)
+        reporting_rounds(peers, clients, 14)
         assert all(p.schedules.current.epoch == 1 for p in peers)
         address = servers[0].address
         servers.pop().stop()
-        _rounds(peers, clients, 8)  # nobody answers: training goes on
+        reporting_rounds(peers, clients, 8)  # nobody answers: training goes on
         assert all(p.stats.failed_exchanges == {} for p in peers)
         second = Coordinator(RING4, planner="per-tensor", report_every=2)
         servers.append(CoordinatorServer(second, address))
         for _ in range(60):  # the clients reconnect within seconds
-            _rounds(peers, clients, 4)
+            reporting_rounds(peers, clients, 4)
             if all(p.schedules.current.epoch == 2 for p in peers):
                 break
         assert [s.epoch for s in second.published] == [2]  # above what the peers held
@@ -337,9 +328,9 @@ def test_peer_processes_join_a_coordinator_process_and_switch_together(tmp_path)
 
 def test_a_schedule_the_peers_cannot_use_is_refused_by_each_and_they_keep_theirs():
     with _coordinated_ring("single", replan_every=10**6) as (peers, clients, coordinator, _):
-        _rounds(peers, clients, 12)
+        reporting_rounds(peers, clients, 12)
         coordinator.publish([TensorGroup(("ghost.weight",), "sign")], "hostile")
-        _rounds(peers, clients, 8)
+        reporting_rounds(peers, clients, 8)
         for peer, client in zip(peers, clients, strict=True):
             assert peer.schedules.newest.epoch == 1  # the coordinator's first, good plan
             assert len(client.refused) == 1 and "unknown" in client.refused[0]  # said once

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import build_network, run_in_threads
+from conftest import build_network, reporting_rounds
 from torch import nn
 
 from gossipcomp.compress import parse_spec
@@ -49,15 +49,6 @@ def _answered(client: CoordinatorClient) -> None:
     client.after_round()  # takes the reply (and sends the next report)
 
 
-def _rounds(peers, clients, count: int) -> None:
-    def one(peer, client) -> None:
-        for _ in range(count):
-            peer.gossip()
-            client.after_round()
-
-    run_in_threads([lambda p=p, c=c: one(p, c) for p, c in zip(peers, clients, strict=True)])
-
-
 def test_a_peer_that_missed_a_schedule_between_two_reports_stages_it_before_the_newest():
     peers = build_network(
         RING4, _models(), lambda: Choco(parse_spec("sign"), consensus_step=0.4), "grpc", 8.0
@@ -66,9 +57,11 @@ def test_a_peer_that_missed_a_schedule_between_two_reports_stages_it_before_the_
     server = CoordinatorServer(coordinator, "127.0.0.1:0")
     clients = [CoordinatorClient(server.address, p, "sign", report_every=1) for p in peers]
     try:
-        _rounds(peers, clients, 6)  # the planner's first schedule, then in force everywhere
+        reporting_rounds(
+            peers, clients, 6
+        )  # the planner's first schedule, then in force everywhere
         first = coordinator.published[-1]
-        _rounds(peers, clients, first.effective_round - min(p.round for p in peers) + 1)
+        reporting_rounds(peers, clients, first.effective_round - min(p.round for p in peers) + 1)
         for client in clients:
             _answered(client)
         assert {p.schedules.current.epoch for p in peers} == {first.epoch}
@@ -83,7 +76,7 @@ def test_a_peer_that_missed_a_schedule_between_two_reports_stages_it_before_the_
             _answered(client)
         late = peers[LATE].schedules
         assert [s.epoch for s in late.staged] == [second.epoch, third.epoch]
-        _rounds(peers, clients, third.effective_round - peers[0].round + 2)
+        reporting_rounds(peers, clients, third.effective_round - peers[0].round + 2)
         for peer in peers:
             took = [(s.epoch, s.effective_round) for s in peer.schedules.history[-3:]]
             assert took == [
@@ -121,6 +114,20 @@ def _schedule(epoch: int, round: int) -> cpb.Schedule:
     return schedule_to_proto(Schedule(epoch, round))
 
 
+def _reply(newest: int, rounds: tuple[int, ...]) -> cpb.ReportReply:
+    """A reply carrying epochs 1..`newest`, taking effect at `rounds` (one each)."""
+    schedules = [_schedule(epoch, r) for epoch, r in enumerate(rounds, start=1)]
+    assert len(schedules) == newest
+    return cpb.ReportReply(has_schedule=True, schedule=schedules[-1], earlier=schedules[:-1])
+
+
+def _take(client: CoordinatorClient, reply: cpb.ReportReply) -> None:
+    """Have `client` look at `reply` as at an answered report."""
+    done = client._sender.submit(lambda: reply)  # noqa: SLF001
+    done.result()
+    client._take(done)  # noqa: SLF001
+
+
 def test_a_reply_with_more_earlier_schedules_than_can_wait_is_refused_and_nothing_staged():
     peers = build_network(
         RING4, _models(), lambda: Choco(parse_spec("sign"), consensus_step=0.4), "memory"
@@ -132,20 +139,11 @@ def test_a_reply_with_more_earlier_schedules_than_can_wait_is_refused_and_nothin
             schedule=_schedule(MAX_STAGED + 1, 50),
             earlier=[_schedule(epoch, 10 + epoch) for epoch in range(1, MAX_STAGED + 1)],
         )
-        done = client._sender.submit(lambda: reply)  # noqa: SLF001
-        done.result()
-        client._take(done)  # noqa: SLF001
+        _take(client, reply)
         assert peers[0].schedules.staged == ()
         assert client.refused and f"expected at most {MAX_STAGED - 1}" in client.refused[-1]
         # and a reply within the bound stages each in order
-        fine = cpb.ReportReply(
-            has_schedule=True,
-            schedule=_schedule(3, 40),
-            earlier=[_schedule(1, 20), _schedule(2, 30)],
-        )
-        done = client._sender.submit(lambda: fine)  # noqa: SLF001
-        done.result()
-        client._take(done)  # noqa: SLF001
+        _take(client, _reply(3, (20, 30, 40)))
         assert [(s.epoch, s.effective_round) for s in peers[0].schedules.staged] == [
             (1, 20),
             (2, 30),
@@ -166,14 +164,7 @@ def test_earlier_schedules_the_peer_already_holds_are_skipped_quietly(held):
     try:
         for epoch in range(1, held + 1):
             peers[0].apply(Schedule(epoch, 10 * (epoch + 1)))
-        reply = cpb.ReportReply(
-            has_schedule=True,
-            schedule=_schedule(3, 40),
-            earlier=[_schedule(1, 20), _schedule(2, 30)],
-        )
-        done = client._sender.submit(lambda: reply)  # noqa: SLF001
-        done.result()
-        client._take(done)  # noqa: SLF001
+        _take(client, _reply(3, (20, 30, 40)))
         assert [s.epoch for s in peers[0].schedules.staged] == [1, 2, 3]
         assert client.refused == []
     finally:
