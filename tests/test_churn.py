@@ -90,7 +90,11 @@ def test_churn_benchmark_kills_and_joins_without_stalls(tmp_path):
     if churned["after_warmup"].get("heap_in_use_kib") is not None:  # glibc 2.33 or later
         assert {"heap_in_use_growth", "rss_trimmed_growth"} <= churned.keys()
         warm = churned["after_warmup"]
-        assert 0 < warm["heap_in_use_kib"] and 0 < warm["rss_trimmed_kib"] <= warm["rss_kib"]
+        # resident memory is read before and after the trim while 16 peers' threads run on:
+        # what they allocate between the two reads can put the trimmed figure a little above
+        # (216 KiB of 708 MB in one CI run), never far
+        assert 0 < warm["heap_in_use_kib"] and 0 < warm["rss_trimmed_kib"]
+        assert warm["rss_trimmed_kib"] <= 1.01 * warm["rss_kib"]
         assert all(e["heap_in_use_kib"] > 0 for e in churned["events"])
     limit = result["round_timeout"] + static["longest_round_seconds"]
     assert churned["longest_round_seconds"] <= limit
