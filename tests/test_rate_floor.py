@@ -55,9 +55,16 @@ def test_the_floor_of_a_link_at_the_lowest_level_is_its_round_as_measured() -> N
     controller = RateController(COSTS)
     controller.update({}, sends, COMPUTE_S)  # no level yet: nothing measured at one
     assert controller.floor_s < 0.015  # the model's lowest level: the bucket's quick half
-    controller.update({slow: 1, fast: 1}, sends, COMPUTE_S)
+    levels = {slow: 1, fast: 1}
+    levels = controller.update(levels, sends, COMPUTE_S)
     assert controller.floor_s == pytest.approx((0.004 + 0.056) / 2)
     assert controller.budget_s == pytest.approx(0.030)
+    # the slow link holds the lowest level: the model prices its level 2 at 13 ms, under 0.6 x
+    # the 30 ms its own measured round set, but every round waits for it (it rose to level 2
+    # after three decisions, and the model's floor then dropped it back)
+    for _ in range(8):
+        levels = controller.update(levels, sends, COMPUTE_S)
+        assert levels[slow] == 1 and controller.floor_link == slow
 
 
 def test_the_floor_follows_a_slow_link_that_sped_up_within_three_sends() -> None:

@@ -223,8 +223,8 @@ class Coordinator:
         for schedule in reversed(self.published[:-1]):
             if schedule.epoch <= epoch or len(earlier) == MAX_STAGED - 1:
                 break
-            if schedule.effective_round > round:
-                earlier.append(schedule)
+            if round < schedule.effective_round < self.published[-1].effective_round:
+                earlier.append(schedule)  # not one the newest supersedes at the peer
         return (*reversed(earlier), self.published[-1])
 
     def _agreed_model(self) -> tuple[str, tuple[TensorInfo, ...]] | None:

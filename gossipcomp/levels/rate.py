@@ -387,14 +387,17 @@ class RateController:
     ) -> float | None:
         """What a round at `level` took on a link, as measured: the median of the last half
         window of sends (the slower direction's) times the exchanges a round makes, when those
-        sends were made at `level` (their mean size nearer its bytes than any other level's:
-        none straddling a change of level). None when no direction's recent sends were."""
+        sends were made at `level` (their mean size nearer its bytes than any other level's).
+        None when no direction's recent sends were, or `level` is not on the ladder."""
         if level not in self.costs.bytes_per_round:
             return None
         exchanges = self.costs.exchanges_per_round
         found = []
         for samples in directions:
-            recent = [(b, s) for b, s in samples if b > 0][-max(2, DEFAULT_WINDOW // 2) :]
+            try:
+                recent = checked_sends(samples)[-max(2, DEFAULT_WINDOW // 2) :]
+            except ValueError:  # a send out of range: this direction is not estimated either
+                continue
             if len(recent) < 2:
                 continue
             mean_bytes = exchanges * sum(b for b, _ in recent) / len(recent)
@@ -467,9 +470,15 @@ class RateController:
     ) -> int:
         """`choose`, once the proposal has repeated enough (module docstring); at once when
         going down from a level whose `settled` estimate (the whole window: most of its sends,
-        not a short busy spell) is over `drop_at` x budget. Rising goes no higher than the
-        ceiling (`round_budget`) on every link but the one the budget's floor came from."""
-        ceiling = None if key == self.floor_link else self.ceiling_bytes
+        not a short busy spell) is over `drop_at` x budget. While the floor sets the budget,
+        rising goes no higher than the ceiling (`round_budget`), and not at all on the link the
+        floor came from: every round waits for that link, so any higher level of it would
+        lengthen the round beyond the budget it set (with its floor as measured, the model's
+        cost of a higher level could look cheap enough to take, and the next floor, from the
+        model again, would then drop it back)."""
+        ceiling = self.ceiling_bytes
+        if ceiling is not None and key == self.floor_link and current in self.costs.bytes_per_round:
+            ceiling = self.costs.bytes_per_round[current]
         proposal = self.choose(current, cost, budget_s, lenient, ceiling)
         if current is None or current not in self.costs.bytes_per_round or proposal == current:
             self._streaks.pop(key, None)
