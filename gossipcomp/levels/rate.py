@@ -295,7 +295,7 @@ class RateController:
         self.floor_s = 0.0
         self.floor_link: Link | None = None  # the link the floor was taken from
         self.ceiling_bytes: int | float | None = None  # the most a rising link may carry
-        # each link's round as measured at its level at the last `update` (`measured_round`)
+        # the round as measured of each link at the lowest level at the last `update`
         self.measured: dict[Link, float] = {}
 
     def choose(
@@ -363,16 +363,17 @@ class RateController:
             )
             estimated[key] = (worst, settled, lenient)
         self.estimated = {key: e[1] for key, e in estimated.items()}
+        lowest = self.costs.levels[0]
+        # the round as measured, for the links at the lowest level only: the floor's input
         self.measured = {
             key: seconds
             for key, directions in sends.items()
             if key in estimated
-            and (seconds := self.measured_round(current.get(key), directions)) is not None
+            and current.get(key) == lowest
+            and (seconds := self.measured_round(lowest, directions)) is not None
         }
-        lowest = self.costs.levels[0]
-        at_lowest = {key: s for key, s in self.measured.items() if current.get(key) == lowest}
         floors = {
-            key: at_lowest.get(key, self.costs.seconds(lowest, cost))
+            key: self.measured.get(key, self.costs.seconds(lowest, cost))
             for key, cost in self.estimated.items()
         }
         self.budget_s = self.round_budget(budget_s, floors)
