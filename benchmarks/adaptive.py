@@ -3,13 +3,17 @@
 Run: python benchmarks/adaptive.py --json docs/adaptive.json --plot docs/adaptive.png
 
 The regime is set so that the network sets the pace on any machine, however few its cores: a
-ring of a few peer processes (4 by default: at most 2 per core on a 2-core machine) trains
-`--model` (mlp: 84K parameters, 336 KB a model) on digits over links of a few Mbit/s, so that a
-round's transfers take several times its compute. The links differ (`--rates`, Mbit/s of the
-ring's edges 0-1, 1-2, ...: one slow, one middling, the rest fast) and move: `--changes` times
-during training (at rounds evenly spaced, the same rounds for every configuration) every rate
-passes to the next edge of the ring, so the slow link moves to another edge and a fixed level
-fitted to one phase is wrong in the next. Side by side in one invocation, each `--repeats`
+few peer processes (`--peers`, 4 by default: at most 2 per core on a 2-core machine; 5 with
+`--graph complete`, the run docs/benchmarks.md quotes) train `--model` (mlp: 84K parameters,
+336 KB a model) on digits over links of a few Mbit/s, so that a round's transfers take several
+times its compute. The peers form a ring or, with `--graph complete`, a complete graph (every
+pair linked: one slow link is then one path among several, the regime where a level per link
+pays; on a ring every edge carries a share of the mixing no other edge can, docs/benchmarks.md
+run 7). The links differ (`--rates`, Mbit/s of the edges in the order of `Workload.edges`: one
+slow, one middling, the rest fast) and move: `--changes` times during training (at rounds
+evenly spaced, the same rounds for every configuration) every rate passes to the next edge in
+that order, so the slow link moves to another edge and a fixed level fitted to one phase is
+wrong in the next. Side by side in one invocation, each `--repeats`
 times (all configurations once, then again, so drifting load falls on all alike):
 
 - `dpsgd`: exact gossip, the whole model over every link every round;
@@ -95,7 +99,8 @@ class Workload:
 
     peers: int = 4
     rounds: int = 120
-    rates: tuple[float, ...] = (4.0, 16.0, 64.0)  # edge k of the ring; edges past the list: last
+    rates: tuple[float, ...] = (4.0, 16.0, 64.0)  # edge k of `edges`; edges past the list: last
+    graph: str = "ring"  # "ring" or "complete" (every pair of peers linked)
     changes: int = 3
     model: str = "mlp"
     dataset: str = "digits"
@@ -116,12 +121,16 @@ class Workload:
 
     @property
     def edges(self) -> list[Edge]:
-        """The ring's edges in ring order: 0-1, 1-2, ..., 0-(n-1)."""
-        return [shaped_links.edge(i, (i + 1) % self.peers) for i in range(self.peers)]
+        """The graph's edges in the order the rates move along: a ring's in ring order (0-1,
+        1-2, ..., 0-(n-1)), a complete graph's by their lower end, then higher (0-1, 0-2, ...)."""
+        n = self.peers
+        if self.graph == "complete":
+            return [(i, j) for i in range(n) for j in range(i + 1, n)]
+        return [shaped_links.edge(i, (i + 1) % n) for i in range(n)]
 
     def phase_rates(self, phase: int) -> dict[Edge, float]:
         """Mbit/s of every edge in `phase` (0: before the first change): the rates of phase 0
-        each moved `phase` edges on along the ring."""
+        each moved `phase` edges on along `edges`."""
         n = len(self.edges)
         first = [self.rates[min(k, len(self.rates) - 1)] for k in range(n)]
         return {e: first[(k - phase) % n] for k, e in enumerate(self.edges)}
@@ -210,8 +219,8 @@ def require_flags(command: str, flags: Sequence[str]) -> None:
             raise Unsupported(f"`gossipcomp {command}` has no {flag} yet")
 
 
-def write_topology(path: Path, n: int, peers: dict[int, dict[str, str]] | None) -> Path:
-    spec: dict[str, Any] = {"name": f"ring{n}", "kind": "ring", "n": n, "weights": "metropolis"}
+def write_topology(path: Path, graph: str, n: int, peers: dict[int, dict[str, str]] | None) -> Path:
+    spec: dict[str, Any] = {"name": f"{graph}{n}", "kind": graph, "n": n, "weights": "metropolis"}
     if peers is not None:
         spec["peers"] = peers
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -329,7 +338,7 @@ class ShapedRunner:
     def run(self, configuration: Configuration, directory: Path) -> Run:
         w, network = self.workload, self.network
         topology = write_topology(
-            directory / "ring.yaml", w.peers, network.topology_peers(PEER_PORT)
+            directory / "topology.yaml", w.graph, w.peers, network.topology_peers(PEER_PORT)
         )
         self._set_phase(0)
         every = math.gcd(*w.change_rounds, w.rounds)  # checkpoints at the changes and the end
@@ -469,7 +478,7 @@ class ThrottledRunner:
 
     def run(self, configuration: Configuration, directory: Path) -> Run:
         w = self.workload
-        topology = write_topology(directory / "ring.yaml", w.peers, None)
+        topology = write_topology(directory / "topology.yaml", w.graph, w.peers, None)
         argv = gossipcomp(
             "simulate", "--topology", str(topology), *configuration.algorithm_flags,
             *w.training_flags(), *self.link_flags(), "--report", str(directory / "report.json"),
@@ -801,7 +810,7 @@ def plot(results: list[dict[str, Any]], w: Workload, path: Path, note: str) -> N
     accuracy.set_xscale("log")
     rates = "/".join(f"{m:g}" for m in w.phase_rates(0).values())
     accuracy.set_title(
-        f"ring of {w.peers}, {w.model} on {w.dataset}: edges at {rates} Mbit/s, moved one edge on "
+        f"{w.graph} of {w.peers}, {w.model} on {w.dataset}: edges at {rates} Mbit/s, moved one edge on "
         f"after rounds {', '.join(map(str, w.change_rounds))}"
     )
     accuracy.legend(fontsize=7, ncol=3)
@@ -861,11 +870,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peers", type=int, default=d.peers)
     parser.add_argument("--rounds", type=int, default=d.rounds)
+    parser.add_argument("--graph", choices=["ring", "complete"], default=d.graph,
+                        help="the peers' topology: a ring, or every pair linked")  # fmt: skip
     parser.add_argument("--rates", type=float, nargs="+", default=list(d.rates),
-                        help="Mbit/s of the ring's edges 0-1, 1-2, ... before the first change "
-                        "(edges past the list: the last rate)")  # fmt: skip
+                        help="Mbit/s of the edges before the first change, in order: a ring's "
+                        "0-1, 1-2, ..., a complete graph's 0-1, 0-2, ..., 1-2, ... (edges past "
+                        "the list: the last rate)")  # fmt: skip
     parser.add_argument("--changes", type=int, default=d.changes,
-                        help="times the rates move one edge on along the ring")  # fmt: skip
+                        help="times the rates move one edge on along that order")  # fmt: skip
     parser.add_argument("--model", default=d.model)
     parser.add_argument("--dataset", default=d.dataset)
     parser.add_argument("--partition", default=d.partition)
@@ -925,6 +937,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def workload_of(args: argparse.Namespace) -> Workload:
     return Workload(
         peers=args.peers, rounds=args.rounds, rates=tuple(args.rates), changes=args.changes,
+        graph=args.graph,
         model=args.model, dataset=args.dataset, partition=args.partition, lr=args.lr,
         batch_size=args.batch_size, seed=args.seed, eval_every=args.eval_every,
         settle_rounds=args.settle_rounds, round_budget=args.round_budget,

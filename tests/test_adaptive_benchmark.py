@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 from helpers import needs_namespaces
 
+from gossipcomp.topology.files import load_topology
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import adaptive  # noqa: E402
@@ -89,6 +91,17 @@ def test_the_rates_move_one_edge_on_at_each_change() -> None:
     assert {"0-1:32@11", "1-2:2@11", "2-3:8@11"} <= set(changes)
     assert {"0-1:8@31", "2-3:32@31", "0-3:2@31"} <= set(changes)
     assert changes[-2:] == ["0-1:32@40", "0-3:32@40"]  # back to the fastest for the closing
+
+
+def test_on_a_complete_graph_the_rates_move_along_every_pair(tmp_path: Path) -> None:
+    w = adaptive.Workload(peers=4, rounds=40, rates=(1.0, 4.0, 64.0), changes=3, graph="complete")
+    assert w.edges == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+    slow = [min(w.phase_rates(p), key=w.phase_rates(p).get) for p in range(4)]
+    assert slow == [(0, 1), (0, 2), (0, 3), (1, 2)]  # one slow link, on another edge each phase
+    assert sorted(w.phase_rates(3).values()) == [1.0, 4.0, 64.0, 64.0, 64.0, 64.0]
+    path = adaptive.write_topology(tmp_path / "t.yaml", w.graph, w.peers, None)
+    topology = load_topology(path)
+    assert sorted(tuple(sorted(e)) for e in topology.graph.edges) == w.edges
 
 
 def test_reactions_count_rounds_from_each_change_to_the_level_moving() -> None:
