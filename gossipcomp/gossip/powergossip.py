@@ -403,13 +403,16 @@ class PowerGossip:
                 step = self.consensus_step * weights.get(j, 0.0)  # 0: clipped to nothing
                 for i, difference in zip(self._matrices, differences[j], strict=True):
                     if step:
-                        update = (
-                            difference @ bases[(j, i)].t()
-                            if side == RIGHT
-                            else bases[(j, i)] @ difference.t()
-                        )
                         x = oriented(params[i][1])
-                        x.add_(update.to(x.dtype), alpha=step)
+                        a, b = (
+                            (difference, bases[(j, i)].t())
+                            if side == RIGHT
+                            else (bases[(j, i)], difference.t())
+                        )
+                        if x.dtype == a.dtype:  # x += step a b, fused: no update matrix made
+                            x.addmm_(a, b, alpha=step)
+                        else:
+                            x.add_((a @ b).to(x.dtype), alpha=step)
                     # warm start: the next vector of the other side, the same at both ends
                     low_minus_high = -difference if self._me < j else difference
                     self._state[(j, i, other)] = low_minus_high
