@@ -21,7 +21,8 @@ planner (mgwfbp, mergecomp, strategy) beside per-tensor and single, with and wit
 compression (identity, sign, top-1%), and sets X per compressor so that one step's
 communication is `--comm-over-backward` (default 2) times the backward pass: X is computed
 from the bytes a step puts on a rank's link and the fewest CPU seconds of 20 one-thread
-backward passes here before the ranks start. The run then measures, per compressor,
+backward passes here before the ranks start (`--batch-size`, 32 by default, sets how long that
+backward is against a collective's fixed cost). The run then measures, per compressor,
 comm_over_backward = the communication a step of the single group waits for / the backward
 pass timed inside the ranks; network_bound is true
 only when that is at least 1 for every compressor, and the script exits 1 (after writing the
@@ -69,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=AllreduceConfig.batch_size,
+        help="samples a rank's step trains on: the backward's length against a collective's "
+        "fixed cost",
+    )
+    parser.add_argument(
         "--calibration-steps",
         type=int,
         default=AllreduceConfig.calibration_steps,
@@ -95,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     compressors = tuple(args.compressors.split(",")) if args.compressors else default
     if not 2 <= nproc <= 16 or args.steps < 6 or args.repeats < 1:
         parser.error("expected --nproc in 2..16, --steps >= 6 and --repeats >= 1")
+    if not 1 <= args.batch_size <= 1024:
+        parser.error(f"--batch-size: expected 1 to 1024, got {args.batch_size}")
     if not 2 <= args.calibration_steps <= 20 or args.steps <= 2 * args.calibration_steps + 1:
         parser.error(
             f"--calibration-steps {args.calibration_steps}: expected 2 to 20, and --steps above "
@@ -126,6 +136,7 @@ def _configs(
         sync="merged",
         model=args.model,
         steps=args.steps,
+        batch_size=args.batch_size,
         momentum=0.0,
         calibration_steps=args.calibration_steps,
     )
@@ -145,6 +156,7 @@ def _run_fields(args: argparse.Namespace, nproc: int) -> dict[str, Any]:
         "repeats": args.repeats,
         "planner": args.planner,
         "model": args.model,
+        "batch_size": args.batch_size,
         "tensors": len(list(MODELS[args.model](0).parameters())),
     }
 
@@ -244,7 +256,7 @@ def _shaped_worker(
 def _shaped(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]) -> int:
     numel = sum(p.numel() for p in MODELS[args.model](0).parameters())
     groupings = {"per-tensor": "per-tensor", "single": "single", **{p: p for p in PLANNERS}}
-    backward_s = backward_seconds(args.model, AllreduceConfig().batch_size, fastest=True)
+    backward_s = backward_seconds(args.model, args.batch_size, fastest=True)
     rates = {
         spec: args.mbit
         or rate_mbit(link_bytes_per_step(spec, numel, nproc), backward_s, args.comm_over_backward)

@@ -98,11 +98,12 @@ def test_allreduce_merge_on_shaped_links_writes_the_network_bound_figures(tmp_pa
     out = tmp_path / "shaped.json"
     arguments = ["--links", "shaped", "--model", "resmlp", "--compressors", "sign"]
     arguments += ["--steps", "10", "--calibration-steps", "2", "--repeats", "1"]
-    arguments += ["--comm-over-backward", "3", "--json", str(out)]
+    arguments += ["--comm-over-backward", "3", "--batch-size", "48", "--json", str(out)]
     done = _run_status("allreduce_merge.py", *arguments)
     result = json.loads(out.read_text())
     assert done.returncode == (0 if result["network_bound"] else 1), done.stderr[-2000:]
     assert result["links"] == "shaped" and result["nproc"] == 2 and result["tensors"] >= 100
+    assert result["batch_size"] == 48
     methods = result["methods"]
     figures = result["compressors"]["sign"]
     assert figures["network_bound"] == (figures["comm_over_backward"] >= 1.0)
