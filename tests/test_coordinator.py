@@ -17,6 +17,7 @@ from torch import nn
 from gossipcomp.compress import parse_spec
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.coordinator.client import CoordinatorClient
+from gossipcomp.coordinator.planning import CALM_MARGINS
 from gossipcomp.experiment import TrainConfig
 from gossipcomp.experiment.simulation import run_simulation
 from gossipcomp.gossip import Choco
@@ -335,3 +336,39 @@ def test_a_schedule_the_peers_cannot_use_is_refused_by_each_and_they_keep_theirs
             assert peer.schedules.newest.epoch == 1  # the coordinator's first, good plan
             assert len(client.refused) == 1 and "unknown" in client.refused[0]  # said once
             assert peer.stats.failed_exchanges == {}
+
+
+def test_a_margin_raised_by_a_missed_schedule_halves_back_after_calm_rounds() -> None:
+    """A peer that passes a schedule's round without it doubles the margin (the schedule comes
+    again further ahead); once CALM_MARGINS x margin rounds pass with none missed, the margin
+    halves, and never below its base. Before, one late reply slowed every later change."""
+    coordinator = Coordinator(RING4, planner="single", report_every=1)
+    clock = [0.0]
+    coordinator._rounds._clock = lambda: clock[0]  # noqa: SLF001 (time allows any claim)
+
+    def report(rank: int, round: int, epoch: int | None = None) -> None:
+        clock[0] += 1000.0
+        held = coordinator.published[-1].epoch if epoch is None else epoch
+        coordinator.receive(_report(sender=rank, round=round, schedule_epoch=held))
+
+    for rank in range(4):
+        report(rank, 5, 0)
+    first = coordinator.published[-1]
+    base = coordinator.base_margin
+    assert (first.epoch, coordinator.margin, base) == (1, 5, 5)
+    report(1, first.effective_round + 1, 0)  # peer 1 passed it without it
+    assert coordinator.margin == 2 * base
+    assert coordinator.published[-1].epoch == first.epoch + 1
+    raised_at = coordinator._lead  # noqa: SLF001
+    round = first.effective_round + 1
+    while coordinator.margin > base:
+        round += 5
+        for rank in range(4):
+            report(rank, round)
+        assert round <= raised_at + CALM_MARGINS * 2 * base + 5  # not later than due
+    assert coordinator._lead - raised_at >= CALM_MARGINS * 2 * base  # noqa: SLF001 (nor sooner)
+    for _ in range(3 * CALM_MARGINS):  # and never below the base
+        round += 5
+        for rank in range(4):
+            report(rank, round)
+    assert coordinator.margin == base

@@ -16,7 +16,9 @@ every peer reports within `report_every` rounds and stages the reply at its next
 3 x report_every + 2 rounds leave room for a peer a little ahead of the others. Where rounds are
 faster than a report's round trip, a peer can still pass the effective round first: its next
 report shows it, and the coordinator publishes the schedule again under a new epoch with the
-margin doubled, until it fits.
+margin doubled, until it fits. A raised margin halves again, down to its base, after
+`CALM_MARGINS` times its length in rounds with no schedule missed: one late reply (a busy
+spell) would otherwise slow every later change of the run, and of levels most of all.
 
 Rate control (`adaptive`): peers also report their last sends to each neighbour (bytes, and
 seconds until the neighbour had them) and, for an algorithm with per-link levels, the bytes a
@@ -90,6 +92,7 @@ log = logging.getLogger("gossipcomp.coordinator")  # the name it had as one modu
 decisions_log = logging.getLogger("gossipcomp.coordinator.levels")
 
 ADAPTIVE_PLANNER = "adaptive"  # the planner label of schedules that change link levels
+CALM_MARGINS = 32  # margins of rounds with no schedule missed before a raised margin halves
 
 
 def _differs(request: cpb.PeerReport, model: tuple[str, tuple[TensorInfo, ...]]) -> str:
@@ -136,7 +139,8 @@ class Coordinator:
         self.planner = planner
         self.report_every = report_every
         self.replan_every = replan_every
-        self.margin = 3 * report_every + 2
+        self.base_margin = 3 * report_every + 2
+        self.margin = self.base_margin
         self._members: dict[int, MemberReport] = {}
         # each rank's latest word on the model (signature, tensors): a majority decides
         self._models: dict[int, tuple[str, tuple[TensorInfo, ...]]] = {}
@@ -150,6 +154,7 @@ class Coordinator:
             quorum=lambda _: quorum_of(topology.n),
         )
         self._republished_at: int | None = None  # lead round of the last republication
+        self._margin_set_at = 0  # lead round at which the margin last changed
         self._planned_at: int | None = None  # lead round of this coordinator's last plan
         self._adapted_at: int | None = None  # lead round of the last choice of levels
         self._members_at: int | None = None  # lead round of the last change of members
@@ -203,6 +208,7 @@ class Coordinator:
                 furthest = max(m.round for m in self._members.values())
                 self._lead = min(furthest, agreed + self.margin)
             self._republish_if_missed(report)
+            self._relax_margin()
             self._maybe_change_members()
             self._maybe_plan()
             self._maybe_adapt()
@@ -310,7 +316,7 @@ class Coordinator:
             0 <= self._lead - self._republished_at < self.report_every
         ):
             return
-        self._republished_at = self._lead
+        self._republished_at = self._margin_set_at = self._lead
         self.margin = min(2 * self.margin, MAX_MARGIN)
         log.warning(
             "coordinator: peer %d at round %d missed schedule epoch %d (from round %d); "
@@ -322,6 +328,17 @@ class Coordinator:
             self.margin,
         )
         self._publish(newest.groups, newest.planner, newest.links, newest.budget_s)
+
+    def _relax_margin(self) -> None:
+        """Halve a raised margin (not below its base) once `CALM_MARGINS` x margin rounds
+        have passed since it last changed with no schedule missed (module docstring)."""
+        if self.margin <= self.base_margin:
+            return
+        if self._lead - self._margin_set_at < CALM_MARGINS * self.margin:
+            return
+        self.margin = max(self.base_margin, self.margin // 2)
+        self._margin_set_at = self._lead
+        log.info("coordinator: no schedule missed for a while; margin back to %d", self.margin)
 
     def publish(self, groups: Sequence[TensorGroup], planner: str) -> Schedule:
         """A new schedule of `groups` (keeping the newest one's link levels), in force
