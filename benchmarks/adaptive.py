@@ -1,6 +1,7 @@
 """Bandwidth-adaptive compression against every fixed level, on shaped links that bind.
 
-Run: python benchmarks/adaptive.py --json docs/adaptive.json --plot docs/adaptive.png
+Run (docs/benchmarks.md run 8): python benchmarks/adaptive.py --graph complete --peers 5
+  --rates 1 4 64 --ranks 1 2 4 8 16 --json docs/adaptive.json --plot docs/adaptive.png
 
 The regime is set so that the network sets the pace on any machine, however few its cores: a
 few peer processes (`--peers`, 4 by default: at most 2 per core on a 2-core machine; 5 with
@@ -77,7 +78,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -91,6 +92,8 @@ BOUND_FACTOR = 2.0  # communication per round at least this x compute: network-b
 REFUSED = 3  # exit status of a run that is not network-bound
 GOALS = {"adaptive_vs_best_fixed": 0.8, "adaptive_vs_dpsgd": 0.2, "round_time_vs_budget": 1.25}
 Edge = tuple[int, int]
+Graph = Literal["ring", "complete"]
+GRAPHS: tuple[Graph, ...] = ("ring", "complete")
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class Workload:
     peers: int = 4
     rounds: int = 120
     rates: tuple[float, ...] = (4.0, 16.0, 64.0)  # edge k of `edges`; edges past the list: last
-    graph: str = "ring"  # "ring" or "complete" (every pair of peers linked)
+    graph: Graph = "ring"  # or "complete": every pair of peers linked
     changes: int = 3
     model: str = "mlp"
     dataset: str = "digits"
@@ -113,6 +116,12 @@ class Workload:
     round_budget: float | None = None
     round_timeout: float = 60.0
     target: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.graph not in GRAPHS:
+            raise ValueError(
+                f"graph: expected one of {', '.join(GRAPHS)}, got {str(self.graph)[:40]!r}"
+            )
 
     @property
     def change_rounds(self) -> list[int]:
@@ -810,7 +819,8 @@ def plot(results: list[dict[str, Any]], w: Workload, path: Path, note: str) -> N
     accuracy.set_xscale("log")
     rates = "/".join(f"{m:g}" for m in w.phase_rates(0).values())
     accuracy.set_title(
-        f"{w.graph} of {w.peers}, {w.model} on {w.dataset}: edges at {rates} Mbit/s, moved one edge on "
+        f"{'ring' if w.graph == 'ring' else 'complete graph'} of {w.peers}, {w.model} on "
+        f"{w.dataset}: edges at {rates} Mbit/s, moved one edge on "
         f"after rounds {', '.join(map(str, w.change_rounds))}"
     )
     accuracy.legend(fontsize=7, ncol=3)
@@ -870,7 +880,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peers", type=int, default=d.peers)
     parser.add_argument("--rounds", type=int, default=d.rounds)
-    parser.add_argument("--graph", choices=["ring", "complete"], default=d.graph,
+    parser.add_argument("--graph", choices=GRAPHS, default=d.graph,
                         help="the peers' topology: a ring, or every pair linked")  # fmt: skip
     parser.add_argument("--rates", type=float, nargs="+", default=list(d.rates),
                         help="Mbit/s of the edges before the first change, in order: a ring's "
@@ -910,8 +920,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.rounds < 2 * (args.changes + 1):
         problems.append(f"--rounds: expected at least 2 per phase ({2 * (args.changes + 1)}), "
                         f"got {args.rounds}")  # fmt: skip
-    if len(args.rates) > args.peers:
-        problems.append(f"--rates: expected at most one per edge ({args.peers})")
+    edges = len(Workload(peers=max(args.peers, 3), graph=args.graph).edges)
+    if edges > shaped_links.MAX_EDGES:
+        problems.append(f"--peers: a {args.graph} of {args.peers} has {edges} edges, expected "
+                        f"at most {shaped_links.MAX_EDGES}")  # fmt: skip
+    if len(args.rates) > edges:
+        problems.append(f"--rates: expected at most one per edge ({edges})")
     if len(set(args.rates)) < 2:
         problems.append("--rates: expected at least two different rates (links that differ)")
     if any(r < 1 for r in args.ranks):

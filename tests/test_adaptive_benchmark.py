@@ -102,6 +102,16 @@ def test_on_a_complete_graph_the_rates_move_along_every_pair(tmp_path: Path) -> 
     path = adaptive.write_topology(tmp_path / "t.yaml", w.graph, w.peers, None)
     topology = load_topology(path)
     assert sorted(tuple(sorted(e)) for e in topology.graph.edges) == w.edges
+    flags = adaptive.ThrottledRunner(w, 60).link_flags()
+    assert {"0-1:64@11", "0-2:1@11", "0-3:4@11"} <= set(flags)  # the first change
+    # a rate for each of the 6 edges is accepted at 4 peers, a 7th refused; no other graph
+    rates = ["--rates", "1", "2", "3", "4", "5", "6"]
+    base = ["--json", str(tmp_path / "x.json"), "--graph", "complete", "--peers", "4"]
+    assert adaptive.parse_args([*base, *rates]).rates == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(SystemExit):
+        adaptive.parse_args([*base, *rates, "7"])
+    with pytest.raises(ValueError, match="graph: expected one of ring, complete, got 'star'"):
+        adaptive.Workload(graph="star")  # type: ignore[arg-type]
 
 
 def test_reactions_count_rounds_from_each_change_to_the_level_moving() -> None:

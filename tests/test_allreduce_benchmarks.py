@@ -6,6 +6,7 @@ exist, byte counts are exact, ratios are consistent with the times they come fro
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -88,7 +89,15 @@ def test_allreduce_merge_benchmark_writes_its_fields(tmp_path: Path) -> None:
 
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import allreduce_merge  # noqa: E402
 import shaped_links  # noqa: E402
+
+
+def test_allreduce_merge_trains_every_configuration_at_the_batch_size_asked() -> None:
+    args = argparse.Namespace(model="resmlp", steps=10, batch_size=48, calibration_steps=2)
+    configs = allreduce_merge._configs(("sign",), {"single": "single", "m": "mergecomp"}, args)
+    assert sorted(configs) == ["sign m", "sign single"]
+    assert {c.batch_size for c in configs.values()} == {48}
 
 
 @needs_namespaces()

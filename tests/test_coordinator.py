@@ -341,7 +341,8 @@ def test_a_schedule_the_peers_cannot_use_is_refused_by_each_and_they_keep_theirs
 def test_a_margin_raised_by_a_missed_schedule_halves_back_after_calm_rounds() -> None:
     """A peer that passes a schedule's round without it doubles the margin (the schedule comes
     again further ahead); once CALM_MARGINS x margin rounds pass with none missed, the margin
-    halves, and never below its base. Before, one late reply slowed every later change."""
+    halves, and never below its base; a miss after a halving doubles the calm. Before, one
+    late reply slowed every later change."""
     coordinator = Coordinator(RING4, planner="single", report_every=1)
     clock = [0.0]
     coordinator._rounds._clock = lambda: clock[0]  # noqa: SLF001 (time allows any claim)
@@ -372,3 +373,14 @@ def test_a_margin_raised_by_a_missed_schedule_halves_back_after_calm_rounds() ->
         for rank in range(4):
             report(rank, round)
     assert coordinator.margin == base
+    # a miss after that halving: the halved margin was too short, so the calm doubles
+    round += 5
+    report(2, round, coordinator.published[-1].epoch - 1)
+    assert coordinator.margin == 2 * base
+    raised_at = coordinator._lead  # noqa: SLF001
+    while coordinator.margin > base:
+        round += 5
+        for rank in range(4):
+            report(rank, round)
+        assert round <= raised_at + 2 * CALM_MARGINS * 2 * base + 5
+    assert coordinator._lead - raised_at >= 2 * CALM_MARGINS * 2 * base  # noqa: SLF001

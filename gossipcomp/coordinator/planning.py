@@ -18,7 +18,9 @@ faster than a report's round trip, a peer can still pass the effective round fir
 report shows it, and the coordinator publishes the schedule again under a new epoch with the
 margin doubled, until it fits. A raised margin halves again, down to its base, after
 `CALM_MARGINS` times its length in rounds with no schedule missed: one late reply (a busy
-spell) would otherwise slow every later change of the run, and of levels most of all.
+spell) would otherwise slow every later change of the run, and of levels most of all. A miss
+that follows such a halving doubles the calm it takes (up to `MAX_CALM_MARGINS`), so a machine
+that steadily needs the larger margin misses ever more rarely.
 
 Rate control (`adaptive`): peers also report their last sends to each neighbour (bytes, and
 seconds until the neighbour had them) and, for an algorithm with per-link levels, the bytes a
@@ -93,6 +95,7 @@ decisions_log = logging.getLogger("gossipcomp.coordinator.levels")
 
 ADAPTIVE_PLANNER = "adaptive"  # the planner label of schedules that change link levels
 CALM_MARGINS = 32  # margins of rounds with no schedule missed before a raised margin halves
+MAX_CALM_MARGINS = 32 * CALM_MARGINS  # the most that calm grows to after misses that follow it
 
 
 def _differs(request: cpb.PeerReport, model: tuple[str, tuple[TensorInfo, ...]]) -> str:
@@ -155,6 +158,8 @@ class Coordinator:
         )
         self._republished_at: int | None = None  # lead round of the last republication
         self._margin_set_at = 0  # lead round at which the margin last changed
+        self._calm_margins = CALM_MARGINS  # margins of calm before a raised margin halves
+        self._relaxed = False  # the margin last changed by halving (a miss then: calm too short)
         self._planned_at: int | None = None  # lead round of this coordinator's last plan
         self._adapted_at: int | None = None  # lead round of the last choice of levels
         self._members_at: int | None = None  # lead round of the last change of members
@@ -317,6 +322,9 @@ class Coordinator:
         ):
             return
         self._republished_at = self._margin_set_at = self._lead
+        if self._relaxed:
+            self._calm_margins = min(2 * self._calm_margins, MAX_CALM_MARGINS)
+            self._relaxed = False
         self.margin = min(2 * self.margin, MAX_MARGIN)
         log.warning(
             "coordinator: peer %d at round %d missed schedule epoch %d (from round %d); "
@@ -330,14 +338,17 @@ class Coordinator:
         self._publish(newest.groups, newest.planner, newest.links, newest.budget_s)
 
     def _relax_margin(self) -> None:
-        """Halve a raised margin (not below its base) once `CALM_MARGINS` x margin rounds
-        have passed since it last changed with no schedule missed (module docstring)."""
+        """Halve a raised margin (not below its base) once the calm (`CALM_MARGINS` x margin
+        rounds, more after misses that followed a halving) has passed since it last changed
+        with no schedule missed (module docstring)."""
+        self._margin_set_at = min(self._margin_set_at, self._lead)  # the lead went back
         if self.margin <= self.base_margin:
             return
-        if self._lead - self._margin_set_at < CALM_MARGINS * self.margin:
+        if self._lead - self._margin_set_at < self._calm_margins * self.margin:
             return
         self.margin = max(self.base_margin, self.margin // 2)
         self._margin_set_at = self._lead
+        self._relaxed = True
         log.info("coordinator: no schedule missed for a while; margin back to %d", self.margin)
 
     def publish(self, groups: Sequence[TensorGroup], planner: str) -> Schedule:
