@@ -157,6 +157,31 @@ def test_a_reply_with_more_earlier_schedules_than_can_wait_is_refused_and_nothin
             peer.close()
 
 
+def test_a_reply_whose_schedules_are_out_of_order_is_refused_and_nothing_staged():
+    """A hostile reply listing epoch 3 before epoch 2: staged in the order given, the peer
+    took 3, skipped 2 as held and took 4, never checking what it was sent."""
+    peers = build_network(
+        RING4, _models(), lambda: Choco(parse_spec("sign"), consensus_step=0.4), "memory"
+    )
+    client = CoordinatorClient("127.0.0.1:1", peers[0], "sign", report_every=1)
+    try:
+        reply = cpb.ReportReply(
+            has_schedule=True,
+            schedule=_schedule(4, 40),
+            earlier=[_schedule(3, 30), _schedule(2, 20)],
+        )
+        _take(client, reply)
+        assert peers[0].schedules.staged == ()
+        assert client.refused == [
+            "a reply whose schedules come in epochs [3, 2, 4]: expected each newer than the one "
+            "before (oldest first)"
+        ]
+    finally:
+        client.close()
+        for peer in peers:
+            peer.close()
+
+
 @pytest.mark.parametrize("held", [1, 2])
 def test_earlier_schedules_the_peer_already_holds_are_skipped_quietly(held):
     peers = build_network(

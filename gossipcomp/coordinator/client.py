@@ -14,6 +14,7 @@ schedule. Schedules are staged from the training thread, as `Peer.apply` require
 
 from __future__ import annotations
 
+import itertools
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -127,6 +128,14 @@ class CoordinatorClient:
                 reply.schedule.epoch,
                 f"a reply with {len(reply.earlier)} earlier schedules: expected at most "
                 f"{MAX_STAGED - 1} (no more wait at a peer)",
+            )
+            return
+        epochs = [message.epoch for message in (*reply.earlier, reply.schedule)]
+        if any(later <= before for before, later in itertools.pairwise(epochs)):
+            self._refuse(
+                reply.schedule.epoch,
+                f"a reply whose schedules come in epochs {epochs}: expected each newer than "
+                "the one before (oldest first)",
             )
             return
         for message in (*reply.earlier, reply.schedule):
