@@ -228,7 +228,10 @@ def require_flags(command: str, flags: Sequence[str]) -> None:
             raise Unsupported(f"`gossipcomp {command}` has no {flag} yet")
 
 
-def write_topology(path: Path, graph: str, n: int, peers: dict[int, dict[str, str]] | None) -> Path:
+def write_topology(
+    path: Path, graph: Graph, n: int, peers: dict[int, dict[str, str]] | None
+) -> Path:
+    """The topology file of `graph` over `n` peers (`peers`: their addresses, or none)."""
     spec: dict[str, Any] = {"name": f"{graph}{n}", "kind": graph, "n": n, "weights": "metropolis"}
     if peers is not None:
         spec["peers"] = peers

@@ -231,11 +231,14 @@ def test_throttled_network_bound_comparison_runs_end_to_end(tmp_path: Path) -> N
 
 def test_a_run_that_cannot_show_it_is_network_bound_is_refused(tmp_path: Path) -> None:
     # no D-PSGD in the run: the check cannot be made, so the run exits 3, its figures null (a
-    # run bound by CPU takes the same path: bound_check, tested above on hand-made numbers)
-    report = _run(tmp_path, "--links", "throttled", "--peers", "3", "--rounds", "4",
-                  "--changes", "1", "--rates", "2", "16", "--model", "mlp", "--ranks", "1",
-                  "--configs", "fixed", "--repeats", "2", "--eval-every", "2",
+    # run bound by CPU takes the same path: bound_check, tested above on hand-made numbers);
+    # on a complete graph of 4, so the suite runs that workload end to end too
+    report = _run(tmp_path, "--links", "throttled", "--graph", "complete", "--peers", "4",
+                  "--rounds", "4", "--changes", "1", "--rates", "2", "16", "--model", "mlp",
+                  "--ranks", "1", "--configs", "fixed", "--repeats", "2", "--eval-every", "2",
                   timeout=300, status=adaptive.REFUSED)  # fmt: skip
+    assert report["workload"]["graph"] == "complete"
+    assert len(report["workload"]["phase_rates"][0]) == 6  # every pair of the 4 peers
     assert report["network_bound"] is False and "not network-bound" in report["_stderr"]
     assert "needs D-PSGD" in report["not_network_bound_because"]
     assert all(report[key] is None for key in FIGURES)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers import needs_namespaces
 
 from gossipcomp.compress import parse_spec
@@ -91,6 +92,13 @@ def test_allreduce_merge_benchmark_writes_its_fields(tmp_path: Path) -> None:
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import allreduce_merge  # noqa: E402
 import shaped_links  # noqa: E402
+
+
+@pytest.mark.parametrize("size", ["0", "5000"])
+def test_allreduce_merge_refuses_a_batch_size_out_of_range(size: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        allreduce_merge.main(["--batch-size", size])
+    assert f"--batch-size: expected 1 to 1024, got {size}" in capsys.readouterr().err
 
 
 def test_allreduce_merge_trains_every_configuration_at_the_batch_size_asked() -> None:

@@ -11,6 +11,8 @@ round, oldest first, and the peer stages them in order."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from gossipcomp.compress import parse_spec
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.gossip import Choco
+from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.messages import schedule_to_proto
 from gossipcomp.schedule.schedule import MAX_STAGED, Schedule
@@ -130,12 +133,24 @@ def _take(client: CoordinatorClient, reply: cpb.ReportReply) -> None:
     client._take(done)  # noqa: SLF001
 
 
-def test_a_reply_with_more_earlier_schedules_than_can_wait_is_refused_and_nothing_staged():
+@contextmanager
+def _peer_zero_client() -> Iterator[tuple[list[Peer], CoordinatorClient]]:
+    """Four peers in memory and peer 0's coordinator client (no coordinator behind it: replies
+    are handed over with `_take`), closed afterwards."""
     peers = build_network(
         RING4, _models(), lambda: Choco(parse_spec("sign"), consensus_step=0.4), "memory"
     )
     client = CoordinatorClient("127.0.0.1:1", peers[0], "sign", report_every=1)
     try:
+        yield peers, client
+    finally:
+        client.close()
+        for peer in peers:
+            peer.close()
+
+
+def test_a_reply_with_more_earlier_schedules_than_can_wait_is_refused_and_nothing_staged():
+    with _peer_zero_client() as (peers, client):
         reply = cpb.ReportReply(
             has_schedule=True,
             schedule=_schedule(MAX_STAGED + 1, 50),
@@ -151,20 +166,12 @@ def test_a_reply_with_more_earlier_schedules_than_can_wait_is_refused_and_nothin
             (2, 30),
             (3, 40),
         ]
-    finally:
-        client.close()
-        for peer in peers:
-            peer.close()
 
 
 def test_a_reply_whose_schedules_are_out_of_order_is_refused_and_nothing_staged():
     """A hostile reply listing epoch 3 before epoch 2: staged in the order given, the peer
     took 3, skipped 2 as held and took 4, never checking what it was sent."""
-    peers = build_network(
-        RING4, _models(), lambda: Choco(parse_spec("sign"), consensus_step=0.4), "memory"
-    )
-    client = CoordinatorClient("127.0.0.1:1", peers[0], "sign", report_every=1)
-    try:
+    with _peer_zero_client() as (peers, client):
         reply = cpb.ReportReply(
             has_schedule=True,
             schedule=_schedule(4, 40),
@@ -176,28 +183,16 @@ def test_a_reply_whose_schedules_are_out_of_order_is_refused_and_nothing_staged(
             "a reply whose schedules come in epochs [3, 2, 4]: expected each newer than the one "
             "before (oldest first)"
         ]
-    finally:
-        client.close()
-        for peer in peers:
-            peer.close()
 
 
 @pytest.mark.parametrize("held", [1, 2])
 def test_earlier_schedules_the_peer_already_holds_are_skipped_quietly(held):
-    peers = build_network(
-        RING4, _models(), lambda: Choco(parse_spec("sign"), consensus_step=0.4), "memory"
-    )
-    client = CoordinatorClient("127.0.0.1:1", peers[0], "sign", report_every=1)
-    try:
+    with _peer_zero_client() as (peers, client):
         for epoch in range(1, held + 1):
             peers[0].apply(Schedule(epoch, 10 * (epoch + 1)))
         _take(client, _reply(3, (20, 30, 40)))
         assert [s.epoch for s in peers[0].schedules.staged] == [1, 2, 3]
         assert client.refused == []
-    finally:
-        client.close()
-        for peer in peers:
-            peer.close()
 
 
 def _report(sender: int, round: int, epoch: int, slower: float) -> cpb.PeerReport:
