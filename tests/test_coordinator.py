@@ -168,6 +168,8 @@ def _report(**fields) -> cpb.PeerReport:
         ({"round": -1}, grpc.StatusCode.INVALID_ARGUMENT, "round"),
         ({"round": 2**62}, grpc.StatusCode.INVALID_ARGUMENT, "round"),
         ({"schedule_epoch": 2**40}, grpc.StatusCode.INVALID_ARGUMENT, "schedule_epoch"),
+        ({"refused_epoch": -1}, grpc.StatusCode.INVALID_ARGUMENT, "refused_epoch"),
+        ({"refused_epoch": 2**40}, grpc.StatusCode.INVALID_ARGUMENT, "refused_epoch"),
         ({"compute_seconds": float("nan")}, grpc.StatusCode.INVALID_ARGUMENT, "compute_seconds"),
         ({"compressor_element_seconds": 1e300}, grpc.StatusCode.INVALID_ARGUMENT, "element"),
         (
@@ -332,10 +334,39 @@ def test_a_schedule_the_peers_cannot_use_is_refused_by_each_and_they_keep_theirs
         reporting_rounds(peers, clients, 12)
         coordinator.publish([TensorGroup(("ghost.weight",), "sign")], "hostile")
         reporting_rounds(peers, clients, 8)
+        assert coordinator.published[-1].epoch == 2  # not taken for missed: not published again
         for peer, client in zip(peers, clients, strict=True):
             assert peer.schedules.newest.epoch == 1  # the coordinator's first, good plan
             assert len(client.refused) == 1 and "unknown" in client.refused[0]  # said once
             assert peer.stats.failed_exchanges == {}
+
+
+def test_a_schedule_a_peer_refused_as_unusable_is_not_taken_for_missed() -> None:
+    """A peer past a schedule's round that refused it as unusable (its report's refused_epoch)
+    did not miss it: the coordinator neither publishes it again nor raises its margin (CI, stop
+    39: every peer refused a ghost-tensor plan twice, once as epoch 2 and once republished as
+    3, when one reported at its round). A peer that merely lacks it at that round missed it."""
+    coordinator = Coordinator(RING4, planner="single", report_every=1)
+    clock = [0.0]
+    coordinator._rounds._clock = lambda: clock[0]  # noqa: SLF001 (time allows any claim)
+
+    def report(rank: int, round: int, epoch: int, refused: int) -> None:
+        clock[0] += 1000.0
+        coordinator.receive(
+            _report(sender=rank, round=round, schedule_epoch=epoch, refused_epoch=refused)
+        )
+
+    for rank in range(4):
+        report(rank, 5, 0, 0)
+    ghost = coordinator.publish([TensorGroup(("ghost.weight",), "sign")], "hostile")
+    margin, past = coordinator.margin, ghost.effective_round + 1
+    for rank in range(4):
+        report(rank, past, ghost.epoch - 1, ghost.epoch)
+    assert coordinator.published[-1] == ghost and coordinator.margin == margin
+    report(2, past + 1, ghost.epoch - 1, 0)
+    assert coordinator.published[-1].epoch == ghost.epoch + 1  # missed: it comes again
+    assert coordinator.published[-1].groups == ghost.groups
+    assert coordinator.margin == 2 * margin
 
 
 def test_a_margin_raised_by_a_missed_schedule_halves_back_after_calm_rounds() -> None:

@@ -25,6 +25,7 @@ from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.gossip import Choco
 from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
+from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.messages import schedule_to_proto
 from gossipcomp.schedule.schedule import MAX_STAGED, Schedule
 from gossipcomp.topology import build_topology
@@ -229,3 +230,19 @@ def test_levels_are_decided_only_while_a_peer_can_hold_one_more_schedule():
             most = max(most, sum(s.effective_round > lead for s in coordinator.published))
     assert len({s.links for s in coordinator.published}) >= 3  # levels did move
     assert most <= MAX_STAGED - 1
+
+
+def test_a_peer_reports_the_schedule_it_refused_as_unusable_and_not_one_that_came_late():
+    """The report's refused_epoch tells the coordinator which refusal was no miss: a schedule
+    that came after its round (usable, had it come in time: published again further ahead)
+    leaves it 0; one naming a tensor the model lacks sets it to that epoch."""
+    with _peer_zero_client() as (peers, client):
+        peers[0].round = 5
+        _take(client, cpb.ReportReply(has_schedule=True, schedule=_schedule(1, 5)))
+        assert len(client.refused) == 1 and "in the past" in client.refused[0]
+        assert client._request().refused_epoch == 0  # noqa: SLF001 (the report it sends)
+        ghost = Schedule(2, 20, (TensorGroup(("ghost.weight",), "sign"),))
+        _take(client, cpb.ReportReply(has_schedule=True, schedule=schedule_to_proto(ghost)))
+        assert len(client.refused) == 2 and "unknown" in client.refused[1]
+        assert client._request().refused_epoch == 2  # noqa: SLF001
+        assert peers[0].schedules.staged == ()

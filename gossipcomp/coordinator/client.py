@@ -29,7 +29,7 @@ from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
 from gossipcomp.schedule import CompressorCost, measure_compressor
 from gossipcomp.schedule.critical import CriticalPhase
 from gossipcomp.schedule.messages import schedule_from_proto
-from gossipcomp.schedule.schedule import MAX_STAGED, ScheduleRefused
+from gossipcomp.schedule.schedule import MAX_STAGED, ScheduleLate, ScheduleRefused
 from gossipcomp.security.tls import TlsFiles, channel_credentials
 from gossipcomp.transport.base import PROTOCOL_VERSION
 
@@ -83,6 +83,7 @@ class CoordinatorClient:
         self.phase = CriticalPhase()  # reported: the coordinator may boost a critical peer
         self.refused: list[str] = []  # why schedules were refused, once per epoch
         self._refused_epoch: int | None = None
+        self._unusable_epoch = 0  # reported: the newest refused for other than coming late
 
     def observe_gradients(self, model: torch.nn.Module) -> None:
         """Note each parameter's gradient norm after this round's local steps (Accordion's
@@ -144,12 +145,15 @@ class CoordinatorClient:
             try:
                 self.peer.apply(schedule_from_proto(message))
             except ScheduleRefused as refused:
-                self._refuse(message.epoch, str(refused))
+                self._refuse(message.epoch, str(refused), late=isinstance(refused, ScheduleLate))
 
-    def _refuse(self, epoch: int, why: str) -> None:
+    def _refuse(self, epoch: int, why: str, *, late: bool = False) -> None:
         """Keep the current schedules and say why (the newest refused epoch is not tried
-        again)."""
+        again). One refused for other than coming `late` is reported as unusable, so the
+        coordinator does not take it for missed and publish it again."""
         self._refused_epoch = epoch
+        if not late:
+            self._unusable_epoch = max(self._unusable_epoch, epoch)
         self.refused.append(why)
         log.error("peer %d: refused the coordinator's schedule: %s", self.peer.rank, why)
 
@@ -192,6 +196,7 @@ class CoordinatorClient:
             exchanges_per_round=0 if levels is None else levels.exchanges_per_round,
             critical=self.phase.critical,
             joining=peer.awaiting_admission,
+            refused_epoch=self._unusable_epoch,
         )
 
     def close(self) -> None:

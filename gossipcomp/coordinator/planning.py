@@ -311,9 +311,11 @@ class Coordinator:
         """A peer past the newest schedule's effective round without holding it missed it
         (its rounds outran the reports' round trips): it refused it, so the schedule comes
         again as a new epoch, further ahead: the margin doubles (up to MAX_MARGIN). At most
-        once per `report_every` rounds of the agreed round."""
+        once per `report_every` rounds of the agreed round. Not one the peer refused as
+        unusable (its report's `refused_epoch`): it would be refused again, and no later
+        margin helps."""
         newest = self.published[-1] if self.published else None
-        if newest is None or report.epoch >= newest.epoch:
+        if newest is None or report.epoch >= newest.epoch or report.refused_epoch == newest.epoch:
             return
         if report.round < newest.effective_round:
             return

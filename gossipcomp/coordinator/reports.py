@@ -63,6 +63,7 @@ class MemberReport:
     levels: LevelCosts | None  # the algorithm's ladder, None without per-link levels
     critical: bool = False  # in a critical learning phase (schedule/critical.py)
     joining: bool = False  # waits to be admitted by a schedule newer than `epoch`
+    refused_epoch: int = 0  # the newest schedule it refused as unusable (0: none)
 
 
 def _level_costs(request: cpb.PeerReport) -> LevelCosts | None:
@@ -215,4 +216,7 @@ def check_report(topology: Topology, request: cpb.PeerReport) -> MemberReport:
         levels=levels,
         critical=request.critical,
         joining=request.joining,
+        refused_epoch=checked_integer(
+            "refused_epoch", request.refused_epoch, 0, MAX_REPORTED_EPOCH, _invalid
+        ),
     )

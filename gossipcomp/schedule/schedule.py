@@ -64,6 +64,11 @@ class ScheduleRefused(ValueError):
     """A schedule a peer will not apply; the message names what is wrong."""
 
 
+class ScheduleLate(ScheduleRefused):
+    """A schedule refused only for coming after its effective round at the peer: usable, had
+    it come in time (the coordinator publishes it again further ahead)."""
+
+
 @dataclass(frozen=True, order=True)
 class LinkLevel:
     """The compression level of the edge between peers `low` < `high` (PowerGossip: a rank)."""
@@ -334,7 +339,7 @@ class ScheduleBook:
             )
         if schedule.effective_round <= round:
             if not late:
-                raise ScheduleRefused(
+                raise ScheduleLate(
                     f"schedule epoch {schedule.epoch}: takes effect at round "
                     f"{schedule.effective_round}, expected a round after {round} (this peer's "
                     "round): a schedule cannot take effect in the past"
