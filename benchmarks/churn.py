@@ -241,7 +241,13 @@ class Network:
         joins = removals = 0
         assert self.coordinator is not None
         members = set(self.topology.live.initial) if self.topology.live else set()
-        for schedule in self.coordinator.published:
+        kept = self.coordinator.published
+        if kept and kept[0].epoch > 1:  # the coordinator keeps only its newest schedules
+            raise RuntimeError(
+                f"the coordinator kept schedules from epoch {kept[0].epoch} on: the changes of "
+                "members before it cannot be counted (expected a run of fewer schedules)"
+            )
+        for schedule in kept:
             now = set(self.topology.live.members(schedule.members)) if self.topology.live else set()
             joins += len(now - members)
             removals += len(members - now)

@@ -299,7 +299,7 @@ def test_hostile_values_of_every_field_are_refused_cleanly(service, servers):
     coordinator = servers.coordinator
     # one rank's reports (the walk sends as rank 0) decide nothing: no majority model, so no
     # plan and no schedule; a claimed round or epoch is believed only within its bound
-    assert coordinator.published == []
+    assert len(coordinator.published) == 0
     assert coordinator._lead <= coordinator.margin  # noqa: SLF001
     assert coordinator._highest_epoch <= MAX_STAGED  # noqa: SLF001
 

@@ -22,6 +22,7 @@ from torch import nn
 from gossipcomp.compress import parse_spec
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.coordinator.client import CoordinatorClient
+from gossipcomp.coordinator.planning import KEPT_SCHEDULES
 from gossipcomp.gossip import Choco
 from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
@@ -114,6 +115,19 @@ def test_a_reply_carries_what_the_peer_lacks_that_can_still_take_effect_at_it():
     # the newest even when its round has passed (the peer refuses it, and it comes again)
     assert coordinator.lacking(0, newest.effective_round + 5) == (newest,)
     assert coordinator.lacking(newest.epoch, 0) == ()
+
+
+def test_the_coordinator_keeps_a_bounded_history_and_still_answers_from_it():
+    """Adaptive levels publish up to one schedule a report interval: the coordinator keeps the
+    newest KEPT_SCHEDULES (the list grew for the whole run before) and a reply is still the
+    newest plus the earlier ones a peer lacks, and epochs go on counting."""
+    coordinator = Coordinator(RING4, planner="single", report_every=1)
+    published = [coordinator.publish((), "single") for _ in range(KEPT_SCHEDULES + 10)]
+    assert len(coordinator.published) == KEPT_SCHEDULES
+    assert list(coordinator.published) == published[-KEPT_SCHEDULES:]
+    assert coordinator.published[-1].epoch == KEPT_SCHEDULES + 10
+    assert coordinator.lacking(0, 0) == tuple(published[-MAX_STAGED:])
+    assert coordinator.lacking(published[-2].epoch, 0) == (published[-1],)
 
 
 def _schedule(epoch: int, round: int) -> cpb.Schedule:

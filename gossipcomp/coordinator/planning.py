@@ -55,9 +55,10 @@ The service that serves it over gRPC is service.py.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -96,6 +97,10 @@ decisions_log = logging.getLogger("gossipcomp.coordinator.levels")
 ADAPTIVE_PLANNER = "adaptive"  # the planner label of schedules that change link levels
 CALM_MARGINS = 32  # margins of rounds with no schedule missed before a raised margin halves
 MAX_CALM_MARGINS = 32 * CALM_MARGINS  # the most that calm grows to after misses that follow it
+# schedules kept (`Coordinator.published`, newest last): a reply needs MAX_STAGED of them; more
+# are kept for who reads the history (benchmarks, tests). Adaptive levels publish up to one a
+# report interval, so an unbounded list grew by one every few rounds for the whole run
+KEPT_SCHEDULES = 256
 
 
 def _differs(request: cpb.PeerReport, model: tuple[str, tuple[TensorInfo, ...]]) -> str:
@@ -165,7 +170,7 @@ class Coordinator:
         self._members_at: int | None = None  # lead round of the last change of members
         self._rate: RateController | None = None  # made when the first ladder is known
         self._base: dict[Link, int] = {}  # the levels the controller chose, before any boost
-        self.published: list[Schedule] = []
+        self.published: deque[Schedule] = deque(maxlen=KEPT_SCHEDULES)  # newest last
         self._liveness: MemberLiveness | None = None
         if topology.live is not None:
             self._liveness = liveness or MemberLiveness(topology.live.initial, member_timeout)
@@ -230,13 +235,14 @@ class Coordinator:
         whole round timeout (benchmarks/adaptive.py, decisions every round)."""
         if not self.published or self.published[-1].epoch <= epoch:
             return ()
+        newest = self.published[-1]
         earlier = []
-        for schedule in reversed(self.published[:-1]):
+        for schedule in itertools.islice(reversed(self.published), 1, None):
             if schedule.epoch <= epoch or len(earlier) == MAX_STAGED - 1:
                 break
-            if round < schedule.effective_round < self.published[-1].effective_round:
+            if round < schedule.effective_round < newest.effective_round:
                 earlier.append(schedule)  # not one the newest supersedes at the peer
-        return (*reversed(earlier), self.published[-1])
+        return (*reversed(earlier), newest)
 
     def _agreed_model(self) -> tuple[str, tuple[TensorInfo, ...]] | None:
         """The model (signature, tensors) a majority of the topology's peers report; None
@@ -423,7 +429,8 @@ class Coordinator:
         ladder = ladders[0]
         if ladder is None or any(other != ladder for other in ladders):
             return  # an algorithm without levels, or peers that disagree on the ladder
-        waiting = sum(s.effective_round > self._lead for s in self.published[-MAX_STAGED:])
+        recent = itertools.islice(reversed(self.published), MAX_STAGED)
+        waiting = sum(s.effective_round > self._lead for s in recent)
         if waiting >= MAX_STAGED - 1:
             return  # a peer holds at most MAX_STAGED waiting: decide once one is in force
         self._adapted_at = self._lead
