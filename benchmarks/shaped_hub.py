@@ -50,6 +50,13 @@ BRIDGE = "br0"
 SUBNET = "10.81.0"
 STORE_PORT = 29500  # rank 0's rendezvous store, inside its own namespace
 MAX_RANKS = 16
+# each tbf's queue: a NIC that sends slower than its host writes backs the sender up, it does
+# not drop what its own host sent. The kernel keeps at most tcp_limit_output_bytes (4 MiB by
+# default) of a socket in the qdisc, so a queue above that never drops. With tbf's 50 ms queue
+# (shaped_links) TCP dropped about 1% of a rank's segments at 14.5 Mbit/s and its loss probes
+# and retransmits stalled whole steps: one configuration's median step 391 ms in one repeat,
+# 156-172 ms in the others (benchmarks/allreduce_merge.py, top-1%, docs/benchmarks.md)
+NIC_QUEUE_BYTES = 8 << 20
 CLONE_NEWNET = 0x40000000
 POLL_S = 0.2
 
@@ -95,7 +102,7 @@ class ShapedHub(Namespaces):
 
     def _tc(self, namespace: str, verb: str, device: str, mbit: float) -> None:
         _command(["ip", "netns", "exec", namespace, "tc", "qdisc", verb, "dev", device, "root",
-                  *_tbf(mbit)])  # fmt: skip
+                  *_tbf(mbit, NIC_QUEUE_BYTES)])  # fmt: skip
 
     def set_rate(self, mbit: float) -> None:
         """Every rank's NIC to `mbit` Mbit/s each way, now (`tc qdisc change`)."""

@@ -161,11 +161,14 @@ def identity_address(rank: int) -> str:
     return str(IDENTITY_NET.network_address + rank + 1)
 
 
-def _tbf(mbit: float) -> list[str]:
+def _tbf(mbit: float, queue_bytes: int | None = None) -> list[str]:
     """tbf parameters for `mbit`: a burst of 1 ms at that rate (at least 4 KiB, so a full-size
-    frame always fits) and a queue of QUEUE_LATENCY_MS."""
+    frame always fits) and a queue of QUEUE_LATENCY_MS, or of `queue_bytes` when given."""
     burst = max(4096, int(mbit * 1e6 / 8 / 1000))
-    return ["tbf", "rate", f"{mbit:g}mbit", "burst", str(burst), "latency", f"{QUEUE_LATENCY_MS}ms"]
+    queue = (
+        ["latency", f"{QUEUE_LATENCY_MS}ms"] if queue_bytes is None else ["limit", str(queue_bytes)]
+    )
+    return ["tbf", "rate", f"{mbit:g}mbit", "burst", str(burst), *queue]
 
 
 def check_mbit(mbit: float, what: str) -> float:

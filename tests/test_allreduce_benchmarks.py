@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from helpers import needs_namespaces
 
+from gossipcomp.allreduce.train import AllreduceConfig
 from gossipcomp.compress import parse_spec
 from gossipcomp.workload.models import build_resmlp
 
@@ -91,6 +92,7 @@ def test_allreduce_merge_benchmark_writes_its_fields(tmp_path: Path) -> None:
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import allreduce_merge  # noqa: E402
+import shaped_hub  # noqa: E402
 import shaped_links  # noqa: E402
 
 
@@ -99,6 +101,42 @@ def test_allreduce_merge_refuses_a_batch_size_out_of_range(size: str, capsys) ->
     with pytest.raises(SystemExit):
         allreduce_merge.main(["--batch-size", size])
     assert f"--batch-size: expected 1 to 1024, got {size}" in capsys.readouterr().err
+
+
+def test_a_shaped_nic_queues_what_its_host_sends_rather_than_dropping_it(monkeypatch) -> None:
+    """Each tbf of the all-reduce hub holds NIC_QUEUE_BYTES, above the 4 MiB of a socket the
+    kernel lets wait in a qdisc (tcp_limit_output_bytes): with tbf's 50 ms queue TCP lost about
+    1% of its segments at 14.5 Mbit/s and its recoveries stalled whole steps."""
+    assert shaped_hub.NIC_QUEUE_BYTES > 4 << 20
+    commands: list[list[str]] = []
+    monkeypatch.setattr(shaped_hub, "_command", commands.append)
+    hub = shaped_hub.ShapedHub(2, 14.5)
+    hub.set_rate(20.0)
+    assert len(commands) == 4  # both ends of both ranks' links
+    for command in commands:
+        tbf = command[command.index("tbf") :]
+        assert tbf[tbf.index("rate") + 1] == "20mbit"
+        assert tbf[tbf.index("limit") + 1] == str(shaped_hub.NIC_QUEUE_BYTES)
+        assert "latency" not in tbf
+    assert "latency" in shaped_links._tbf(20.0)  # noqa: SLF001 (gossip's links keep theirs)
+
+
+def test_allreduce_merge_defaults_to_a_long_backward_on_shaped_links(monkeypatch) -> None:
+    seen: dict[str, int] = {}
+
+    def record(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]) -> int:
+        seen[args.links] = args.batch_size
+        return 0
+
+    monkeypatch.setattr(allreduce_merge, "_shaped", record)
+    monkeypatch.setattr(allreduce_merge, "_loopback", record)
+    assert allreduce_merge.main(["--links", "shaped"]) == 0
+    assert allreduce_merge.main(["--links", "loopback"]) == 0
+    assert allreduce_merge.main(["--links", "shaped", "--batch-size", "48"]) == 0
+    assert seen == {"shaped": 48, "loopback": AllreduceConfig.batch_size}
+    seen.clear()
+    allreduce_merge.main(["--links", "shaped"])
+    assert seen == {"shaped": allreduce_merge.SHAPED_BATCH_SIZE} and seen["shaped"] > 32
 
 
 def test_allreduce_merge_trains_every_configuration_at_the_batch_size_asked() -> None:
