@@ -312,7 +312,7 @@ def _shaped(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]) 
             f"{spec} at {c['mbit']:.2f} Mbit/s: comm/backward {c['comm_over_backward']:.2f}, "
             f"{args.planner}: {c['planned_groups']} groups, planned_vs_single "
             f"{c['planned_vs_single']:.2f}, predicted/measured {c['predicted_over_measured']:.2f}"
-            f", in-step alpha {c['alpha_ms']:.2f} ms"
+            f", in-step alpha {c['alpha_ms']:.2f} ms, contention {c['contention']:.2f}"
         )
     save(args.json, result)
     if not bound:
@@ -340,6 +340,7 @@ def _figures(
             "step_ms": row["step_ms"],
             "predicted_ms": row["predicted_ms"],
             "alpha_ms": row["alpha_ms"],
+            "contention": row["contention"],
             "vs_single": single["step_ms"] / row["step_ms"],
             "predicted_over_measured": row["predicted_ms"] / row["step_ms"],
         }
@@ -355,6 +356,7 @@ def _figures(
         "planned_groups": head["groups"],
         "predicted_over_measured": head["predicted_over_measured"],
         "alpha_ms": head["alpha_ms"],
+        "contention": head["contention"],
         "best_planned_vs_single": max(p["vs_single"] for p in planners.values()),
         "planners": planners,
     }

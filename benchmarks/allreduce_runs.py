@@ -44,6 +44,7 @@ def run_configs(
                     "compute_ms": 1e3 * result.compute_seconds / looped,
                     "predicted_ms": 1e3 * result.predicted_step_seconds,
                     "alpha_ms": 1e3 * result.planned_latency_s,
+                    "contention": result.planned_contention,
                 }
             )
     return rows
@@ -67,7 +68,14 @@ def summarise(
             "link_bytes_per_step": first[0]["link_bytes_per_step"],
             **{
                 key: statistics.median(run[key] for rank in ranks for run in rank[name])
-                for key in ("step_ms", "comm_ms", "compute_ms", "predicted_ms", "alpha_ms")
+                for key in (
+                    "step_ms",
+                    "comm_ms",
+                    "compute_ms",
+                    "predicted_ms",
+                    "alpha_ms",
+                    "contention",
+                )
             },
             # each repeat's step time (median over ranks): the run-to-run spread
             "step_ms_repeats": [

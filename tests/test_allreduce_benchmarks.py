@@ -19,6 +19,7 @@ from helpers import needs_namespaces
 
 from gossipcomp.allreduce.train import AllreduceConfig
 from gossipcomp.compress import parse_spec
+from gossipcomp.schedule.costs import MAX_CONTENTION
 from gossipcomp.workload.models import build_resmlp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,6 +173,7 @@ def test_allreduce_merge_on_shaped_links_writes_the_network_bound_figures(tmp_pa
         assert planner["groups"] == row["groups"] >= 1
         assert row["predicted_ms"] > 0  # every planner's cost model priced its plan
         assert planner["alpha_ms"] == row["alpha_ms"] >= 0  # on collectives inside steps
+        assert 0 <= planner["contention"] == row["contention"] <= MAX_CONTENTION
         assert abs(planner["predicted_over_measured"] - row["predicted_ms"] / row["step_ms"]) < 1e-9
         assert abs(planner["vs_single"] - methods["sign single"]["step_ms"] / row["step_ms"]) < 1e-9
     assert figures["planned_groups"] == figures["planners"]["mergecomp"]["groups"]

@@ -15,8 +15,10 @@ the backward, and the rest of the step (batch, forward, optimizer step). `in_ste
 fits the link on the steps' totals (`fit_link_totals`: a step's communication seconds less its
 compression, timed alone, = alpha * groups + beta * wire bytes), so alpha carries what one more
 collective costs inside a step; `Calibration.tensors` and `compute_s` are the backward as it
-runs beside the communication (medians over both probes' steps: contended in one, alone in the
-other, as a plan of a few groups is in part), and `outside_s` is added to a plan's predicted
+runs alone (the single probe's steps, where communication starts after it), `contention` how
+much slower the communication runs beside it (`contention_of`: on two ranks sharing two cores a
+group's compression and copies take the backward's core; plans that overlap were predicted
+16-25% short without it, docs/benchmarks.md), and `outside_s` is added to a plan's predicted
 step (`predict_step`). Every rank calibrates (the probes' collectives are collective); rank 0's
 plan is the one broadcast (merged.make_plan).
 """
@@ -53,7 +55,7 @@ from gossipcomp.schedule import (
     TensorInfo,
     predict_iteration,
 )
-from gossipcomp.schedule.costs import fit_link_totals
+from gossipcomp.schedule.costs import MAX_CONTENTION, fit_link_totals
 
 MIN_STEPS = 2  # per probe: one warm-up and at least one timed step
 MAX_STEPS = MAX_CALIBRATION_STEPS
@@ -90,6 +92,7 @@ class Calibration:
     compute_s: float  # the backward inside a step (median)
     outside_s: float  # the step less backward and communication wait (median)
     steps: tuple[ProbeStep, ...]
+    contention: float = 0.0  # communication's slowdown beside the backward (`contention_of`)
 
     def probe_step_s(self, probe: str) -> float:
         """The median measured step of `probe`."""
@@ -140,15 +143,43 @@ def calibrate(
                     measured.append(step)
         finally:
             sync.close()
-    backward = [s.stamps for s in measured]
-    stamps = [statistics.median(column) for column in zip(*backward, strict=True)]
+    alone = [s for s in measured if s.probe == "single"]  # no communication beside it
+    stamps = [statistics.median(column) for column in zip(*(s.stamps for s in alone), strict=True)]
     return Calibration(
         compressor=compressor,
         tensors=tuple(tensor_infos(model, stamps)),
-        compute_s=statistics.median(s.backward_s for s in measured),
+        compute_s=statistics.median(s.backward_s for s in alone),
         outside_s=statistics.median(s.outside_s for s in measured),
         steps=tuple(measured),
+        contention=contention_of(measured),
     )
+
+
+def contention_of(steps: Sequence[ProbeStep]) -> float:
+    """How much slower communication runs beside the backward than alone (CostModel's
+    `contention`), from the probes: the backward of a per-tensor step, with the communication
+    thread busy beside it, is longer than a single-group step's by the CPU that thread took
+    from it; over the seconds the thread was busy during that backward (its groups' seconds
+    less the wait after the backward) that is the share it runs slower. 0 where the backward
+    did not slow (a core to spare)."""
+    beside = [s for s in steps if s.probe == "per-tensor"]
+    alone = [s for s in steps if s.probe == "single"]
+    if not beside or not alone:
+        raise ValueError("contention_of: expected steps of both probes")
+    slowdown = statistics.median(s.backward_s for s in beside) - statistics.median(
+        s.backward_s for s in alone
+    )
+    overlapped = statistics.median(
+        min(s.backward_s, max(0.0, sum(sec for _, sec in s.groups) - _wait_s(s))) for s in beside
+    )
+    if slowdown <= 0.0 or overlapped <= 0.0:
+        return 0.0
+    return min(MAX_CONTENTION, slowdown / overlapped)
+
+
+def _wait_s(step: ProbeStep) -> float:
+    """Seconds a step waited for communication after its backward."""
+    return max(0.0, step.step_s - step.outside_s - step.backward_s)
 
 
 def _timed_step(model: nn.Module, parts: StepParts, sync: MergedSync, probe: str) -> ProbeStep:
@@ -195,7 +226,11 @@ def in_step_costs(calibration: Calibration, compressors: Mapping[str, Compressor
         link_s = sum(seconds - own.seconds(numel) for numel, seconds in step.groups)
         totals.append((len(step.groups), nbytes, max(0.0, link_s)))
     first = CostModel(
-        dict(compressors), fit_link_totals(totals), calibration.compute_s, mode="allreduce"
+        dict(compressors),
+        fit_link_totals(totals),
+        calibration.compute_s,
+        mode="allreduce",
+        contention=calibration.contention,
     )
     return _match_probes(calibration, first)
 
@@ -216,7 +251,9 @@ def _match_probes(calibration: Calibration, costs: CostModel) -> CostModel:
 
     def with_link(x: np.ndarray) -> CostModel:
         link = LinkCost(float(x[0]), float(x[1]))
-        return CostModel(costs.compressors, link, costs.compute_s, mode="allreduce")
+        return CostModel(
+            costs.compressors, link, costs.compute_s, mode="allreduce", contention=costs.contention
+        )
 
     def predicted(x: np.ndarray) -> np.ndarray:
         model = with_link(x)

@@ -300,6 +300,7 @@ class Plan:
     groups: tuple[TensorGroup, ...]
     predicted_s: float  # predict_iteration of the groups; 0.0 when the planner could not plan
     link: LinkCost | None = None  # the link it was priced on; None when it could not plan
+    contention: float = 0.0  # its cost model's slowdown of communication beside the backward
 
 
 def make_plan(
@@ -360,7 +361,7 @@ def agree_plan(
             model = costs()
             groups = make_planner(planner).plan(tensors, model, compressor)
             check_cover(groups, [t.name for t in tensors])
-            plan = Plan(groups, predict(groups, model), model.link)
+            plan = Plan(groups, predict(groups, model), model.link, model.contention)
         except (ValueError, TypeError, ArithmeticError) as error:
             log.warning(
                 "planner %s could not plan (%s); groups of %d bytes instead",

@@ -170,6 +170,7 @@ class RankResult:
     # and comm_seconds cover the other steps - calibration_steps
     calibration_steps: int = 0
     planned_latency_s: float = 0.0  # merged with a planner: the cost of one more collective
+    planned_contention: float = 0.0  # and how much slower communication runs beside backward
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -214,7 +215,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     waited: Callable[[], float] = lambda: 0.0  # noqa: E731
     counting: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     groups = 1
-    predicted_s = latency_s = 0.0
+    predicted_s = latency_s = contention = 0.0
     if config.sync == "ddp-hook":
         ddp = DistributedDataParallel(
             model,
@@ -238,6 +239,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
         merged, plan = _merged(model, config, comm, stream, optimizer)
         predicted_s = plan.predicted_s
         latency_s = plan.link.latency_s if plan.link is not None else 0.0
+        contention = plan.contention
         groups = len(merged.groups)
         after_backward, waited = merged.synchronize, lambda: merged.wait_seconds
     elif config.sync == "marsit":
@@ -325,6 +327,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
         average_model_test_loss=average_loss,
         calibration_steps=calibrated,
         planned_latency_s=latency_s,
+        planned_contention=contention,
     )
 
 

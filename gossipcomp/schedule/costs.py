@@ -375,6 +375,7 @@ def measure_seconds(step: Callable[[], object], repeats: int = 5) -> float:
 
 
 MAX_COMPRESSORS = 64  # compressor specs one cost model prices at most
+MAX_CONTENTION = 4.0  # communication beside the backward at a fifth of its speed, at most
 MAX_SPEC_CHARS = 200  # characters of one compressor spec at most
 
 
@@ -392,18 +393,25 @@ class CostModel:
 
     `compressors` maps compressor specs to their costs; a plan may only use specs listed here.
     `compute_s` is the forward + backward (gossip: local step) seconds of one iteration.
+    `contention` (all-reduce): how much slower communication runs while the backward does,
+    sharing its core (`overlapped_finish`); 0 where it has a core of its own.
     """
 
     compressors: Mapping[str, CompressorCost]
     link: LinkCost
     compute_s: float
     mode: Mode = "gossip"
+    contention: float = 0.0
     _by_spec: dict[str, tuple[CompressorCost, WireSize]] = field(
         init=False, repr=False, compare=False
     )
 
     def __post_init__(self) -> None:
         _non_negative("CostModel", compute_s=self.compute_s)
+        if not 0.0 <= self.contention <= MAX_CONTENTION:  # also refuses NaN
+            raise ValueError(
+                f"CostModel: contention {quoted(self.contention)}; expected 0 to {MAX_CONTENTION}"
+            )
         if self.mode not in MODES:
             raise ValueError(f"CostModel: mode is {quoted(self.mode)}; expected one of {MODES}")
         if not 1 <= len(self.compressors) <= MAX_COMPRESSORS:
@@ -451,8 +459,9 @@ def predict_iteration(
                (every group compressed after the local step, then one envelope per neighbour).
     allreduce: groups in the order they become ready (r_g = latest ready_at of its tensors);
                one communication worker runs each group's compression then its collective:
-               end_g = max(r_g, end_{g-1}) + c_g(m_g) + alpha + beta * b_g(m_g), end_0 = 0;
-               T = max(compute_s, end_last).
+               end_g = F(max(r_g, end_{g-1}), c_g(m_g) + alpha + beta * b_g(m_g)), end_0 = 0;
+               T = max(compute_s, end_last), with F `overlapped_finish` (start + duration
+               when contention is 0).
     """
     check_cover(groups, [t.name for t in tensors])
     info = {t.name: t for t in tensors}
@@ -468,5 +477,25 @@ def predict_iteration(
         return costs.compute_s + sum(c for _, c, _ in parts) + link.seconds(total_bytes)
     end = 0.0
     for ready, compression_s, nbytes in sorted(parts, key=lambda part: part[0]):
-        end = max(ready, end) + compression_s + link.seconds(nbytes)
+        duration = compression_s + link.seconds(nbytes)
+        end = float(overlapped_finish(max(ready, end), duration, costs.compute_s, costs.contention))
     return max(costs.compute_s, end)
+
+
+def overlapped_finish(
+    start: float | np.ndarray,
+    duration: float | np.ndarray,
+    backward_end: float,
+    contention: float,
+) -> float | np.ndarray:
+    """When communication of `duration` seconds (alone) that starts at `start` ends, if it runs
+    1 + `contention` times slower until `backward_end` (sharing the backward's core) and at full
+    speed after. Non-decreasing in `start`, so the planners' dynamic programme stays exact.
+    Elementwise over arrays."""
+    if contention == 0.0:
+        return start + duration
+    slowed = start + duration * (1.0 + contention)
+    crossing = backward_end + duration - (backward_end - start) / (1.0 + contention)
+    return np.where(
+        start >= backward_end, start + duration, np.where(slowed <= backward_end, slowed, crossing)
+    )

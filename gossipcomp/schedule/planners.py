@@ -32,7 +32,7 @@ from gossipcomp.compress import parse_spec
 from gossipcomp.inputs.numbers import checked_integer, checked_number
 from gossipcomp.inputs.text import quoted
 from gossipcomp.schedule.catalog import PLANNER_NAMES
-from gossipcomp.schedule.costs import CostModel
+from gossipcomp.schedule.costs import CostModel, overlapped_finish
 from gossipcomp.schedule.groups import TensorGroup, TensorInfo, groups_from_cuts
 
 USER = "user"  # in strategy candidates: the user's own compressor
@@ -113,9 +113,10 @@ def optimal_plan(
     """Cuts (processing order) and a spec index per group of the plan minimising the predicted
     time when each group may take any of `specs`. With d_c(s, e) the duration of tensors
     [s, e) under spec c, f[e] = best finish of the first e tensors: gossip
-    f[e] = min_{s,c} f[s] + d_c(s, e); all-reduce f[e] = min_{s,c} max(ready[e-1], f[s]) +
-    d_c(s, e). Both are exact: the final time grows with f, and each step is non-decreasing in
-    f[s]. Ties go to the earlier spec, then the earlier cut."""
+    f[e] = min_{s,c} f[s] + d_c(s, e); all-reduce f[e] = min_{s,c} F(max(ready[e-1], f[s]),
+    d_c(s, e)), F `overlapped_finish` (the sum when the model has no contention). Both are
+    exact: the final time grows with f, and each step is non-decreasing in f[s]. Ties go to
+    the earlier spec, then the earlier cut."""
     n = timeline.ready.size
     fixed, slope = _coefficients(costs, specs)
     fixed, slope = fixed[:, None], slope[:, None]
@@ -128,7 +129,8 @@ def optimal_plan(
         starts = best[:end]
         if allreduce:
             starts = np.maximum(starts, timeline.ready[end - 1])
-        finish = starts + fixed + slope * (prefix[end] - prefix[:end])  # [spec, start]
+        duration = fixed + slope * (prefix[end] - prefix[:end])  # [spec, start]
+        finish = overlapped_finish(starts, duration, costs.compute_s, costs.contention)
         spec, start = divmod(int(np.argmin(finish)), end)
         back[end], pick[end], best[end] = start, spec, finish[spec, start]
     cuts, chosen = [n], []
@@ -367,7 +369,10 @@ def _relax(
 
     Durations d_g in processing order. gossip: T = compute + alpha + sum d. all-reduce: with
     finish_g = ready_g + d_g + ... + d_last, T = max(compute, max_g finish_g); changing d_g by
-    delta moves finish_0..finish_g by delta, so each trial costs two maxima."""
+    delta moves finish_0..finish_g by delta, so each trial costs two maxima. With contention
+    (no such closed form) each trial walks the groups' timeline instead."""
+    if costs.mode == "allreduce" and costs.contention > 0:
+        return _relax_walking(timeline, costs, specs, cuts, choice)
     prefix = timeline.prefix_numel
     bounds = np.asarray(cuts)
     numel = prefix[bounds[1:]] - prefix[bounds[:-1]]
@@ -399,6 +404,46 @@ def _relax(
             durations[group] = options[pick, group]
             chosen[group] = pick
     return chosen.tolist()
+
+
+def _relax_walking(
+    timeline: _Timeline, costs: CostModel, specs: list[str], cuts: list[int], choice: list[int]
+) -> list[int]:
+    """`_relax` for an all-reduce model with contention: every trial's time from the whole
+    timeline (`_walk`), the candidates of one group at once."""
+    prefix = timeline.prefix_numel
+    bounds = np.asarray(cuts)
+    numel = prefix[bounds[1:]] - prefix[bounds[:-1]]
+    ready = timeline.ready[bounds[1:] - 1]
+    fixed, slope = _coefficients(costs, specs)
+    options = fixed[:, None] + slope[:, None] * numel[None, :]  # [spec, group]
+    chosen = np.asarray(choice)
+    durations = options[chosen, np.arange(numel.size)]
+    limit = float(_walk(ready, durations[None, :], costs)[0]) * (1 + _FIDELITY_TIE)
+    for group in np.argsort(-numel, kind="stable").tolist():
+        current = int(chosen[group])
+        if current == 0:
+            continue
+        trials = np.repeat(durations[None, :], current, axis=0)
+        trials[:, group] = options[:current, group]
+        allowed = np.flatnonzero(_walk(ready, trials, costs) <= limit)
+        if allowed.size:
+            pick = int(allowed[0])
+            durations[group] = options[pick, group]
+            chosen[group] = pick
+    return chosen.tolist()
+
+
+def _walk(ready: np.ndarray, durations: np.ndarray, costs: CostModel) -> np.ndarray:
+    """Predicted all-reduce time of each row of `durations` ([trial, group], processing
+    order), groups ready at `ready`: predict_iteration's recursion, over the trials at once."""
+    end = np.zeros(durations.shape[0])
+    for g in range(durations.shape[1]):
+        start = np.maximum(end, ready[g])
+        end = np.asarray(
+            overlapped_finish(start, durations[:, g], costs.compute_s, costs.contention)
+        )
+    return np.maximum(costs.compute_s, end)
 
 
 PLANNERS: dict[str, Callable[..., Planner]] = dict(
