@@ -53,6 +53,9 @@ def test_a_cost_model_refuses_a_contention_out_of_range() -> None:
     for bad in (-0.1, MAX_CONTENTION + 1, float("nan")):
         with pytest.raises(ValueError, match="contention"):
             replace(costs, contention=bad)
+    _, gossip = random_instance(np.random.default_rng(0), 3, "gossip", ["sign"])
+    with pytest.raises(ValueError, match="only all-reduce overlaps"):
+        replace(gossip, contention=0.5)
 
 
 def _best_over_every_partition(

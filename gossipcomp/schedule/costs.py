@@ -412,6 +412,11 @@ class CostModel:
             raise ValueError(
                 f"CostModel: contention {quoted(self.contention)}; expected 0 to {MAX_CONTENTION}"
             )
+        if self.contention and self.mode != "allreduce":
+            raise ValueError(
+                f"CostModel: contention {self.contention:g} in {self.mode} mode; expected 0 "
+                "(only all-reduce overlaps communication with the backward)"
+            )
         if self.mode not in MODES:
             raise ValueError(f"CostModel: mode is {quoted(self.mode)}; expected one of {MODES}")
         if not 1 <= len(self.compressors) <= MAX_COMPRESSORS:
