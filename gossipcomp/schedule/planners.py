@@ -373,13 +373,7 @@ def _relax(
     (no such closed form) each trial walks the groups' timeline instead."""
     if costs.mode == "allreduce" and costs.contention > 0:
         return _relax_walking(timeline, costs, specs, cuts, choice)
-    prefix = timeline.prefix_numel
-    bounds = np.asarray(cuts)
-    numel = prefix[bounds[1:]] - prefix[bounds[:-1]]
-    fixed, slope = _coefficients(costs, specs)
-    options = fixed[:, None] + slope[:, None] * numel[None, :]  # [spec, group]
-    chosen = np.asarray(choice)
-    durations = options[chosen, np.arange(numel.size)]
+    bounds, numel, options, chosen, durations = _group_options(timeline, costs, specs, cuts, choice)
     if costs.mode == "gossip":
         finish = np.array([costs.link.latency_s + durations.sum()])
     else:
@@ -406,19 +400,27 @@ def _relax(
     return chosen.tolist()
 
 
+def _group_options(
+    timeline: _Timeline, costs: CostModel, specs: list[str], cuts: list[int], choice: list[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For `_relax`: the cuts as an array, each group's elements, the duration of every group
+    under every spec ([spec, group]), the chosen spec indices and their durations."""
+    prefix = timeline.prefix_numel
+    bounds = np.asarray(cuts)
+    numel = prefix[bounds[1:]] - prefix[bounds[:-1]]
+    fixed, slope = _coefficients(costs, specs)
+    options = fixed[:, None] + slope[:, None] * numel[None, :]
+    chosen = np.asarray(choice)
+    return bounds, numel, options, chosen, options[chosen, np.arange(numel.size)]
+
+
 def _relax_walking(
     timeline: _Timeline, costs: CostModel, specs: list[str], cuts: list[int], choice: list[int]
 ) -> list[int]:
     """`_relax` for an all-reduce model with contention: every trial's time from the whole
     timeline (`_walk`), the candidates of one group at once."""
-    prefix = timeline.prefix_numel
-    bounds = np.asarray(cuts)
-    numel = prefix[bounds[1:]] - prefix[bounds[:-1]]
+    bounds, numel, options, chosen, durations = _group_options(timeline, costs, specs, cuts, choice)
     ready = timeline.ready[bounds[1:] - 1]
-    fixed, slope = _coefficients(costs, specs)
-    options = fixed[:, None] + slope[:, None] * numel[None, :]  # [spec, group]
-    chosen = np.asarray(choice)
-    durations = options[chosen, np.arange(numel.size)]
     limit = float(_walk(ready, durations[None, :], costs)[0]) * (1 + _FIDELITY_TIE)
     for group in np.argsort(-numel, kind="stable").tolist():
         current = int(chosen[group])
