@@ -148,13 +148,15 @@ def test_ssd_with_k_5_learns_digits_within_a_point_of_synchronous_sgd() -> None:
 
 def test_marsit_learns_digits_within_two_points_of_plain_allreduce() -> None:
     """4 ranks, 300 steps at lr 0.1 without momentum for both (sign updates overshoot under
-    momentum 0.9 with compensation: 0.19 accuracy, docs/benchmarks.md)."""
+    momentum 0.9 with compensation: 0.19 accuracy, docs/benchmarks.md). Plain SGD without
+    momentum is short of converged at 300 steps: over seeds 0-4 it reached 0.911-0.964 (Marsit
+    0.928-0.961, within two points of it every time), so its own floor here is 0.9."""
     configs = [
         AllreduceConfig(steps=300, momentum=0.0),
         AllreduceConfig(sync="marsit", steps=300, momentum=0.0),
     ]
     plain, marsit = spawn(_accuracy_worker, 4, (configs,), timeout_s=30, deadline_s=170)[0]
-    assert plain > 0.93
+    assert plain > 0.9
     assert marsit >= plain - 0.02, (marsit, plain)
 
 

@@ -32,6 +32,7 @@ from gossipcomp.inputs.text import QUOTE_LIMIT
 from gossipcomp.security import TlsFiles, new_ca, new_peer_certificate
 from gossipcomp.security.signing_keys import load_signing_key, read_allowlist
 from gossipcomp.topology import load_topology
+from gossipcomp.workload.bundled import read_table
 from gossipcomp.workload.checkpoint import CheckpointStore
 from gossipcomp.workload.text import read_source_start
 
@@ -115,6 +116,10 @@ READERS: dict[str, Reader] = {
         lambda p, _: read_source_start(p, 2**30),
         ("workload.text.read_source_start",),
         ("deep json", "deep yaml", "not utf-8", "wrong top level"),
+    ),
+    "bundled table": Reader(
+        lambda p, _: read_table(p, has_header=True),
+        ("workload.bundled.read_table", "workload.bundled._read_text"),
     ),
     "text": Reader(
         lambda p, _: files.read_text_file(p, "text", "a text file", 2**30),

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from gossipcomp.workload.bundled import load_table, stratified_split
 from gossipcomp.workload.catalog import DATASET_NAMES
 from gossipcomp.workload.text import VOCABULARY_SIZE, python_source_windows
 
@@ -57,19 +58,18 @@ DigitsSplit = DatasetSplit  # the name from when digits was the only data set
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    """A bundled data set: its loader in sklearn.datasets and how its features are scaled.
+    """A bundled data set: its loader's name in sklearn.datasets (workload/bundled.py reads its
+    file) and how its features are scaled.
 
     `pixels`: the features are 0..16 intensities, divided by 16 into [0, 1] (digits); else each
-    feature is standardised to mean 0 and standard deviation 1 on the training part. scikit-learn
-    is imported when a data set is loaded, not with this table (the command line's --help)."""
+    feature is standardised to mean 0 and standard deviation 1 on the training part."""
 
     loader: str
     pixels: bool = False
 
-    def load(self) -> Any:
-        from sklearn import datasets
-
-        return getattr(datasets, self.loader)()
+    def load(self) -> tuple[np.ndarray, np.ndarray]:
+        """float32 features and int64 labels."""
+        return load_table(self.loader)
 
 
 @dataclass(frozen=True)
@@ -114,14 +114,9 @@ def load_split(name: str, seed: int = 0, test_fraction: float = 0.2) -> DatasetS
         return DatasetSplit(
             train.inputs, train.targets, test.inputs, test.targets, vocabulary=VOCABULARY_SIZE
         )
-    from sklearn.model_selection import train_test_split
-
-    bunch = info.load()
-    x = np.asarray(bunch.data, dtype=np.float32)
-    y = np.asarray(bunch.target, dtype=np.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        x, y, test_size=test_fraction, random_state=seed, stratify=y
-    )
+    x, y = info.load()
+    train, test = stratified_split(y, test_fraction, seed)
+    x_tr, x_te, y_tr, y_te = x[train], x[test], y[train], y[test]
     if info.pixels:
         x_tr, x_te = x_tr / np.float32(16.0), x_te / np.float32(16.0)
     else:
