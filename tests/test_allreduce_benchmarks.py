@@ -188,3 +188,21 @@ def test_allreduce_merge_on_shaped_links_writes_the_network_bound_figures(tmp_pa
     assert figures["single_comm_ms"] >= floor_ms
     # torn down on exit
     assert not [n for n in shaped_links.namespaces() if n.startswith(result["namespace_prefix"])]
+
+
+@needs_namespaces()
+def test_collective_skew_times_each_collective_against_its_wire_time(tmp_path: Path) -> None:
+    """benchmarks/collective_skew.py, tiny: each kind's duration is at least its bytes' wire
+    time on the shaped NIC (the link limits it), and the figures are consistent."""
+    out = tmp_path / "skew.json"
+    _run("collective_skew.py", "--mbit", "20", "--kib", "16", "--steps", "3", "--gap-ms", "5",
+         "--json", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert set(result["kinds"]) == {"all_reduce", "all_gather", "exchange"}
+    for figures in result["kinds"].values():
+        assert figures["wire_ms"] == pytest.approx((16 << 10) * 8 / 20e6 * 1e3)
+        assert figures["duration_ms"] >= 0.9 * figures["wire_ms"]
+        assert figures["duration_over_wire"] == pytest.approx(
+            figures["duration_ms"] / figures["wire_ms"]
+        )
+        assert figures["end_skew_abs_max_ms"] >= abs(figures["end_skew_ms"])
