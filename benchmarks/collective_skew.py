@@ -6,7 +6,8 @@ all_gather of each group's payload) never overlapped its backward, where the all
 identity and sign did. The steps' timelines showed one rank ending each step about 30 ms
 before the other, then waiting that long in its next step's first collective, however small.
 This measures the collectives alone: ranks that sleep (a step's compute, the link idle), then
-run one collective of `--kib` each, `--steps` times. Per kind: the median duration, the wire
+run one collective of `--kib` each, `--steps` times (all_gather_pieces: the same bytes as
+all_gathers of at most `--piece-kib` each, one after the other). Per kind: the median duration, the wire
 time of the bytes one rank sends (what a full-duplex NIC needs), and the median of rank 1's
 end minus rank 0's (ranks that stay in step end together).
 
@@ -28,11 +29,14 @@ import torch
 import torch.distributed as dist
 from shaped_hub import ShapedHub, run_ranks
 
-KINDS = ("all_reduce", "all_gather", "exchange")  # exchange: one isend and one irecv at once
+# exchange: one isend and one irecv at once; all_gather_pieces: all_gathers of --piece-kib each
+KINDS = ("all_reduce", "all_gather", "all_gather_pieces", "exchange")
 WARMUP = 3  # collectives before the ones counted (connections, slow start)
 
 
-def collectives(_session: object, kind: str, nbytes: int, steps: int, gap_s: float) -> list:
+def collectives(
+    _session: object, kind: str, nbytes: int, steps: int, gap_s: float, piece_bytes: int
+) -> list:
     """This rank's (start, end) monotonic times of `steps` collectives of `kind`."""
     torch.set_num_threads(1)
     payload = torch.zeros(nbytes // 4)  # float32: what each rank sends
@@ -45,6 +49,9 @@ def collectives(_session: object, kind: str, nbytes: int, steps: int, gap_s: flo
             dist.all_reduce(payload)
         elif kind == "all_gather":
             dist.all_gather([torch.empty_like(payload) for _ in range(2)], payload)
+        elif kind == "all_gather_pieces":
+            for piece in payload.split(max(1, piece_bytes // 4)):
+                dist.all_gather([torch.empty_like(piece) for _ in range(2)], piece)
         else:
             received = torch.empty_like(payload)
             ops = [dist.P2POp(dist.isend, payload, other), dist.P2POp(dist.irecv, received, other)]
@@ -54,9 +61,12 @@ def collectives(_session: object, kind: str, nbytes: int, steps: int, gap_s: flo
     return times[WARMUP:]
 
 
-def measure(kind: str, mbit: float, nbytes: int, steps: int, gap_s: float) -> dict[str, float]:
+def measure(
+    kind: str, mbit: float, nbytes: int, steps: int, gap_s: float, piece_bytes: int
+) -> dict[str, float]:
     with ShapedHub(2, mbit) as hub:
-        first, second = run_ranks(hub, collectives, (kind, nbytes, steps, gap_s), timeout_s=60)
+        arguments = (kind, nbytes, steps, gap_s, piece_bytes)
+        first, second = run_ranks(hub, collectives, arguments, timeout_s=60)
     wire_ms = nbytes * 8 / (mbit * 1e6) * 1e3
     duration = statistics.median((end - start) * 1e3 for start, end in first)
     skew = [(b[1] - a[1]) * 1e3 for a, b in zip(first, second, strict=True)]
@@ -75,20 +85,24 @@ def main() -> None:
     parser.add_argument("--kib", type=int, default=110, help="bytes each rank sends, KiB")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--gap-ms", type=float, default=40.0, help="idle time before each")
+    parser.add_argument("--piece-kib", type=int, default=16, help="all_gather_pieces' pieces")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if args.kib < 1 or args.steps < 1 or args.gap_ms < 0:
-        parser.error("--kib and --steps: expected at least 1; --gap-ms: expected >= 0")
+    if min(args.kib, args.steps, args.piece_kib) < 1 or args.gap_ms < 0:
+        parser.error("--kib, --steps, --piece-kib: expected at least 1; --gap-ms: expected >= 0")
     results = {}
     for kind in args.kinds:
-        r = results[kind] = measure(kind, args.mbit, args.kib << 10, args.steps, args.gap_ms / 1e3)
+        r = results[kind] = measure(
+            kind, args.mbit, args.kib << 10, args.steps, args.gap_ms / 1e3, args.piece_kib << 10
+        )
         print(
             f"{kind:10} {r['duration_ms']:7.1f} ms, wire {r['wire_ms']:.1f} ms "
             f"({r['duration_over_wire']:.2f}x), rank 1 ends {r['end_skew_ms']:+.1f} ms after rank 0"
         )
     if args.json:
-        report = {"mbit": args.mbit, "kib": args.kib, "steps": args.steps, "kinds": results}
+        report = {"mbit": args.mbit, "kib": args.kib, "piece_kib": args.piece_kib}
+        report |= {"steps": args.steps, "kinds": results}
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 

@@ -196,9 +196,9 @@ def test_collective_skew_times_each_collective_against_its_wire_time(tmp_path: P
     time on the shaped NIC (the link limits it), and the figures are consistent."""
     out = tmp_path / "skew.json"
     _run("collective_skew.py", "--mbit", "20", "--kib", "16", "--steps", "3", "--gap-ms", "5",
-         "--json", str(out))  # fmt: skip
+         "--piece-kib", "4", "--json", str(out))  # fmt: skip
     result = json.loads(out.read_text())
-    assert set(result["kinds"]) == {"all_reduce", "all_gather", "exchange"}
+    assert set(result["kinds"]) == {"all_reduce", "all_gather", "all_gather_pieces", "exchange"}
     for figures in result["kinds"].values():
         assert figures["wire_ms"] == pytest.approx((16 << 10) * 8 / 20e6 * 1e3)
         assert figures["duration_ms"] >= 0.9 * figures["wire_ms"]
