@@ -6,6 +6,7 @@ sympy (the start-up they cost)."""
 from __future__ import annotations
 
 import gzip
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,21 @@ def test_a_table_file_larger_than_any_bundled_one_is_refused_unread(tmp_path: Pa
         out.write(b"0," * (MAX_TABLE_BYTES // 2 + 1))
     with pytest.raises(ValueError, match=f"larger than {MAX_TABLE_BYTES} bytes"):
         load_table("load_digits", directory=tmp_path)
+
+
+def test_a_table_of_the_most_bytes_and_shortest_fields_parses_in_bounded_memory() -> None:
+    """The worst a table under the bound can ask: a field every two bytes."""
+    fields_per_row = 1024
+    row = ",".join(["0"] * fields_per_row)
+    text = "\n".join([row] * (MAX_TABLE_BYTES // (len(row) + 1)))
+    tracemalloc.start()
+    try:
+        features, labels = parse_table(text, False, "table.csv")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert features.shape[1] == fields_per_row - 1 and (labels == 0).all()
+    assert peak < 64 << 20, peak
 
 
 def test_the_split_keeps_each_class_share_on_both_sides_and_covers_every_row_once() -> None:
