@@ -241,8 +241,10 @@ def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_whe
     Its rank falls to one whose transfers fit the slow link before the link recovers (24
     rounds later; 9-12 rounds is typical, but in about one full-suite run in three the level
     stayed at its top for 12 rounds and more with the coordinator's margin at its base: not
-    yet understood, docs/benchmarks.md), and its transfer time returns within the budget;
-    after the recovery it rises again. Both ends of every edge
+    yet understood, docs/benchmarks.md), and its transfers return within the budget (a level's
+    cost is the mean of the two sides' rounds, which alternate: rank 4 sends 6.7 and 14.6 kB,
+    34 and 73 ms at 1.6 Mbit/s, so the mean of a pair is what must fit); after the recovery it
+    rises again. Both ends of every edge
     change levels at the same rounds, and no exchange fails or mismatches."""
     budget, rounds, drop, back = 0.06, 64, 16, 40
     rates = LinkRates(16, [RateChange(0, 1, 1.6, drop), RateChange(0, 1, 16, back)])
@@ -250,14 +252,14 @@ def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_whe
     coordinator = Coordinator(RING4, report_every=1, adaptive=True, round_budget=budget)
     server = CoordinatorServer(coordinator, "127.0.0.1:0")
     clients = [CoordinatorClient(server.address, p, None, report_every=1) for p in peers]
-    slow_sends: list[float] = []  # link 0-1's last sends before it recovers
+    slow_sends: list[float] = []  # link 0-1's last sends (two of each side) before it recovers
 
     def train(peer: Peer, client: CoordinatorClient) -> None:
         for _ in range(rounds):
             peer.gossip()
             client.after_round()
             if peer.rank == 0 and peer.round == back - 1:
-                slow_sends.extend(s for _, s in peer.sends.samples(1)[-2:])
+                slow_sends.extend(s for _, s in peer.sends.samples(1)[-4:])
 
     try:
         run_in_threads(
@@ -277,8 +279,10 @@ def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_whe
         trace = f"levels by round {sorted(level.items())}, fits the slow link: <= {fits_slow}"
         assert lowered, trace  # lowered while the link was slow
         assert level[rounds] > level[back - 1], level  # raised again after the recovery
-        # the slow link's transfers fit the budget again before it recovers
-        assert slow_sends and max(slow_sends) <= 1.25 * budget, (slow_sends, trace)
+        # the slow link's rounds fit the budget again before it recovers: the mean of its last
+        # two rounds of each side, with room for a loaded machine's scheduling delays
+        assert len(slow_sends) == 4, slow_sends
+        assert sum(slow_sends) / 4 <= 1.25 * budget, (slow_sends, trace)
         assert_clean(peers)
     finally:
         stop_all(clients, server, peers)
