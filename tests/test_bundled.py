@@ -71,6 +71,19 @@ def test_a_hostile_table_is_refused_naming_what_is_wrong(
     assert str(refused.value).startswith("table.csv: ")
 
 
+def test_a_packed_table_cut_short_is_refused_not_read_in_part(tmp_path: Path) -> None:
+    """A gzip file cut at a line boundary of its text would parse as a smaller table: the
+    stream's missing end is what refuses it."""
+    rows = b"".join(b"%d,%d,%d\n" % (i, i + 1, i % 3) for i in range(2000))
+    packed = gzip.compress(rows)
+    (tmp_path / "digits.csv.gz").write_bytes(packed[: len(packed) // 2])
+    with pytest.raises(ValueError, match="the gzip stream ends early"):
+        load_table("load_digits", directory=tmp_path)
+    (tmp_path / "digits.csv.gz").write_bytes(packed)
+    features, labels = load_table("load_digits", directory=tmp_path)
+    assert features.shape == (2000, 2) and labels.tolist() == [i % 3 for i in range(2000)]
+
+
 def test_a_table_file_larger_than_any_bundled_one_is_refused_unread(tmp_path: Path) -> None:
     """A gzip bomb: a small file that unpacks past the bound is refused after reading the
     bound, not unpacked whole."""

@@ -82,6 +82,8 @@ def _read_text(path: Path) -> str:
             data = unpacker.decompress(data, MAX_TABLE_BYTES + 1)
         except zlib.error:
             raise ValueError(f"{path}: not a gzip file, expected a packed CSV table") from None
+        if len(data) <= MAX_TABLE_BYTES and not unpacker.eof:  # cut short: rows would be lost
+            raise ValueError(f"{path}: the gzip stream ends early, expected a whole packed table")
     if len(data) > MAX_TABLE_BYTES:
         raise ValueError(f"{path}: larger than {MAX_TABLE_BYTES} bytes, expected a small table")
     try:
