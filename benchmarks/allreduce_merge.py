@@ -50,6 +50,7 @@ from results import save
 from shaped_hub import NamespacesUnavailable, ShapedHub, run_ranks
 
 from gossipcomp.allreduce.launch import Session, spawn
+from gossipcomp.allreduce.settings import parse_gather_pieces
 from gossipcomp.allreduce.train import MODELS, AllreduceConfig
 from gossipcomp.compress import parse_spec
 
@@ -96,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         help="shaped: the communication a step should take, in backward passes (1 to 3)",
     )
     parser.add_argument("--mbit", type=float, help="shaped: one rate for every compressor")
+    parser.add_argument(
+        "--gather-pieces",
+        default=AllreduceConfig.gather_pieces,
+        help="all_gathers (top-k's) whole, in pieces of this many KiB, or auto (timed: pieces.py)",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     shaped = args.links == "shaped"
@@ -118,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--comm-over-backward: expected 0.5 to 10, got {args.comm_over_backward}")
     if shaped and args.planner not in PLANNERS:
         parser.error(f"--planner: expected one of {', '.join(PLANNERS)} with --links shaped")
+    try:
+        parse_gather_pieces(args.gather_pieces)
+    except ValueError as error:
+        parser.error(f"--gather-pieces: {error}")
     for spec in compressors:
         try:
             parse_spec(spec)
@@ -143,6 +153,7 @@ def _configs(
         batch_size=args.batch_size,
         momentum=0.0,
         calibration_steps=args.calibration_steps,
+        gather_pieces=args.gather_pieces,
     )
     return {
         f"{spec} {grouping}": replace(base, compressor=spec, planner=planner)
@@ -157,6 +168,7 @@ def _run_fields(args: argparse.Namespace, nproc: int) -> dict[str, Any]:
         "nproc": nproc,
         "steps": args.steps,
         "calibration_steps": args.calibration_steps,
+        "gather_pieces": args.gather_pieces,
         "repeats": args.repeats,
         "planner": args.planner,
         "model": args.model,
@@ -313,6 +325,7 @@ def _shaped(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]) 
             f"{args.planner}: {c['planned_groups']} groups, planned_vs_single "
             f"{c['planned_vs_single']:.2f}, predicted/measured {c['predicted_over_measured']:.2f}"
             f", in-step alpha {c['alpha_ms']:.2f} ms, contention {c['contention']:.2f}"
+            f", all_gather pieces {c['gather_piece_bytes']}"
         )
     save(args.json, result)
     if not bound:
@@ -354,6 +367,8 @@ def _figures(
         "merged_speedup": rows[f"{spec} per-tensor"]["step_ms"] / head["step_ms"],
         "planned_vs_single": head["vs_single"],
         "planned_groups": head["groups"],
+        # the all_gather pieces each repeat of the headline planner took (0: whole; pieces.py)
+        "gather_piece_bytes": rows[f"{spec} {headline}"]["gather_piece_bytes"],
         "predicted_over_measured": head["predicted_over_measured"],
         "alpha_ms": head["alpha_ms"],
         "contention": head["contention"],

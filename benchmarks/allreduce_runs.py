@@ -45,6 +45,7 @@ def run_configs(
                     "predicted_ms": 1e3 * result.predicted_step_seconds,
                     "alpha_ms": 1e3 * result.planned_latency_s,
                     "contention": result.planned_contention,
+                    "gather_piece_bytes": result.gather_piece_bytes,
                 }
             )
     return rows
@@ -77,6 +78,8 @@ def summarise(
                     "contention",
                 )
             },
+            # each repeat's all_gather pieces (bytes; 0: whole), as rank 0 ran them
+            "gather_piece_bytes": [run["gather_piece_bytes"] for run in first],
             # each repeat's step time (median over ranks): the run-to-run spread
             "step_ms_repeats": [
                 statistics.median(rank[name][i]["step_ms"] for rank in ranks)

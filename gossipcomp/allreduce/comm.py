@@ -62,6 +62,8 @@ class Communicator:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.traffic = Traffic()
+        # all_gather in pieces of at most this many bytes (None: whole); pieces.py chooses it
+        self.gather_piece_bytes: int | None = None
         self._failure: str | None = None  # the first failed collective's error (submit)
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "gossipcomp-comm")
 
@@ -97,14 +99,26 @@ class Communicator:
         return work
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `tensor` (all the same size), in rank order."""
+        """Every rank's `tensor` (all the same size), in rank order; with `gather_piece_bytes`
+        set, as all_gathers of at most that many bytes each, one after the other (counted as
+        one collective: the same bytes)."""
         nbytes = tensor_bytes(tensor)
         self.traffic.payload_bytes += nbytes
         self.traffic.link_bytes += (self.world - 1) * nbytes
         self.traffic.collectives += 1
-        parts = [torch.empty_like(tensor) for _ in range(self.world)]
-        dist.all_gather(parts, tensor, group=self.group)
-        return parts
+        piece = self.gather_piece_bytes
+        if piece is None or nbytes <= piece:
+            parts = [torch.empty_like(tensor) for _ in range(self.world)]
+            dist.all_gather(parts, tensor, group=self.group)
+            return parts
+        flat = tensor.contiguous().view(-1)
+        gathered = [torch.empty_like(flat) for _ in range(self.world)]
+        step = max(1, piece // flat.element_size())
+        for start in range(0, flat.numel(), step):
+            end = start + step
+            outputs = [part[start:end] for part in gathered]
+            dist.all_gather(outputs, flat[start:end], group=self.group)
+        return [part.view(tensor.shape) for part in gathered]
 
     def exchange(
         self, send: torch.Tensor, to: int, receive: torch.Tensor, source: int

@@ -50,6 +50,7 @@ def config_of(args: argparse.Namespace) -> AllreduceConfig:
         dataset=args.dataset,
         error_feedback=not args.no_error_feedback,
         calibration_steps=args.calibration_steps,
+        gather_pieces=args.gather_pieces,
     )
 
 

@@ -60,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="merged with a planner: steps under each probe plan (per-tensor, single) timed to "
         "price the plan, counted in --steps (0: price it on an idle link fit)",
     )
+    parser.add_argument(
+        "--gather-pieces",
+        default=d.gather_pieces,
+        help="ddp-hook, merged, with a compressor whose payloads are all-gathered (topk, ...): "
+        "auto (whole all_gathers or pieces of 8, 16 or 64 KiB, whichever is faster on this "
+        "run's link, timed at start), whole, or the KiB of a piece",
+    )
     optimizer = OptimizerFlags(
         lr=Setting(d.lr, 10.0),
         momentum=Setting(d.momentum, 0.999),

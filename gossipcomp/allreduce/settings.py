@@ -19,6 +19,24 @@ MODEL_NAMES = ("mlp", "resmlp", "resmlp-wide", "chartransformer")
 DATASETS = ("digits", "pysource")  # the models above are sized for these
 THRESHOLD = "threshold"  # merged: groups of a fixed size (merged.threshold_groups), unplanned
 MAX_CALIBRATION_STEPS = 100  # training steps under each probe plan (calibrate.py)
+GATHER_AUTO, GATHER_WHOLE = "auto", "whole"  # --gather-pieces: measured (pieces.py), or whole
+MAX_GATHER_PIECE_KIB = 1 << 20
+
+
+def parse_gather_pieces(text: str) -> int | None:
+    """--gather-pieces: None for "auto" (timed on the run's link, pieces.py), 0 for "whole",
+    else the bytes of a piece from a whole number of KiB; ValueError naming what was given."""
+    value = str(text).strip()
+    if value == GATHER_AUTO:
+        return None
+    if value == GATHER_WHOLE:
+        return 0
+    if value.isdecimal() and 1 <= int(value) <= MAX_GATHER_PIECE_KIB:
+        return int(value) << 10
+    raise ValueError(
+        f"gather pieces {value[:32]!r}: expected {GATHER_AUTO}, {GATHER_WHOLE}, or the KiB of a "
+        f"piece, a whole number from 1 to {MAX_GATHER_PIECE_KIB}"
+    )
 
 
 @dataclass(frozen=True)
@@ -46,3 +64,6 @@ class AllreduceSettings:
     # merged with a planner: training steps under each probe plan (per-tensor, then single)
     # timed to price the plan (calibrate.py; they count among `steps`); 0: an idle link fit
     calibration_steps: int = 4
+    # ddp-hook, merged with a compressor that all-gathers (top-k, ...): auto (whole or pieces,
+    # as timed on the run's link: pieces.py), whole, or the KiB of a piece
+    gather_pieces: str = GATHER_AUTO

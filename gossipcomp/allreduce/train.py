@@ -14,6 +14,8 @@ sync:
   outer step; a last, shorter phase ends the run when H does not divide the steps.
 Every rank builds the same model from the seed and trains on its share of the data; ranks
 given different configurations refuse together before the first collective (agreement.py).
+Where ddp-hook's or merged's compressor all-gathers its payloads (top-k, random-k, ...), the
+all_gathers go whole or in pieces as `gather_pieces` says (auto: timed at the start, pieces.py).
 """
 
 from __future__ import annotations
@@ -51,14 +53,17 @@ from gossipcomp.allreduce.merged import (
     measure_backward,
     threshold_groups,
 )
+from gossipcomp.allreduce.pieces import choose_gather_pieces
 from gossipcomp.allreduce.settings import (
     DATASETS,
     MODEL_NAMES,
     SYNCS,
     THRESHOLD,
     AllreduceSettings,
+    parse_gather_pieces,
 )
 from gossipcomp.allreduce.ssd import SSDSGD
+from gossipcomp.compress import parse_spec
 from gossipcomp.inputs.text import quoted
 from gossipcomp.schedule import TensorGroup
 from gossipcomp.workload.data import load_split, parse_partition, partition_indices
@@ -130,6 +135,7 @@ class AllreduceConfig(AllreduceSettings):
                 f"calibration steps {quoted(calibration)}: expected 0 or an int in "
                 f"[{MIN_STEPS}, {MAX_STEPS}]"
             )
+        parse_gather_pieces(self.gather_pieces)
         if self.calibrated_steps() >= self.steps:
             raise ValueError(
                 f"--steps {self.steps}: expected more than the {self.calibrated_steps()} "
@@ -171,6 +177,7 @@ class RankResult:
     calibration_steps: int = 0
     planned_latency_s: float = 0.0  # merged with a planner: the cost of one more collective
     planned_contention: float = 0.0  # and how much slower communication runs beside backward
+    gather_piece_bytes: int = 0  # the pieces its all_gathers went in (0: whole)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -209,6 +216,7 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     optimizer = make_optimizer(model, config.lr, config.momentum - in_sync)
     comm = Communicator()
     check_same_setup(comm, "gossipcomp allreduce", {"config": asdict(config)})
+    comm.gather_piece_bytes = _gather_pieces(config, comm, model)
     forward: nn.Module = model
     after_backward: Callable[[], None] = lambda: None  # noqa: E731
     step: Callable[[], None] = optimizer.step
@@ -328,7 +336,28 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
         calibration_steps=calibrated,
         planned_latency_s=latency_s,
         planned_contention=contention,
+        gather_piece_bytes=comm.gather_piece_bytes or 0,
     )
+
+
+def _gather_pieces(config: AllreduceConfig, comm: Communicator, model: nn.Module) -> int | None:
+    """The bytes of the pieces this run's all_gathers go in (None: whole): as
+    `config.gather_pieces` gives them, or, for auto, timed on this run's link with the whole
+    model's payload (pieces.py), where ddp-hook's or merged's compressor all-gathers."""
+    given = parse_gather_pieces(config.gather_pieces)
+    if given is not None:
+        return given or None
+    if comm.world == 1 or config.sync not in ("ddp-hook", "merged"):
+        return None
+    try:
+        compressor = parse_spec(config.compressor)
+    except ValueError:  # a hook of its own (powersgd, torch:...): it all-reduces
+        return None
+    if compressor.summable:
+        return None
+    numel = sum(p.numel() for p in model.parameters())
+    device = next(model.parameters()).device
+    return choose_gather_pieces(comm, compressor.wire_bytes(numel), device).piece_bytes
 
 
 def _mean_model(model: nn.Module, world: int) -> torch.Tensor:

@@ -1,0 +1,116 @@
+"""Whole all_gathers or pieces of them: chosen by timing both on the job's own link.
+
+Why: top-k, random-k and the other compressors whose payloads cannot be summed synchronise by
+all_gather. On a slow link gloo moves one large all_gather message at about 1.5 times its wire
+time and leaves the ranks about half a transfer apart, so the next step's first collective,
+however small, waits that long; the same bytes as all_gathers of at most 16 KiB run at about
+1.24 times their wire time and keep the ranks in step (benchmarks/collective_skew.py,
+docs/benchmarks.md). On a fast link every piece pays a collective's fixed cost and gains
+nothing. Which holds depends on the link and the backend, so it is measured, not assumed: every
+rank times whole all_gathers of the run's payload and the same bytes in pieces of each
+candidate size, interleaved, each started with the ranks in step (a one-element all_reduce
+first), the first round left out; the slowest rank's mean of each counts (an all_reduce MAX,
+so every rank takes the same choice and the collectives stay matched), and the option of the
+least wins (whole all_gathers on a tie). The mean, not the median: a whole all_gather on the
+shaped hub takes either about 1.05 or about 1.55 times its wire time, call by call (pieces of
+8 KiB: 1.1-1.2 every time), and a run pays the mean.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gossipcomp.allreduce.comm import Communicator
+from gossipcomp.inputs.numbers import checked_integer
+
+log = logging.getLogger(__name__)
+
+PIECE_CANDIDATES = (8 << 10, 16 << 10, 64 << 10)  # bytes a piece may hold, tried beside whole
+DEFAULT_REPEATS = 8  # timed rounds of every option, after one left out
+MAX_PROBE_BYTES = 64 << 20  # the largest payload timed (a larger one is timed at this size)
+
+
+@dataclass(frozen=True)
+class GatherChoice:
+    """The piece size taken (None: whole all_gathers) and each option's mean seconds on the
+    slowest rank (key: the piece bytes, 0 for whole)."""
+
+    piece_bytes: int | None
+    seconds: dict[int, float]
+
+
+def choose_gather_pieces(
+    communicator: Communicator,
+    nbytes: int,
+    device: torch.device | str = "cpu",
+    candidates: Sequence[int] = PIECE_CANDIDATES,
+    repeats: int = DEFAULT_REPEATS,
+) -> GatherChoice:
+    """Time whole all_gathers of `nbytes` against pieces of each of `candidates` bytes (those
+    smaller than `nbytes`) and set `communicator.gather_piece_bytes` to the faster (module
+    docstring). Every rank must call it with the same arguments; its traffic is not counted."""
+    checked_integer("all_gather probe: bytes", nbytes, 1, 1 << 40)
+    checked_integer("all_gather probe: repeats", repeats, 1, 100)
+    for piece in candidates:
+        checked_integer("all_gather probe: piece bytes", piece, 1, 1 << 40)
+    size = min(nbytes, MAX_PROBE_BYTES)
+    options = [0, *sorted({p for p in candidates if p < size})]
+    if len(options) == 1:
+        return GatherChoice(None, {})
+    payload = torch.zeros(size, dtype=torch.uint8, device=device)
+    token = torch.zeros(1, device=device)
+    counted, chosen = communicator.traffic.copy(), communicator.gather_piece_bytes
+    times: dict[int, list[float]] = {option: [] for option in options}
+    try:
+        for repeat in range(repeats + 1):
+            for option in options:
+                communicator.gather_piece_bytes = option or None
+                # in step first: a whole all_gather leaves the ranks apart, and that wait
+                # would fall on the next option timed (it is in the later rank's own time)
+                dist.all_reduce(token, group=communicator.group)
+                start = time.perf_counter()
+                communicator.all_gather(payload)
+                if payload.is_cuda:
+                    torch.cuda.synchronize(payload.device)
+                if repeat:
+                    times[option].append(time.perf_counter() - start)
+    finally:
+        communicator.traffic, communicator.gather_piece_bytes = counted, chosen
+    means = torch.tensor(
+        [statistics.fmean(times[option]) for option in options],
+        dtype=torch.float64,
+        device=device,
+    )
+    dist.all_reduce(means, op=dist.ReduceOp.MAX, group=communicator.group)
+    seconds = dict(zip(options, means.tolist(), strict=True))
+    piece = faster_pieces(seconds)
+    communicator.gather_piece_bytes = piece
+    log.info(
+        "all_gather of %d bytes: %s (%s)",
+        size,
+        f"pieces of {piece} bytes" if piece else "whole",
+        ", ".join(
+            f"{f'{option} B pieces' if option else 'whole'} {1e3 * s:.1f} ms"
+            for option, s in seconds.items()
+        ),
+    )
+    return GatherChoice(piece, seconds)
+
+
+def faster_pieces(seconds: Mapping[int, float]) -> int | None:
+    """The piece size (bytes) whose all_gathers took the least time in `seconds` (piece bytes
+    -> seconds, 0 for whole ones), if less than whole all_gathers took; else None."""
+    if 0 not in seconds:
+        raise ValueError("all_gather timings: expected whole all_gathers' (key 0) among them")
+    pieces = [option for option in seconds if option > 0]
+    if not pieces:
+        return None
+    best = min(pieces, key=lambda option: (seconds[option], option))
+    return best if seconds[best] < seconds[0] else None
