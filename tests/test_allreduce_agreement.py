@@ -63,6 +63,11 @@ def _scenarios(session: Session) -> dict[str, str]:
         "compressor": _hook(session, "topk:ratio=0.01", "sign"),
         "bucket cap": _hook(session, "fp16", "fp16", cap=25.0, odd_cap=0.0001),
     }
+    ddp = DistributedDataParallel(_model())
+    pieces = "whole" if odd else "auto"  # auto would time all_gathers the others never join
+    out["gather pieces"] = _outcome(
+        lambda: register(ddp, "topk:ratio=0.25", communicator=Communicator(), gather_pieces=pieces)
+    )
     comm = Communicator()
     model = _model()
     groups = [TensorGroup(tuple(n for n, _ in model.named_parameters()), "topk:ratio=0.25")]
@@ -97,6 +102,7 @@ def outcomes() -> list[dict[str, str]]:
         ("warm start", "state.warm_start is true on rank 0, false on rank 2"),
         ("compressor", 'state.compressor is "topk:ratio=0.01" on rank 0, "sign" on rank 2'),
         ("bucket cap", "ddp.bucket_bytes_cap is 26214400 on rank 0, 104 on rank 2"),
+        ("gather pieces", 'gather_pieces is "auto" on rank 0, "whole" on rank 2'),
         ("merged seed", "options.states.0.seed is 0 on rank 0, 7 on rank 2"),
         ("marsit layout", 'parameters.3.weight is absent on rank 0, "(4, 4) float32" on rank 2'),
         ("ssd k", "options.k is 4 on rank 0, 5 on rank 2"),

@@ -141,7 +141,9 @@ def test_allreduce_merge_defaults_to_a_long_backward_on_shaped_links(monkeypatch
 
 
 def test_allreduce_merge_trains_every_configuration_at_the_batch_size_asked() -> None:
-    args = argparse.Namespace(model="resmlp", steps=10, batch_size=48, calibration_steps=2)
+    args = argparse.Namespace(
+        model="resmlp", steps=10, batch_size=48, calibration_steps=2, gather_pieces="auto"
+    )
     configs = allreduce_merge._configs(("sign",), {"single": "single", "m": "mergecomp"}, args)
     assert sorted(configs) == ["sign m", "sign single"]
     assert {c.batch_size for c in configs.values()} == {48}

@@ -1,7 +1,8 @@
 """all_gather in pieces (gossipcomp/allreduce/pieces.py), on real gloo ranks: pieces deliver
 exactly what whole all_gathers do, the choice between them is the same on every rank and costs
-no counted traffic, a run trains the same model whichever way its all_gathers go, and a bad
---gather-pieces is refused naming what was expected."""
+no counted traffic, on a slow NIC small pieces run near their wire time, a run trains the same
+model whichever way its all_gathers go, and a bad --gather-pieces is refused naming what was
+expected."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from helpers import benchmark, needs_namespaces
 
+import gossipcomp.allreduce.pieces as pieces_module
 from gossipcomp.allreduce import Communicator, spawn
 from gossipcomp.allreduce.launch import Session
 from gossipcomp.allreduce.pieces import (
@@ -70,9 +72,24 @@ def test_every_rank_takes_the_same_measured_choice_and_the_probe_counts_no_traff
     (first, set_first, traffic), (second, set_second, _) = ranks
     assert first == second  # the slowest rank's medians: one choice everywhere
     assert set(first.seconds) == {0, *PIECE_CANDIDATES}
+    assert first.rounds == pieces_module.DEFAULT_REPEATS  # on loopback, well within the time budget
     assert all(s > 0 for s in first.seconds.values())
     assert first.piece_bytes == faster_pieces(first.seconds) == set_first == set_second
     assert traffic.payload_bytes == 0 and traffic.collectives == 0
+
+
+def _hurried_worker(session: Session) -> GatherChoice:
+    pieces_module.PROBE_BUDGET_S = 0.0  # every round past the minimum is over the budget
+    comm = Communicator()
+    choice = choose_gather_pieces(comm, 200_000)
+    comm.close()
+    return choice
+
+
+def test_past_its_time_budget_the_probe_stops_at_the_same_round_on_every_rank() -> None:
+    ranks = spawn(_hurried_worker, 2, timeout_s=30, deadline_s=120)
+    assert [choice.rounds for choice in ranks] == [pieces_module.MIN_REPEATS] * 2
+    assert ranks[0] == ranks[1]
 
 
 def test_a_payload_no_larger_than_every_piece_is_not_probed() -> None:
@@ -81,18 +98,23 @@ def test_a_payload_no_larger_than_every_piece_is_not_probed() -> None:
 
 
 @needs_namespaces()
-def test_on_a_slow_nic_pieces_are_chosen_and_run_well_under_a_whole_all_gather() -> None:
+def test_on_a_slow_nic_small_pieces_run_near_their_wire_time_and_the_fastest_is_taken() -> None:
     """2 ranks behind 14.7 Mbit/s NICs (benchmarks/shaped_hub.py), top-1%'s payload of the
-    256-wide residual MLP (128,888 bytes, 70 ms of wire): gloo's whole all_gather took 1.55x
-    its wire time here and 8-16 KiB pieces 1.14-1.25x, so pieces are chosen, at least 15%
-    faster than whole all_gathers."""
+    256-wide residual MLP (128,888 bytes, 70 ms of wire). A whole all_gather there takes about
+    1.04x or 1.55x its wire time, call by call, so which wins a probe varies; 8 KiB pieces
+    took 1.1-1.25x every time (docs/benchmarks.md). Every option takes at least its wire time,
+    8 KiB pieces at most 1.35x, and the choice is the option of the least mean."""
     shaped_hub = benchmark("shaped_hub")
-    with shaped_hub.ShapedHub(2, 14.7) as hub:
-        ranks = shaped_hub.run_ranks(hub, _choose_worker, (128_888,), deadline_s=120)
+    nbytes, mbit = 128_888, 14.7
+    with shaped_hub.ShapedHub(2, mbit) as hub:
+        ranks = shaped_hub.run_ranks(hub, _choose_worker, (nbytes,), deadline_s=120)
     (choice, _, _), (other, _, _) = ranks
     assert choice == other
-    assert choice.piece_bytes is not None, choice
-    assert choice.seconds[choice.piece_bytes] <= 0.85 * choice.seconds[0], choice
+    wire_s = nbytes * 8 / (mbit * 1e6)
+    assert min(choice.seconds.values()) >= 0.95 * wire_s, choice
+    assert choice.seconds[8 << 10] <= 1.35 * wire_s, choice
+    fastest = min(choice.seconds, key=lambda option: (choice.seconds[option], option))
+    assert (choice.piece_bytes or 0) == fastest, choice
 
 
 def test_pieces_are_taken_only_when_they_are_faster_than_whole_all_gathers() -> None:

@@ -135,9 +135,11 @@ def check_ddp_hook(
     state: object,
     hook: Callable[..., object],
     half: torch.dtype | None,
+    gather_pieces: str,
 ) -> None:
     """`check_same_setup` for `register()`: the hook, its state's options, the 16-bit wrapper,
-    DDP's bucketing options (they decide which parameters share a hook call) and the layout."""
+    how all_gathers are split (auto times them together), DDP's bucketing options (they decide
+    which parameters share a hook call) and the layout."""
     module = ddp.module
     assert isinstance(module, nn.Module)
     bucketing = {
@@ -154,6 +156,7 @@ def check_ddp_hook(
         "hook": options_of(hook),
         "state": options_of(state),
         "half": options_of(half),
+        "gather_pieces": options_of(gather_pieces),
         "ddp": bucketing,
         "parameters": parameter_layout(module.named_parameters()),
     }

@@ -47,6 +47,8 @@ from torch.nn.parallel import DistributedDataParallel
 from gossipcomp.allreduce.agreement import check_ddp_hook
 from gossipcomp.allreduce.comm import Communicator, torch_future
 from gossipcomp.allreduce.memory import Names, ParameterMemory
+from gossipcomp.allreduce.pieces import set_gather_pieces
+from gossipcomp.allreduce.settings import GATHER_AUTO
 from gossipcomp.compress import CompressionContext, ErrorFeedback, parse_spec
 from gossipcomp.compress.codec import Codec
 from gossipcomp.compress.device import decode, encode, summable_dtype, summable_view
@@ -436,8 +438,13 @@ def register(
     half: torch.dtype | None = None,
     communicator: Communicator | None = None,
     momentum: float | None = None,
+    gather_pieces: str = GATHER_AUTO,
 ) -> HookState:
     """Install the hook of `spec` (see make_state) on `ddp`, once; returns its state.
+
+    A compressor whose payloads are all-gathered (top-k, sign, ...) sends them whole or in
+    pieces as `gather_pieces` says: auto times both on this job's link now, a collective
+    every rank takes part in (pieces.py); whole; or the KiB of a piece.
 
     `half` (torch.float16 or torch.bfloat16) wraps it in `half_wrapper`. `momentum`: the hook
     keeps the velocity before compressing (module docstring); the optimizer must then have
@@ -451,7 +458,7 @@ def register(
     comm = communicator or Communicator(ddp.process_group)
     given = momentum is not None
     state, hook = make_state(spec, names, order, comm, seed, error_feedback, momentum or 0.0)
-    check_ddp_hook(comm, ddp, state, hook, half)  # every rank the same (agreement.py)
+    check_ddp_hook(comm, ddp, state, hook, half, gather_pieces)  # every rank the same
     if not given and takes_momentum(spec):  # after agreeing: every rank refuses alike
         raise ValueError(
             f"register(ddp, {spec[:64]!r}): a sign-based hook needs momentum= given: move "
@@ -459,5 +466,9 @@ def register(
             "torch.optim.SGD(..., momentum=0)), or pass momentum=0.0 for plain SGD; the sign "
             "of an update under the optimizer's momentum diverges"
         )
+    if isinstance(state, CompressedState):
+        numel = sum(p.numel() for _, p in named)
+        device = next(ddp.module.parameters()).device
+        set_gather_pieces(comm, gather_pieces, state.compressor, numel, device)
     ddp.register_comm_hook(state, half_wrapper(hook, half) if half is not None else hook)
     return state

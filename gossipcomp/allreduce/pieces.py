@@ -28,22 +28,51 @@ import torch
 import torch.distributed as dist
 
 from gossipcomp.allreduce.comm import Communicator
+from gossipcomp.allreduce.settings import parse_gather_pieces
+from gossipcomp.compress import Compressor
 from gossipcomp.inputs.numbers import checked_integer
 
 log = logging.getLogger(__name__)
 
 PIECE_CANDIDATES = (8 << 10, 16 << 10, 64 << 10)  # bytes a piece may hold, tried beside whole
 DEFAULT_REPEATS = 8  # timed rounds of every option, after one left out
-MAX_PROBE_BYTES = 64 << 20  # the largest payload timed (a larger one is timed at this size)
+MIN_REPEATS = 2  # timed rounds taken even past the time budget
+PROBE_BUDGET_S = 5.0  # no round starts after this (on the slowest rank), past MIN_REPEATS
+MAX_PROBE_BYTES = 1 << 20  # the largest payload timed (a larger one is timed at this size)
 
 
 @dataclass(frozen=True)
 class GatherChoice:
-    """The piece size taken (None: whole all_gathers) and each option's mean seconds on the
-    slowest rank (key: the piece bytes, 0 for whole)."""
+    """The piece size taken (None: whole all_gathers), each option's mean seconds on the
+    slowest rank (key: the piece bytes, 0 for whole) and the rounds timed."""
 
     piece_bytes: int | None
     seconds: dict[int, float]
+    rounds: int = 0
+
+
+def set_gather_pieces(
+    communicator: Communicator,
+    setting: str,
+    compressor: Compressor,
+    numel: int,
+    device: torch.device | str = "cpu",
+) -> int | None:
+    """Set and return `communicator.gather_piece_bytes` as `setting` gives it (auto, whole, or
+    the KiB of a piece: settings.parse_gather_pieces): for auto, timed with the payload of
+    `numel` elements under `compressor` where it all-gathers and there is another rank
+    (choose_gather_pieces), else whole. Every rank must call it with the same arguments."""
+    given = parse_gather_pieces(setting)
+    if given is not None:
+        communicator.gather_piece_bytes = given or None
+    elif communicator.world == 1 or compressor.summable:
+        communicator.gather_piece_bytes = None
+    else:
+        payload = compressor.wire_bytes(numel)
+        communicator.gather_piece_bytes = choose_gather_pieces(
+            communicator, payload, device
+        ).piece_bytes
+    return communicator.gather_piece_bytes
 
 
 def choose_gather_pieces(
@@ -53,9 +82,12 @@ def choose_gather_pieces(
     candidates: Sequence[int] = PIECE_CANDIDATES,
     repeats: int = DEFAULT_REPEATS,
 ) -> GatherChoice:
-    """Time whole all_gathers of `nbytes` against pieces of each of `candidates` bytes (those
-    smaller than `nbytes`) and set `communicator.gather_piece_bytes` to the faster (module
-    docstring). Every rank must call it with the same arguments; its traffic is not counted."""
+    """Time whole all_gathers of `nbytes` (at most MAX_PROBE_BYTES) against pieces of each of
+    `candidates` bytes (those smaller) and set `communicator.gather_piece_bytes` to the faster
+    (module docstring): `repeats` rounds, fewer (not under MIN_REPEATS) once PROBE_BUDGET_S
+    has passed on the slowest rank, which every rank learns from the all_reduce that puts
+    them in step, so all stop at the same round. Every rank must call it with the same
+    arguments; its traffic is not counted."""
     checked_integer("all_gather probe: bytes", nbytes, 1, 1 << 40)
     checked_integer("all_gather probe: repeats", repeats, 1, 100)
     for piece in candidates:
@@ -63,18 +95,22 @@ def choose_gather_pieces(
     size = min(nbytes, MAX_PROBE_BYTES)
     options = [0, *sorted({p for p in candidates if p < size})]
     if len(options) == 1:
+        communicator.gather_piece_bytes = None
         return GatherChoice(None, {})
     payload = torch.zeros(size, dtype=torch.uint8, device=device)
     token = torch.zeros(1, device=device)
     counted, chosen = communicator.traffic.copy(), communicator.gather_piece_bytes
     times: dict[int, list[float]] = {option: [] for option in options}
+    began = time.perf_counter()
     try:
         for repeat in range(repeats + 1):
+            if repeat > MIN_REPEATS and _slowest(token, began, communicator) > PROBE_BUDGET_S:
+                break  # every rank learns the same slowest time: all stop at this round
             for option in options:
                 communicator.gather_piece_bytes = option or None
                 # in step first: a whole all_gather leaves the ranks apart, and that wait
                 # would fall on the next option timed (it is in the later rank's own time)
-                dist.all_reduce(token, group=communicator.group)
+                _slowest(token, began, communicator)
                 start = time.perf_counter()
                 communicator.all_gather(payload)
                 if payload.is_cuda:
@@ -93,15 +129,24 @@ def choose_gather_pieces(
     piece = faster_pieces(seconds)
     communicator.gather_piece_bytes = piece
     log.info(
-        "all_gather of %d bytes: %s (%s)",
+        "all_gather of %d bytes, %d rounds: %s (%s)",
         size,
+        len(times[0]),
         f"pieces of {piece} bytes" if piece else "whole",
         ", ".join(
             f"{f'{option} B pieces' if option else 'whole'} {1e3 * s:.1f} ms"
             for option, s in seconds.items()
         ),
     )
-    return GatherChoice(piece, seconds)
+    return GatherChoice(piece, seconds, len(times[0]))
+
+
+def _slowest(token: torch.Tensor, began: float, communicator: Communicator) -> float:
+    """The most seconds any rank has spent since its `began` (an all_reduce MAX: it also
+    puts the ranks in step)."""
+    token.fill_(time.perf_counter() - began)
+    dist.all_reduce(token, op=dist.ReduceOp.MAX, group=communicator.group)
+    return float(token.item())
 
 
 def faster_pieces(seconds: Mapping[int, float]) -> int | None:

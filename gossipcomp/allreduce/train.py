@@ -53,7 +53,7 @@ from gossipcomp.allreduce.merged import (
     measure_backward,
     threshold_groups,
 )
-from gossipcomp.allreduce.pieces import choose_gather_pieces
+from gossipcomp.allreduce.pieces import set_gather_pieces
 from gossipcomp.allreduce.settings import (
     DATASETS,
     MODEL_NAMES,
@@ -216,7 +216,6 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
     optimizer = make_optimizer(model, config.lr, config.momentum - in_sync)
     comm = Communicator()
     check_same_setup(comm, "gossipcomp allreduce", {"config": asdict(config)})
-    comm.gather_piece_bytes = _gather_pieces(config, comm, model)
     forward: nn.Module = model
     after_backward: Callable[[], None] = lambda: None  # noqa: E731
     step: Callable[[], None] = optimizer.step
@@ -242,8 +241,11 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
                 error_feedback=config.error_feedback,
                 communicator=comm,
                 momentum=in_sync,
+                gather_pieces=config.gather_pieces,
             )
     elif config.sync == "merged":
+        numel = sum(p.numel() for p in model.parameters())
+        set_gather_pieces(comm, config.gather_pieces, parse_spec(config.compressor), numel, device)
         merged, plan = _merged(model, config, comm, stream, optimizer)
         predicted_s = plan.predicted_s
         latency_s = plan.link.latency_s if plan.link is not None else 0.0
@@ -338,26 +340,6 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
         planned_contention=contention,
         gather_piece_bytes=comm.gather_piece_bytes or 0,
     )
-
-
-def _gather_pieces(config: AllreduceConfig, comm: Communicator, model: nn.Module) -> int | None:
-    """The bytes of the pieces this run's all_gathers go in (None: whole): as
-    `config.gather_pieces` gives them, or, for auto, timed on this run's link with the whole
-    model's payload (pieces.py), where ddp-hook's or merged's compressor all-gathers."""
-    given = parse_gather_pieces(config.gather_pieces)
-    if given is not None:
-        return given or None
-    if comm.world == 1 or config.sync not in ("ddp-hook", "merged"):
-        return None
-    try:
-        compressor = parse_spec(config.compressor)
-    except ValueError:  # a hook of its own (powersgd, torch:...): it all-reduces
-        return None
-    if compressor.summable:
-        return None
-    numel = sum(p.numel() for p in model.parameters())
-    device = next(model.parameters()).device
-    return choose_gather_pieces(comm, compressor.wire_bytes(numel), device).piece_bytes
 
 
 def _mean_model(model: nn.Module, world: int) -> torch.Tensor:
