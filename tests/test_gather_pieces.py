@@ -18,9 +18,11 @@ from gossipcomp.allreduce.pieces import (
     GatherChoice,
     choose_gather_pieces,
     faster_pieces,
+    set_gather_pieces,
 )
 from gossipcomp.allreduce.settings import parse_gather_pieces
 from gossipcomp.allreduce.train import AllreduceConfig, RankResult, train_rank
+from gossipcomp.compress import parse_spec
 
 
 def _payloads(rank: int) -> list[torch.Tensor]:
@@ -61,16 +63,43 @@ def test_pieces_deliver_every_rank_s_tensor_exactly_as_a_whole_all_gather_does()
 
 def _choose_worker(session: Session, nbytes: int) -> tuple[GatherChoice, int | None, object]:
     comm = Communicator()
+    counted = comm.traffic  # what a caller holds on to keeps counting the run's traffic only
     choice = choose_gather_pieces(comm, nbytes)
     comm.close()
+    assert comm.traffic is counted
     return choice, comm.gather_piece_bytes, comm.traffic
+
+
+def _setting_worker(session: Session) -> dict[str, int | None]:
+    comm = Communicator()
+    fp16, topk = parse_spec("fp16"), parse_spec("topk:ratio=0.01")
+    cases = {
+        "16 KiB, nothing all-gathered": ("16", [fp16]),
+        "16 KiB, one spec of the plan all-gathers": ("16", [fp16, topk]),
+        "auto, nothing all-gathered": ("auto", [fp16]),
+        "whole": ("whole", [topk]),
+    }
+    out = {name: set_gather_pieces(comm, *case, numel=1 << 20) for name, case in cases.items()}
+    comm.close()
+    assert comm.traffic.collectives == 0  # no probe ran
+    return out
+
+
+def test_a_setting_applies_only_where_a_compressor_of_the_run_all_gathers() -> None:
+    for out in spawn(_setting_worker, 2, timeout_s=30, deadline_s=120):
+        assert out == {
+            "16 KiB, nothing all-gathered": None,
+            "16 KiB, one spec of the plan all-gathers": 16 << 10,
+            "auto, nothing all-gathered": None,
+            "whole": None,
+        }
 
 
 def test_every_rank_takes_the_same_measured_choice_and_the_probe_counts_no_traffic() -> None:
     nbytes = 200_000
     ranks = spawn(_choose_worker, 2, (nbytes,), timeout_s=30, deadline_s=120)
     (first, set_first, traffic), (second, set_second, _) = ranks
-    assert first == second  # the slowest rank's medians: one choice everywhere
+    assert first == second  # the slowest rank's means: one choice everywhere
     assert set(first.seconds) == {0, *PIECE_CANDIDATES}
     assert first.rounds == pieces_module.DEFAULT_REPEATS  # on loopback, well within the time budget
     assert all(s > 0 for s in first.seconds.values())
@@ -156,7 +185,9 @@ def test_gather_pieces_parse(text: str, expected: int | None) -> None:
     assert parse_gather_pieces(text) == expected
 
 
-@pytest.mark.parametrize("text", ["0", "-16", "16k", "1.5", "", "x" * 10_000, str(1 << 21)])
+@pytest.mark.parametrize(
+    "text", ["0", "-16", "16k", "1.5", "", "x" * 10_000, str(1 << 21), "\uff11\uff16"]
+)
 def test_a_bad_gather_pieces_is_refused_naming_what_was_expected(text: str) -> None:
     with pytest.raises(ValueError, match="expected auto, whole, or the KiB of a piece") as error:
         AllreduceConfig(gather_pieces=text)

@@ -444,7 +444,8 @@ def register(
 
     A compressor whose payloads are all-gathered (top-k, sign, ...) sends them whole or in
     pieces as `gather_pieces` says: auto times both on this job's link now, a collective
-    every rank takes part in (pieces.py); whole; or the KiB of a piece.
+    every rank takes part in (pieces.py: the model's payload, at most 1 MiB, at least 2
+    timed rounds and more while under 5 s); whole; or the KiB of a piece.
 
     `half` (torch.float16 or torch.bfloat16) wraps it in `half_wrapper`. `momentum`: the hook
     keeps the velocity before compressing (module docstring); the optimizer must then have
@@ -469,6 +470,6 @@ def register(
     if isinstance(state, CompressedState):
         numel = sum(p.numel() for _, p in named)
         device = next(ddp.module.parameters()).device
-        set_gather_pieces(comm, gather_pieces, state.compressor, numel, device)
+        set_gather_pieces(comm, gather_pieces, [state.compressor], numel, device)
     ddp.register_comm_hook(state, half_wrapper(hook, half) if half is not None else hook)
     return state

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gossipcomp.allreduce.comm import Communicator
+from gossipcomp.allreduce.comm import Communicator, Traffic
 from gossipcomp.allreduce.settings import parse_gather_pieces
 from gossipcomp.compress import Compressor
 from gossipcomp.inputs.numbers import checked_integer
@@ -54,21 +54,23 @@ class GatherChoice:
 def set_gather_pieces(
     communicator: Communicator,
     setting: str,
-    compressor: Compressor,
+    compressors: Sequence[Compressor],
     numel: int,
     device: torch.device | str = "cpu",
 ) -> int | None:
     """Set and return `communicator.gather_piece_bytes` as `setting` gives it (auto, whole, or
-    the KiB of a piece: settings.parse_gather_pieces): for auto, timed with the payload of
-    `numel` elements under `compressor` where it all-gathers and there is another rank
-    (choose_gather_pieces), else whole. Every rank must call it with the same arguments."""
+    the KiB of a piece: settings.parse_gather_pieces), where one of `compressors` (those the
+    run may use) all-gathers and there is another rank; else whole, whatever the setting.
+    For auto, timed (choose_gather_pieces) with the largest of those compressors' payloads
+    of `numel` elements. Every rank must call it with the same arguments."""
+    gathered = [c for c in compressors if not c.summable]
     given = parse_gather_pieces(setting)
-    if given is not None:
-        communicator.gather_piece_bytes = given or None
-    elif communicator.world == 1 or compressor.summable:
+    if communicator.world == 1 or not gathered:
         communicator.gather_piece_bytes = None
+    elif given is not None:
+        communicator.gather_piece_bytes = given or None
     else:
-        payload = compressor.wire_bytes(numel)
+        payload = max(c.wire_bytes(numel) for c in gathered)
         communicator.gather_piece_bytes = choose_gather_pieces(
             communicator, payload, device
         ).piece_bytes
@@ -99,7 +101,8 @@ def choose_gather_pieces(
         return GatherChoice(None, {})
     payload = torch.zeros(size, dtype=torch.uint8, device=device)
     token = torch.zeros(1, device=device)
-    counted, chosen = communicator.traffic.copy(), communicator.gather_piece_bytes
+    counted, chosen = communicator.traffic, communicator.gather_piece_bytes
+    communicator.traffic = Traffic()  # the probe's bytes are not the run's
     times: dict[int, list[float]] = {option: [] for option in options}
     began = time.perf_counter()
     try:

@@ -31,7 +31,7 @@ def parse_gather_pieces(text: str) -> int | None:
         return None
     if value == GATHER_WHOLE:
         return 0
-    if value.isdecimal() and 1 <= int(value) <= MAX_GATHER_PIECE_KIB:
+    if value.isascii() and value.isdecimal() and 1 <= int(value) <= MAX_GATHER_PIECE_KIB:
         return int(value) << 10
     raise ValueError(
         f"gather pieces {value[:32]!r}: expected {GATHER_AUTO}, {GATHER_WHOLE}, or the KiB of a "

@@ -51,6 +51,7 @@ from gossipcomp.allreduce.merged import (
     Plan,
     make_plan,
     measure_backward,
+    plan_specs,
     threshold_groups,
 )
 from gossipcomp.allreduce.pieces import set_gather_pieces
@@ -245,7 +246,9 @@ def train_rank(session: Session, config: AllreduceConfig) -> RankResult:
             )
     elif config.sync == "merged":
         numel = sum(p.numel() for p in model.parameters())
-        set_gather_pieces(comm, config.gather_pieces, parse_spec(config.compressor), numel, device)
+        specs = plan_specs(config.planner, config.compressor)  # a plan may use any of them
+        compressors = [parse_spec(spec) for spec in specs]
+        set_gather_pieces(comm, config.gather_pieces, compressors, numel, device)
         merged, plan = _merged(model, config, comm, stream, optimizer)
         predicted_s = plan.predicted_s
         latency_s = plan.link.latency_s if plan.link is not None else 0.0
