@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from shaped_hub import ShapedHub, run_ranks
 
+from gossipcomp.allreduce.comm import Communicator
+
 # exchange: one isend and one irecv at once; all_gather_pieces: all_gathers of --piece-kib each
 KINDS = ("all_reduce", "all_gather", "all_gather_pieces", "exchange")
 WARMUP = 3  # collectives before the ones counted (connections, slow start)
@@ -41,23 +43,23 @@ def collectives(
     torch.set_num_threads(1)
     payload = torch.zeros(nbytes // 4)  # float32: what each rank sends
     other = 1 - dist.get_rank()
+    gather = Communicator()  # the all_gathers the hooks and MergedSync run, whole or pieced
+    gather.gather_piece_bytes = piece_bytes if kind == "all_gather_pieces" else None
     times = []
     for _ in range(WARMUP + steps):
         time.sleep(gap_s)
         start = time.monotonic()
         if kind == "all_reduce":
             dist.all_reduce(payload)
-        elif kind == "all_gather":
-            dist.all_gather([torch.empty_like(payload) for _ in range(2)], payload)
-        elif kind == "all_gather_pieces":
-            for piece in payload.split(max(1, piece_bytes // 4)):
-                dist.all_gather([torch.empty_like(piece) for _ in range(2)], piece)
+        elif kind in ("all_gather", "all_gather_pieces"):
+            gather.all_gather(payload)
         else:
             received = torch.empty_like(payload)
             ops = [dist.P2POp(dist.isend, payload, other), dist.P2POp(dist.irecv, received, other)]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         times.append((start, time.monotonic()))
+    gather.close()
     return times[WARMUP:]
 
 
