@@ -291,6 +291,27 @@ def test_a_member_saying_it_waits_is_admitted_again_once_and_only_holding_the_ne
     assert len(coordinator.published) == before + 1
 
 
+def test_a_joiners_round_does_not_hold_the_admission_back_in_the_members_past():
+    """A joiner does no rounds before its admission: its report (round 0), the first a fresh
+    coordinator gets, does not count toward the agreed round, so its admission takes effect
+    after the round the members have reached, not in their past (where every member missed
+    it and it came again as new epochs, more than the joiner could stage); and a joiner's
+    claim of a round far ahead triggers no republication."""
+    topology = build_topology("ring", n=5, members=[0, 1, 2, 3])
+    clock = Clock()
+    liveness = MemberLiveness((0, 1, 2, 3), 30.0, clock=clock)
+    coordinator = Coordinator(topology, planner="per-tensor", liveness=liveness)
+    margin = coordinator.margin
+    coordinator.receive(_report(topology, 4, 0, joining=True))
+    coordinator.receive(_report(topology, 4, 10**6, joining=True))  # not a member: a lie
+    for sender in range(4):
+        clock.now += 0.01
+        coordinator.receive(_report(topology, sender, 110 + sender))
+    (admission,) = coordinator.published  # published once: nothing taken for missed
+    assert admission.members == (0, 1, 2, 3, 4) and coordinator.margin == margin
+    assert admission.effective_round > 113, admission
+
+
 def test_a_flood_of_joining_ranks_is_admitted_a_few_at_a_time():
     topology = build_topology("complete", n=12, members=[0, 1])
     clock = Clock()

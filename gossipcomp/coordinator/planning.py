@@ -198,15 +198,7 @@ class Coordinator:
             if model is not None and self._models[report.rank] != model:
                 self._members.pop(report.rank, None)
                 raise ReportRefused(grpc.StatusCode.FAILED_PRECONDITION, _differs(request, model))
-            believed = self._rounds.believe(report.rank, report.round)
-            if believed.cut:
-                log.warning(
-                    "coordinator: peer %d claims round %d; believed up to round %d",
-                    report.rank,
-                    report.round,
-                    believed.round,
-                )
-            report = replace(report, round=believed.round)
+            report = self._believe_round(report)
             self._members[report.rank] = report
             if self._liveness is not None:
                 newest = self.published[-1].epoch if self.published else 0
@@ -214,8 +206,11 @@ class Coordinator:
                 self._liveness.heard(report.rank, rejoining)
             self._highest_epoch = max(self._highest_epoch, self._believed_epoch())
             agreed = self._rounds.agreed()
+            members = set(self.members)
             if agreed is not None:  # the furthest round, at most a margin past two peers' word
-                furthest = max(m.round for m in self._members.values())
+                furthest = max(
+                    (m.round for r, m in self._members.items() if r in members), default=agreed
+                )
                 self._lead = min(furthest, agreed + self.margin)
             self._republish_if_missed(report)
             self._relax_margin()
@@ -223,6 +218,26 @@ class Coordinator:
             self._maybe_plan()
             self._maybe_adapt()
             return self.lacking(report.epoch, report.round)
+
+    def _believe_round(self, report: MemberReport) -> MemberReport:
+        """`report` with its round as far as it is believed. Only a member's round counts
+        toward the round schedules are counted from: a peer outside the members (a joiner
+        awaiting its admission) does no rounds of the network's, and its round (0 for a
+        joiner) would hold the agreed round back, so that every schedule, the admission
+        first, took effect in the members' past. Its round is kept at most at the lead,
+        where it can trigger nothing (a republication)."""
+        if report.rank not in self.members:
+            self._rounds.forget(report.rank)
+            return replace(report, round=min(report.round, self._lead))
+        believed = self._rounds.believe(report.rank, report.round)
+        if believed.cut:
+            log.warning(
+                "coordinator: peer %d claims round %d; believed up to round %d",
+                report.rank,
+                report.round,
+                believed.round,
+            )
+        return replace(report, round=believed.round)
 
     def lacking(self, epoch: int, round: int) -> tuple[Schedule, ...]:
         """What a peer holding `epoch` at `round` is sent, oldest first: the newest schedule
@@ -282,6 +297,7 @@ class Coordinator:
         self._members_at = self._lead
         for rank in set(current) - set(members):
             self._members.pop(rank, None)  # a removed member's measurements plan nothing
+            self._rounds.forget(rank)  # nor does its round count
         log.warning(
             "coordinator: members %s -> %s (removed: %s; admitted: %s)",
             list(current),
