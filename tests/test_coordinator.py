@@ -3,6 +3,7 @@ and comes back; hostile reports are refused naming the field."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from torch import nn
 from gossipcomp.compress import parse_spec
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.coordinator.client import CoordinatorClient
+from gossipcomp.coordinator.pace import SCHEDULE_LEAD_S
 from gossipcomp.coordinator.planning import CALM_MARGINS
 from gossipcomp.experiment import TrainConfig
 from gossipcomp.experiment.simulation import run_simulation
@@ -415,3 +417,31 @@ def test_a_margin_raised_by_a_missed_schedule_halves_back_after_calm_rounds() ->
             report(rank, round)
         assert round <= raised_at + 2 * CALM_MARGINS * 2 * base + 5
     assert coordinator._lead - raised_at >= 2 * CALM_MARGINS * 2 * base  # noqa: SLF001
+
+
+def test_a_schedule_is_given_a_quarter_second_of_the_members_rounds_where_rounds_are_fast():
+    """Members at 250 rounds a second: a schedule takes effect at least the rounds that
+    SCHEDULE_LEAD_S take at that pace past the furthest round, not the 5 rounds of the base
+    margin (4 ms of rounds, which a busy coordinator's reply outran: members missed the
+    admission of a joiner). One member claiming a faster pace moves nothing; before any pace
+    is measured the base margin is all there is."""
+    coordinator = Coordinator(RING4, planner="single", report_every=1)
+    clock = [0.0]
+    coordinator._rounds._clock = lambda: clock[0]  # noqa: SLF001
+
+    def report(rank: int, round: int) -> None:
+        coordinator.receive(_report(sender=rank, round=round))
+
+    for rank in range(4):
+        report(rank, 10)
+    first = coordinator.published[-1]
+    assert first.effective_round == 10 + coordinator.base_margin  # no pace measured yet
+    clock[0] = 0.2
+    for rank in range(4):
+        report(rank, 60 if rank else 90)  # rank 0 claims 400 rounds a second
+    pace = coordinator._pace.rounds_per_second(range(4))  # noqa: SLF001
+    assert pace == pytest.approx(250.0)
+    schedule = coordinator.publish([], "single")
+    lead = math.ceil(250.0 * SCHEDULE_LEAD_S)
+    assert lead > coordinator.margin
+    assert schedule.effective_round == coordinator._lead + lead  # noqa: SLF001

@@ -22,6 +22,7 @@ from gossipcomp.gossip import DPSGD
 from gossipcomp.peer import Peer
 from gossipcomp.peer.links import Backoff
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
+from gossipcomp.schedule.schedule import MAX_STAGED
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.base import PROTOCOL_VERSION
 
@@ -310,6 +311,34 @@ def test_a_joiners_round_does_not_hold_the_admission_back_in_the_members_past():
     (admission,) = coordinator.published  # published once: nothing taken for missed
     assert admission.members == (0, 1, 2, 3, 4) and coordinator.margin == margin
     assert admission.effective_round > 113, admission
+
+
+def test_a_change_of_members_waits_while_a_peer_could_not_stage_it():
+    """With MAX_STAGED - 1 schedules waiting for their round, a removal waits until one is in
+    force: published then, it would be a schedule more than a peer may hold waiting, refused
+    by every member."""
+    topology = build_topology("ring", n=4, members=[0, 1, 2, 3])
+    clock = Clock()
+    coordinator = Coordinator(
+        topology, planner="per-tensor", liveness=MemberLiveness((0, 1, 2, 3), 5.0, clock=clock)
+    )
+    for sender in range(4):
+        coordinator.receive(_report(topology, sender, 10))
+    while sum(s.effective_round > 10 for s in coordinator.published) < MAX_STAGED - 1:
+        coordinator.publish((), "per-tensor")
+    published = len(coordinator.published)
+    clock.now = 6.0  # rank 3 silent past the timeout
+    for sender in (0, 1, 2):
+        coordinator.receive(_report(topology, sender, 10))
+    assert len(coordinator.published) == published and coordinator.members == (0, 1, 2, 3)
+    first = coordinator.published[-MAX_STAGED + 1]
+    for sender in (0, 1, 2):  # the first waiting one is in force: the removal goes out
+        clock.now += 0.5
+        coordinator.receive(_report(topology, sender, first.effective_round))
+    assert coordinator.members == (0, 1, 2)
+    assert sum(s.effective_round > first.effective_round for s in coordinator.published) <= (
+        MAX_STAGED - 1
+    )
 
 
 def test_a_flood_of_joining_ranks_is_admitted_a_few_at_a_time():

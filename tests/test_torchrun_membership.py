@@ -410,7 +410,9 @@ def test_a_torchrun_network_admits_a_joiner_and_removes_a_leaver(tmp_path: Path)
         assert report["final_test_accuracy"] > 0.8
     # the survivors agree on every schedule they both hold (a peer may skip one that a newer
     # one replaced before its round) and end on the same one; the joiner holds none from
-    # before its admission but epoch 0, and every member holds its admission
+    # before its admission but epoch 0; a member that passed the admission's round before it
+    # arrived (rounds of milliseconds, a busy machine) holds its republication instead, and
+    # within a few republications every survivor holds one schedule naming the joiner
     held = {
         r: {s["epoch"]: s["effective_round"] for s in report["schedule_epochs"]}
         for r, report in reports.items()
@@ -421,7 +423,8 @@ def test_a_torchrun_network_admits_a_joiner_and_removes_a_leaver(tmp_path: Path)
             assert all(held[a][e] == held[b][e] for e in held[a].keys() & held[b].keys()), held
     assert len({max(h.items()) for h in held.values()}) == 1, held
     admission = min(held[JOINER].keys() - {0})
-    assert all(admission in h for h in held.values()), held
+    shared = set.intersection(*(set(h) for h in held.values())) - {0}
+    assert shared and min(shared) - admission <= 3, held
     # one model: the survivors' network averages agree
     norms = [report["average_model_norm"] for report in reports.values()]
     assert max(norms) - min(norms) < 1e-3 * max(norms), norms

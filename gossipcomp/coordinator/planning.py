@@ -13,8 +13,10 @@ transfers) and runs its planner. It publishes a new schedule when the plan diffe
 in force, and always once after it starts, so a restarted coordinator brings every peer onto
 one schedule again. A schedule takes effect `margin` rounds after the furthest round reported:
 every peer reports within `report_every` rounds and stages the reply at its next report, so
-3 x report_every + 2 rounds leave room for a peer a little ahead of the others. Where rounds are
-faster than a report's round trip, a peer can still pass the effective round first: its next
+3 x report_every + 2 rounds leave room for a peer a little ahead of the others; and at least
+the rounds the members run in a quarter of a second (pace.py), so that rounds of a few milliseconds
+do not outrun a reply from a busy coordinator. Should a peer still pass the effective round
+first, its next
 report shows it, and the coordinator publishes the schedule again under a new epoch with the
 margin doubled, until it fits. A raised margin halves again, down to its base, after
 `CALM_MARGINS` times its length in rounds with no schedule missed: one late reply (a busy
@@ -30,7 +32,11 @@ on, the coordinator estimates every link from both ends' sends and lets the rate
 peer's compute time per round); when any level changes it publishes a schedule with the same
 groups and the new levels. With `boost`, the links of a peer that reports a critical learning
 phase (Accordion: a layer's gradient norm changed by half or more between windows of rounds,
-schedule/critical.py) go one level above the controller's choice while the phase lasts. At most about three schedules then wait at a peer (MAX_STAGED is 4).
+schedule/critical.py) go one level above the controller's choice while the phase lasts.
+
+Every decision that publishes (a plan, levels, a change of members) waits while MAX_STAGED - 1
+schedules wait for their round, so a peer never has to refuse the newest (it holds at most
+MAX_STAGED waiting).
 
 Live membership (a topology with `members:`, topology/members.py): the coordinator decides who
 is in (membership.py: members silent past `member_timeout` seconds are removed, ranks of the
@@ -65,6 +71,7 @@ from dataclasses import replace
 import grpc
 
 from gossipcomp.coordinator.membership import DEFAULT_MEMBER_TIMEOUT, MemberLiveness
+from gossipcomp.coordinator.pace import RoundPace
 from gossipcomp.coordinator.reports import MAX_MARGIN, MemberReport, ReportRefused, check_report
 from gossipcomp.inputs.numbers import checked_integer, checked_number
 from gossipcomp.inputs.text import quoted
@@ -179,6 +186,7 @@ class Coordinator:
                 f"member liveness given, but topology {topology.name} has a fixed membership "
                 "(a topology file with `members:` is live)"
             )
+        self._pace = RoundPace()  # the members' rounds per second: margins cover a time
         self._lock = threading.Lock()
 
     def check(self, request: cpb.PeerReport) -> MemberReport:
@@ -228,6 +236,7 @@ class Coordinator:
         where it can trigger nothing (a republication)."""
         if report.rank not in self.members:
             self._rounds.forget(report.rank)
+            self._pace.forget(report.rank)
             return replace(report, round=min(report.round, self._lead))
         believed = self._rounds.believe(report.rank, report.round)
         if believed.cut:
@@ -237,6 +246,7 @@ class Coordinator:
                 report.round,
                 believed.round,
             )
+        self._pace.heard(report.rank, believed.round, believed.at)
         return replace(report, round=believed.round)
 
     def lacking(self, epoch: int, round: int) -> tuple[Schedule, ...]:
@@ -290,6 +300,8 @@ class Coordinator:
             return
         if self._members_at is not None and 0 <= self._lead - self._members_at < self.margin:
             return
+        if self._staging_full():
+            return
         current = self.members
         members = self._liveness.decide(current)
         if members is None:
@@ -298,6 +310,7 @@ class Coordinator:
         for rank in set(current) - set(members):
             self._members.pop(rank, None)  # a removed member's measurements plan nothing
             self._rounds.forget(rank)  # nor does its round count
+            self._pace.forget(rank)
         log.warning(
             "coordinator: members %s -> %s (removed: %s; admitted: %s)",
             list(current),
@@ -397,7 +410,7 @@ class Coordinator:
             members = self.members if self.topology.live is not None else ()
         newest = self.published[-1] if self.published else None
         epoch = max(self._highest_epoch, newest.epoch if newest else 0) + 1
-        effective = self._lead + self.margin
+        effective = self._lead + max(self.margin, self._lead_rounds())
         if newest is not None and newest.effective_round < self._lead + MAX_MARGIN:
             # after the newest one, unless that one is further than any margin (published
             # from rounds no longer believed): a newer epoch supersedes it at the peers
@@ -414,12 +427,27 @@ class Coordinator:
         )
         return schedule
 
+    def _lead_rounds(self) -> int:
+        """The rounds the members run in the time a schedule is given to reach them
+        (pace.py), at most MAX_MARGIN: a schedule takes effect no sooner."""
+        return min(self._pace.lead_rounds(self.members), MAX_MARGIN)
+
+    def _staging_full(self) -> bool:
+        """Whether as many schedules wait for their round as a new one may join (a peer holds
+        at most MAX_STAGED waiting, and `lacking` sends at most that many): every decision
+        that publishes (plans, levels, members) waits until one is in force, else the newest
+        would be refused at the peers."""
+        recent = itertools.islice(reversed(self.published), MAX_STAGED)
+        return sum(s.effective_round > self._lead for s in recent) >= MAX_STAGED - 1
+
     def _maybe_plan(self) -> None:
         """Plan when every peer has reported the majority's model: first once, then every
         replan_every rounds (and when the agreed round went back)."""
         if len(self._model_members()) < len(self.members):
             return
         if self._planned_at is not None and 0 <= self._lead - self._planned_at < self.replan_every:
+            return
+        if self._staging_full():
             return
         self._planned_at = self._lead
         groups = self._plan()
@@ -445,10 +473,8 @@ class Coordinator:
         ladder = ladders[0]
         if ladder is None or any(other != ladder for other in ladders):
             return  # an algorithm without levels, or peers that disagree on the ladder
-        recent = itertools.islice(reversed(self.published), MAX_STAGED)
-        waiting = sum(s.effective_round > self._lead for s in recent)
-        if waiting >= MAX_STAGED - 1:
-            return  # a peer holds at most MAX_STAGED waiting: decide once one is in force
+        if self._staging_full():
+            return
         self._adapted_at = self._lead
         budget = self.round_budget or max(m.compute_seconds for m in reports)
         if budget <= 0:

@@ -1,0 +1,60 @@
+"""How fast the members' rounds go, so that a schedule's margin covers a time, not only rounds.
+
+A schedule is published `margin` rounds past the furthest round heard, and a peer that passes
+that round before the schedule reaches it refuses it (the coordinator then publishes it again,
+further ahead, and the members are under different schedules meanwhile). A margin counted in
+rounds alone is 3 report intervals whatever a round takes: rounds of a few milliseconds (a
+small model, a fast link) outran it whenever the coordinator was slow to answer, as on a loaded
+machine. `RoundPace` measures each member's rounds per second from its believed claims and
+gives the rounds that `SCHEDULE_LEAD_S` seconds take at the pace of the quorum-th fastest
+member (one member's word, true or not, moves nothing; its claims are bounded by time already,
+transport/claims.py). Until two members' paces are measured (`PACE_SAMPLE_S` after their first
+reports) the margin in rounds is all there is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from gossipcomp.transport.claims import quorum_of
+
+SCHEDULE_LEAD_S = 0.25  # seconds a published schedule is given to reach every peer
+PACE_SAMPLE_S = 0.1  # a member's pace is measured over at least this many seconds
+
+
+class RoundPace:
+    """Members' rounds per second, measured from their believed (round, time) claims.
+
+    Not thread-safe: the caller holds its own lock."""
+
+    def __init__(self, lead_s: float = SCHEDULE_LEAD_S) -> None:
+        self.lead_s = lead_s
+        self._marks: dict[int, tuple[int, float]] = {}  # rank -> (round, at) the sample began
+        self._measured: dict[int, float] = {}  # rank -> rounds per second, last sample
+
+    def heard(self, rank: int, round: int, at: float) -> None:
+        """Member `rank` is believed at `round` at time `at` (seconds)."""
+        mark = self._marks.get(rank)
+        if mark is None or round < mark[0] or at < mark[1]:
+            self._marks[rank] = (round, at)
+            return
+        if at - mark[1] >= PACE_SAMPLE_S:
+            self._measured[rank] = (round - mark[0]) / (at - mark[1])
+            self._marks[rank] = (round, at)
+
+    def forget(self, rank: int) -> None:
+        for table in (self._marks, self._measured):
+            table.pop(rank, None)
+
+    def rounds_per_second(self, members: Iterable[int]) -> float | None:
+        """The quorum-th fastest measured pace among `members`; None when too few are
+        measured."""
+        paces = sorted((self._measured[r] for r in members if r in self._measured), reverse=True)
+        quorum = quorum_of(len(paces)) if paces else 1
+        return paces[quorum - 1] if len(paces) >= quorum else None
+
+    def lead_rounds(self, members: Iterable[int]) -> int:
+        """The rounds `lead_s` seconds take at the members' pace (0 before it is measured)."""
+        pace = self.rounds_per_second(members)
+        return 0 if pace is None else math.ceil(pace * self.lead_s)
