@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from helpers import needs_namespaces
 
+from gossipcomp.allreduce.pieces import PIECE_CANDIDATES
 from gossipcomp.allreduce.train import AllreduceConfig
 from gossipcomp.compress import parse_spec
 from gossipcomp.schedule.costs import MAX_CONTENTION
@@ -179,6 +180,10 @@ def test_allreduce_merge_on_shaped_links_writes_the_network_bound_figures(tmp_pa
         assert abs(planner["predicted_over_measured"] - row["predicted_ms"] / row["step_ms"]) < 1e-9
         assert abs(planner["vs_single"] - methods["sign single"]["step_ms"] / row["step_ms"]) < 1e-9
     assert figures["planned_groups"] == figures["planners"]["mergecomp"]["groups"]
+    # sign all-gathers: each repeat says whether its all_gathers went whole (0) or in pieces
+    pieces = methods["sign mergecomp"]["gather_piece_bytes"]
+    assert figures["gather_piece_bytes"] == pieces and len(pieces) == 1
+    assert all(p in (0, *PIECE_CANDIDATES) for p in pieces), pieces
     # exact bytes: one all-gather of the packed signs of every element, sent to the other rank
     numel = sum(p.numel() for p in build_resmlp(0).parameters())
     sent = parse_spec("sign").wire_bytes(numel)

@@ -192,3 +192,18 @@ def test_a_bad_gather_pieces_is_refused_naming_what_was_expected(text: str) -> N
     with pytest.raises(ValueError, match="expected auto, whole, or the KiB of a piece") as error:
         AllreduceConfig(gather_pieces=text)
     assert len(str(error.value)) < 200  # the input is not echoed in full
+
+
+def test_pieces_asked_for_where_nothing_all_gathers_are_ignored_with_a_warning(caplog) -> None:
+    """An explicit piece size with summable compressors only (fp16: all_reduce) cannot apply:
+    the run says so instead of ignoring it silently; whole or auto say nothing."""
+    communicator = Communicator.__new__(Communicator)
+    communicator.world, communicator.gather_piece_bytes = 2, None
+    fp16 = [parse_spec("fp16")]
+    with caplog.at_level("WARNING", logger="gossipcomp.allreduce.pieces"):
+        assert set_gather_pieces(communicator, "16", fp16, 1000) is None
+        assert "gather_pieces 16: ignored, none of the compressors (fp16)" in caplog.text
+        caplog.clear()
+        for setting in ("whole", "auto"):
+            assert set_gather_pieces(communicator, setting, fp16, 1000) is None
+        assert caplog.text == ""

@@ -66,6 +66,13 @@ def set_gather_pieces(
     gathered = [c for c in compressors if not c.summable]
     given = parse_gather_pieces(setting)
     if communicator.world == 1 or not gathered:
+        if given and not gathered:
+            log.warning(
+                "gather_pieces %s: ignored, none of the compressors (%s) all-gathers (their "
+                "payloads are summed by all_reduce, which goes whole)",
+                setting,
+                ", ".join(sorted({c.name for c in compressors})) or "none",
+            )
         communicator.gather_piece_bytes = None
     elif given is not None:
         communicator.gather_piece_bytes = given or None
