@@ -18,7 +18,7 @@ from torch import nn
 from gossipcomp.compress import parse_spec
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.coordinator.client import CoordinatorClient
-from gossipcomp.coordinator.pace import SCHEDULE_LEAD_S
+from gossipcomp.coordinator.pace import SCHEDULE_LEAD_S, RoundPace
 from gossipcomp.coordinator.planning import CALM_MARGINS
 from gossipcomp.experiment import TrainConfig
 from gossipcomp.experiment.simulation import run_simulation
@@ -419,7 +419,7 @@ def test_a_margin_raised_by_a_missed_schedule_halves_back_after_calm_rounds() ->
     assert coordinator._lead - raised_at >= 2 * CALM_MARGINS * 2 * base  # noqa: SLF001
 
 
-def test_a_schedule_is_given_a_quarter_second_of_the_members_rounds_where_rounds_are_fast():
+def test_a_schedule_is_given_the_members_rounds_of_its_lead_time_where_rounds_are_fast():
     """Members at 250 rounds a second: a schedule takes effect at least the rounds that
     SCHEDULE_LEAD_S take at that pace past the furthest round, not the 5 rounds of the base
     margin (4 ms of rounds, which a busy coordinator's reply outran: members missed the
@@ -445,3 +445,17 @@ def test_a_schedule_is_given_a_quarter_second_of_the_members_rounds_where_rounds
     lead = math.ceil(250.0 * SCHEDULE_LEAD_S)
     assert lead > coordinator.margin
     assert schedule.effective_round == coordinator._lead + lead  # noqa: SLF001
+
+
+def test_rounds_of_30_ms_keep_the_base_margin_so_adaptive_levels_react_no_later():
+    """The lead time adds rounds only where rounds are fast: at 30 ms a round (the adaptive
+    benchmark's regime) it is within the base margin of report_every 1 (5 rounds)."""
+    pace = RoundPace()
+    for rank in range(2):
+        pace.heard(rank, 100, 0.0)
+        pace.heard(rank, 104, 0.06)  # too short a sample: nothing measured yet
+    assert pace.rounds_per_second(range(2)) is None and pace.lead_rounds(range(2)) == 0
+    for rank in range(2):
+        pace.heard(rank, 100 + 10, 0.3)  # 10 rounds in 0.3 s
+    assert pace.rounds_per_second(range(2)) == pytest.approx(1 / 0.03)
+    assert pace.lead_rounds(range(2)) <= Coordinator(RING4, report_every=1).base_margin

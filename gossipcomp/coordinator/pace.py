@@ -19,7 +19,10 @@ from collections.abc import Iterable
 
 from gossipcomp.transport.claims import quorum_of
 
-SCHEDULE_LEAD_S = 0.25  # seconds a published schedule is given to reach every peer
+# seconds a published schedule is given to reach every peer, beyond the margin's report
+# intervals: a busy coordinator's reply (rounds of 30 ms and more keep the base margin of
+# 3 x report_every + 2 with report_every 1, so adaptive levels react no later)
+SCHEDULE_LEAD_S = 0.15
 PACE_SAMPLE_S = 0.1  # a member's pace is measured over at least this many seconds
 
 

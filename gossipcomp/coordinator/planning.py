@@ -14,7 +14,7 @@ in force, and always once after it starts, so a restarted coordinator brings eve
 one schedule again. A schedule takes effect `margin` rounds after the furthest round reported:
 every peer reports within `report_every` rounds and stages the reply at its next report, so
 3 x report_every + 2 rounds leave room for a peer a little ahead of the others; and at least
-the rounds the members run in a quarter of a second (pace.py), so that rounds of a few milliseconds
+the rounds the members run in 0.15 s (pace.py), so that rounds of a few milliseconds
 do not outrun a reply from a busy coordinator. Should a peer still pass the effective round
 first, its next
 report shows it, and the coordinator publishes the schedule again under a new epoch with the
