@@ -34,16 +34,17 @@ groups and the new levels. With `boost`, the links of a peer that reports a crit
 phase (Accordion: a layer's gradient norm changed by half or more between windows of rounds,
 schedule/critical.py) go one level above the controller's choice while the phase lasts.
 
-Every decision that publishes (a plan, levels, a change of members) waits while MAX_STAGED - 1
-schedules wait for their round, so a peer never has to refuse the newest (it holds at most
-MAX_STAGED waiting).
+Plans and levels wait while MAX_STAGED - 1 schedules wait for their round, so a peer never has
+to refuse the newest (it holds at most MAX_STAGED waiting); changes of members and
+republications do not (they must not wait for good where the lead stalls).
 
 Live membership (a topology with `members:`, topology/members.py): the coordinator decides who
 is in (membership.py: members silent past `member_timeout` seconds are removed, ranks of the
 capacity that report are admitted, a bounded number per change) and publishes each change as a
-schedule naming the members, effective `margin` rounds after the furthest round heard, like any
+schedule naming the members, in force a margin after the furthest round heard, like any
 schedule; every schedule it publishes on a live topology names them. Planning, the model's
-majority and rate control count the members in force only.
+majority and rate control count the members in force only; a peer awaiting its admission
+counts toward no round and triggers no republication.
 
 No state survives a restart: membership comes back with the next reports, and epochs continue
 above the highest epoch the peers report holding, so they only ever increase.
@@ -166,7 +167,8 @@ class Coordinator:
             # time allows a peer at most the fastest round peers assume before measuring one
             DEFAULT_ROUND_SECONDS,
             margin=4 * report_every,
-            quorum=lambda _: quorum_of(topology.n),
+            # two agree, or the one member of a network of one (joiners count none)
+            quorum=lambda _: quorum_of(len(self.members)),
         )
         self._republished_at: int | None = None  # lead round of the last republication
         self._margin_set_at = 0  # lead round at which the margin last changed
@@ -214,11 +216,8 @@ class Coordinator:
                 self._liveness.heard(report.rank, rejoining)
             self._highest_epoch = max(self._highest_epoch, self._believed_epoch())
             agreed = self._rounds.agreed()
-            members = set(self.members)
             if agreed is not None:  # the furthest round, at most a margin past two peers' word
-                furthest = max(
-                    (m.round for r, m in self._members.items() if r in members), default=agreed
-                )
+                furthest = max(m.round for m in self._members.values())
                 self._lead = min(furthest, agreed + self.margin)
             self._republish_if_missed(report)
             self._relax_margin()
@@ -228,13 +227,14 @@ class Coordinator:
             return self.lacking(report.epoch, report.round)
 
     def _believe_round(self, report: MemberReport) -> MemberReport:
-        """`report` with its round as far as it is believed. Only a member's round counts
-        toward the round schedules are counted from: a peer outside the members (a joiner
-        awaiting its admission) does no rounds of the network's, and its round (0 for a
-        joiner) would hold the agreed round back, so that every schedule, the admission
-        first, took effect in the members' past. Its round is kept at most at the lead,
-        where it can trigger nothing (a republication)."""
-        if report.rank not in self.members:
+        """`report` with its round as far as it is believed. A peer awaiting its admission
+        (`joining`: it holds no schedule naming it) does no rounds of the network's, and its
+        round (0 for a joiner) would hold the agreed round back, so that every schedule, the
+        admission first, took effect in the members' past: it counts toward no round, and is
+        kept at most at the lead. Every other peer's round counts as before (a restarted
+        coordinator knows only the topology's initial members: the rounds of those in force
+        now must count too)."""
+        if report.joining:
             self._rounds.forget(report.rank)
             self._pace.forget(report.rank)
             return replace(report, round=min(report.round, self._lead))
@@ -246,7 +246,7 @@ class Coordinator:
                 report.round,
                 believed.round,
             )
-        self._pace.heard(report.rank, believed.round, believed.at)
+        self._pace.heard(report.rank, believed.round, believed.at, believed.cut)
         return replace(report, round=believed.round)
 
     def lacking(self, epoch: int, round: int) -> tuple[Schedule, ...]:
@@ -294,13 +294,11 @@ class Coordinator:
     def _maybe_change_members(self) -> None:
         """Publish the members the liveness rule decides, when they change (membership.py);
         only once the furthest round is agreed, so the change's round is counted from it, and
-        at most one change a `margin` rounds, so each is in force before the next comes (peers
-        hold at most MAX_STAGED schedules waiting)."""
+        at most one change a `margin` rounds of the lead (peers hold at most MAX_STAGED
+        schedules waiting; a change does not wait on them, `_staging_full`)."""
         if self._liveness is None or self._rounds.agreed() is None:
             return
         if self._members_at is not None and 0 <= self._lead - self._members_at < self.margin:
-            return
-        if self._staging_full():
             return
         current = self.members
         members = self._liveness.decide(current)
@@ -338,8 +336,8 @@ class Coordinator:
     def _believed_epoch(self) -> int:
         """The highest epoch the members hold, believed up to MAX_STAGED above the one two of
         them agree on (one report cannot move epochs to the end of their range)."""
-        epochs = [m.epoch for m in self._members.values()]
-        agreed = agreed_round(epochs, quorum_of(self.topology.n)) or 0
+        epochs = [m.epoch for m in self._members.values() if not m.joining]
+        agreed = agreed_round(epochs, quorum_of(len(self.members))) or 0
         return min(max(epochs, default=0), agreed + MAX_STAGED)
 
     def _republish_if_missed(self, report: MemberReport) -> None:
@@ -352,6 +350,8 @@ class Coordinator:
         newest = self.published[-1] if self.published else None
         if newest is None or report.epoch >= newest.epoch or report.refused_epoch == newest.epoch:
             return
+        if report.joining or report.rank not in self.members:
+            return  # it does no rounds of the network's: it missed nothing
         if report.round < newest.effective_round:
             return
         if self._republished_at is not None and (
@@ -390,7 +390,8 @@ class Coordinator:
 
     def publish(self, groups: Sequence[TensorGroup], planner: str) -> Schedule:
         """A new schedule of `groups` (keeping the newest one's link levels), in force
-        `margin` rounds after the furthest round heard (peers check it when they stage it)."""
+        a margin after the furthest round heard (`margin` rounds, or the members' rounds of
+        pace.py's lead time where more; peers check it when they stage it)."""
         with self._lock:
             newest = self.published[-1] if self.published else None
             links, budget = (newest.links, newest.budget_s) if newest else ((), 0.0)
@@ -429,14 +430,17 @@ class Coordinator:
 
     def _lead_rounds(self) -> int:
         """The rounds the members run in the time a schedule is given to reach them
-        (pace.py), at most MAX_MARGIN: a schedule takes effect no sooner."""
-        return min(self._pace.lead_rounds(self.members), MAX_MARGIN)
+        (pace.py): a schedule takes effect no sooner."""
+        members = self.members
+        return self._pace.lead_rounds(members, quorum_of(len(members)))
 
     def _staging_full(self) -> bool:
         """Whether as many schedules wait for their round as a new one may join (a peer holds
-        at most MAX_STAGED waiting, and `lacking` sends at most that many): every decision
-        that publishes (plans, levels, members) waits until one is in force, else the newest
-        would be refused at the peers."""
+        at most MAX_STAGED waiting, and `lacking` sends at most that many): plans and levels
+        wait until one is in force, else the newest would be refused at the peers. Changes of
+        members do not wait on it: the lead it counts from can stall (members that died,
+        a member restarted at round 0), and a removal or an admission must not wait for
+        good; they come at most one a margin (`_maybe_change_members`)."""
         recent = itertools.islice(reversed(self.published), MAX_STAGED)
         return sum(s.effective_round > self._lead for s in recent) >= MAX_STAGED - 1
 
