@@ -16,8 +16,7 @@ every peer reports within `report_every` rounds and stages the reply at its next
 3 x report_every + 2 rounds leave room for a peer a little ahead of the others; and at least
 the rounds the members run in 0.15 s (pace.py), so that rounds of a few milliseconds
 do not outrun a reply from a busy coordinator. Should a peer still pass the effective round
-first, its next
-report shows it, and the coordinator publishes the schedule again under a new epoch with the
+first, its next report shows it, and the coordinator publishes the schedule again under a new epoch with the
 margin doubled, until it fits. A raised margin halves again, down to its base, after
 `CALM_MARGINS` times its length in rounds with no schedule missed: one late reply (a busy
 spell) would otherwise slow every later change of the run, and of levels most of all. A miss
