@@ -173,6 +173,8 @@ def _report(**fields) -> cpb.PeerReport:
         ({"schedule_epoch": 2**40}, grpc.StatusCode.INVALID_ARGUMENT, "schedule_epoch"),
         ({"refused_epoch": -1}, grpc.StatusCode.INVALID_ARGUMENT, "refused_epoch"),
         ({"refused_epoch": 2**40}, grpc.StatusCode.INVALID_ARGUMENT, "refused_epoch"),
+        ({"late_epoch": -1}, grpc.StatusCode.INVALID_ARGUMENT, "late_epoch"),
+        ({"late_epoch": 2**40}, grpc.StatusCode.INVALID_ARGUMENT, "late_epoch"),
         ({"compute_seconds": float("nan")}, grpc.StatusCode.INVALID_ARGUMENT, "compute_seconds"),
         ({"compressor_element_seconds": 1e300}, grpc.StatusCode.INVALID_ARGUMENT, "element"),
         (
@@ -346,9 +348,9 @@ def test_a_schedule_the_peers_cannot_use_is_refused_by_each_and_they_keep_theirs
 
 def test_a_schedule_a_peer_refused_as_unusable_is_not_taken_for_missed() -> None:
     """A peer past a schedule's round that refused it as unusable (its report's refused_epoch)
-    did not miss it: the coordinator neither publishes it again nor raises its margin (CI, stop
-    39: every peer refused a ghost-tensor plan twice, once as epoch 2 and once republished as
-    3, when one reported at its round). A peer that merely lacks it at that round missed it."""
+    did not miss it: the coordinator does not raise its margin (CI, stop 39: every peer refused
+    a ghost-tensor plan twice). A peer that merely lacks it at that round missed it: the
+    margin doubles, and nothing is published again (the peer takes it late, client.py)."""
     coordinator = Coordinator(RING4, planner="single", report_every=1)
     clock = [0.0]
     coordinator._rounds._clock = lambda: clock[0]  # noqa: SLF001 (time allows any claim)
@@ -367,16 +369,49 @@ def test_a_schedule_a_peer_refused_as_unusable_is_not_taken_for_missed() -> None
         report(rank, past, ghost.epoch - 1, ghost.epoch)
     assert coordinator.published[-1] == ghost and coordinator.margin == margin
     report(2, past + 1, ghost.epoch - 1, 0)
-    assert coordinator.published[-1].epoch == ghost.epoch + 1  # missed: it comes again
-    assert coordinator.published[-1].groups == ghost.groups
+    assert coordinator.published[-1] == ghost  # missed, and not published again
+    assert coordinator.margin == 2 * margin
+    report(3, past + 2, ghost.epoch - 1, 0)  # one epoch's misses raise the margin once
     assert coordinator.margin == 2 * margin
 
 
+def test_a_late_epoch_raises_the_margin_once_and_only_for_an_epoch_published() -> None:
+    """A member that took a schedule late says so in its report's late_epoch (it holds it
+    already, so its epoch and round show no miss): the margin doubles, once per epoch. An
+    epoch this coordinator never published (a liar's, or one from before a restart) and a
+    peer awaiting admission move nothing."""
+    coordinator = Coordinator(RING4, planner="single", report_every=1)
+    clock = [0.0]
+    coordinator._rounds._clock = lambda: clock[0]  # noqa: SLF001 (time allows any claim)
+
+    def report(rank: int, round: int, late: int, **fields: object) -> None:
+        clock[0] += 1000.0
+        held = coordinator.published[-1].epoch if coordinator.published else 0
+        coordinator.receive(
+            _report(sender=rank, round=round, schedule_epoch=held, late_epoch=late, **fields)
+        )
+
+    for rank in range(4):
+        report(rank, 5, 0)
+    first = coordinator.published[-1]
+    margin = coordinator.margin
+    report(0, first.effective_round + 1, 7)  # never published
+    report(1, first.effective_round + 1, first.epoch, joining=True)
+    assert coordinator.margin == margin
+    report(2, first.effective_round + 1, first.epoch)
+    assert coordinator.margin == 2 * margin and coordinator.published[-1] == first
+    report(3, first.effective_round + 2, first.epoch)  # the same epoch, again
+    assert coordinator.margin == 2 * margin
+    second = coordinator.publish([TensorGroup(("w",), "sign")], "single")
+    report(3, second.effective_round, second.epoch)
+    assert coordinator.margin == 4 * margin
+
+
 def test_a_margin_raised_by_a_missed_schedule_halves_back_after_calm_rounds() -> None:
-    """A peer that passes a schedule's round without it doubles the margin (the schedule comes
-    again further ahead); once CALM_MARGINS x margin rounds pass with none missed, the margin
-    halves, and never below its base; a miss after a halving doubles the calm. Before, one
-    late reply slowed every later change."""
+    """A peer that passes a schedule's round without it doubles the margin for the schedules
+    that follow; once CALM_MARGINS x margin rounds pass with none missed, the margin halves,
+    and never below its base; a miss after a halving doubles the calm. Before, one late reply
+    slowed every later change."""
     coordinator = Coordinator(RING4, planner="single", report_every=1)
     clock = [0.0]
     coordinator._rounds._clock = lambda: clock[0]  # noqa: SLF001 (time allows any claim)
@@ -393,7 +428,7 @@ def test_a_margin_raised_by_a_missed_schedule_halves_back_after_calm_rounds() ->
     assert (first.epoch, coordinator.margin, base) == (1, 5, 5)
     report(1, first.effective_round + 1, 0)  # peer 1 passed it without it
     assert coordinator.margin == 2 * base
-    assert coordinator.published[-1].epoch == first.epoch + 1
+    assert coordinator.published[-1] == first  # peer 1 takes it late: nothing comes again
     raised_at = coordinator._lead  # noqa: SLF001
     round = first.effective_round + 1
     while coordinator.margin > base:
@@ -408,8 +443,9 @@ def test_a_margin_raised_by_a_missed_schedule_halves_back_after_calm_rounds() ->
             report(rank, round)
     assert coordinator.margin == base
     # a miss after that halving: the halved margin was too short, so the calm doubles
-    round += 5
-    report(2, round, coordinator.published[-1].epoch - 1)
+    second = coordinator.publish([TensorGroup(("w",), "sign")], "single")
+    round = second.effective_round
+    report(2, round, second.epoch - 1)
     assert coordinator.margin == 2 * base
     raised_at = coordinator._lead  # noqa: SLF001
     while coordinator.margin > base:

@@ -64,11 +64,10 @@ def test_a_third_peer_process_joins_a_running_live_network(tmp_path):
     assert all(r["gossip_rounds"] == ROUNDS for r in reports)
     joiner = reports[2]
     assert joiner["bytes_sent_total"] > 0 and joiner["final_test_accuracy"] > 0.8
-    # the joiner's epochs: it shares one with the members within a few epochs of its admission
-    # (a member that passed the admission's round before it arrived holds its republication,
-    # as in tests/test_torchrun_membership.py)
+    # member 0 holds the joiner's admission (taken late where it passed the admission's round
+    # before the schedule came, as in tests/test_torchrun_membership.py)
     joined = {s["epoch"] for s in joiner["schedule_epochs"]} - {0}
-    shared = joined & {s["epoch"] for s in reports[0]["schedule_epochs"]}
-    assert joined and shared and min(shared) - min(joined) <= 3, (joined, shared)
+    held = {s["epoch"] for s in reports[0]["schedule_epochs"]}
+    assert joined and min(joined) in held, (joined, held)
     norms = [r["average_model_norm"] for r in reports]
     assert max(norms) - min(norms) < 1e-3 * max(norms)  # one network average

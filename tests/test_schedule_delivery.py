@@ -28,7 +28,7 @@ from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.messages import schedule_to_proto
-from gossipcomp.schedule.schedule import MAX_STAGED, Schedule
+from gossipcomp.schedule.schedule import MAX_STAGED, Schedule, ScheduleLate
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.base import PROTOCOL_VERSION
 
@@ -246,17 +246,36 @@ def test_levels_are_decided_only_while_a_peer_can_hold_one_more_schedule():
     assert most <= MAX_STAGED - 1
 
 
-def test_a_peer_reports_the_schedule_it_refused_as_unusable_and_not_one_that_came_late():
-    """The report's refused_epoch tells the coordinator which refusal was no miss: a schedule
-    that came after its round (usable, had it come in time: published again further ahead)
-    leaves it 0; one naming a tensor the model lacks sets it to that epoch."""
+def test_a_schedule_that_comes_late_is_taken_from_the_next_round_and_reported():
+    """A coordinator's schedule that comes after the peer's round is taken from the peer's
+    next round (the others are in it: waiting for it again left a peer alone, ahead of every
+    republication, out of the network for good; CI at stop 43), and the report's late_epoch
+    says so; refused_epoch names only a schedule refused as unusable (a tensor the model
+    lacks), which is staged nowhere."""
     with _peer_zero_client() as (peers, client):
         peers[0].round = 5
         _take(client, cpb.ReportReply(has_schedule=True, schedule=_schedule(1, 5)))
-        assert len(client.refused) == 1 and "in the past" in client.refused[0]
-        assert client._request().refused_epoch == 0  # noqa: SLF001 (the report it sends)
+        assert client.refused == []
+        (staged,) = peers[0].schedules.staged
+        assert (staged.epoch, staged.effective_round) == (1, 6)
+        assert peers[0].schedules.taken_late == {1}
+        request = client._request()  # noqa: SLF001 (the report it sends)
+        assert (request.late_epoch, request.refused_epoch, request.schedule_epoch) == (1, 0, 1)
         ghost = Schedule(2, 20, (TensorGroup(("ghost.weight",), "sign"),))
         _take(client, cpb.ReportReply(has_schedule=True, schedule=schedule_to_proto(ghost)))
-        assert len(client.refused) == 2 and "unknown" in client.refused[1]
+        assert len(client.refused) == 1 and "unknown" in client.refused[0]
         assert client._request().refused_epoch == 2  # noqa: SLF001
-        assert peers[0].schedules.staged == ()
+        assert peers[0].schedules.staged == (staged,)
+        peers[0].round = 6
+        assert peers[0].schedules.due(6) == staged  # in force from its next round
+        assert peers[0].stats.late_epochs == {1}
+
+
+def test_a_peer_s_own_schedule_call_still_refuses_one_whose_round_passed():
+    """Peer.apply without `late` (a custom loop's own schedule) keeps refusing a schedule
+    whose round has passed, naming it, and stages nothing."""
+    with _peer_zero_client() as (peers, _):
+        peers[0].round = 5
+        with pytest.raises(ScheduleLate, match="takes effect at round 5, expected a round af"):
+            peers[0].apply(Schedule(1, 5))
+        assert peers[0].schedules.staged == () and peers[0].schedules.taken_late == set()

@@ -9,7 +9,12 @@ the shaped adaptive runs of docs/benchmarks.md, issue 24: a reporting peer's tim
 gossip 0.012-0.016 s a round before, 0.004-0.007 s after). A coordinator that cannot be reached costs a warning (once until
 it answers again) and the peer trains on with the schedules it has; one that sends a schedule
 the peer refuses (`ScheduleRefused`) costs an error naming why, and the peer keeps its current
-schedule. Schedules are staged from the training thread, as `Peer.apply` requires.
+schedule. One that comes after its round (a reply slower than the coordinator's margin, or this
+peer running ahead while alone) is still taken, from the peer's next round: the others are in
+it already, and waiting for a republication a peer alone outruns again kept it out of the
+network for good (tests/test_torchrun_membership.py, CI at stop 43). Its report's `late_epoch`
+tells the coordinator, which widens its margin. Schedules are staged from the training thread,
+as `Peer.apply` requires.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
 from gossipcomp.schedule import CompressorCost, measure_compressor
 from gossipcomp.schedule.critical import CriticalPhase
 from gossipcomp.schedule.messages import schedule_from_proto
-from gossipcomp.schedule.schedule import MAX_STAGED, ScheduleLate, ScheduleRefused
+from gossipcomp.schedule.schedule import MAX_STAGED, ScheduleRefused
 from gossipcomp.security.tls import TlsFiles, channel_credentials
 from gossipcomp.transport.base import PROTOCOL_VERSION
 
@@ -83,7 +88,8 @@ class CoordinatorClient:
         self.phase = CriticalPhase()  # reported: the coordinator may boost a critical peer
         self.refused: list[str] = []  # why schedules were refused, once per epoch
         self._refused_epoch: int | None = None
-        self._unusable_epoch = 0  # reported: the newest refused for other than coming late
+        self._unusable_epoch = 0  # reported: the newest refused
+        self._late_epoch = 0  # reported: the newest that came after its round (taken late)
 
     def observe_gradients(self, model: torch.nn.Module) -> None:
         """Note each parameter's gradient norm after this round's local steps (Accordion's
@@ -143,17 +149,29 @@ class CoordinatorClient:
             if message.epoch <= self.peer.schedules.newest.epoch:
                 continue  # held already: staged from a neighbour since the report went out
             try:
-                self.peer.apply(schedule_from_proto(message))
+                schedule = schedule_from_proto(message)
+                staged = self.peer.apply(schedule, late=True)
             except ScheduleRefused as refused:
-                self._refuse(message.epoch, str(refused), late=isinstance(refused, ScheduleLate))
+                self._refuse(message.epoch, str(refused))
+                continue
+            if staged.effective_round != schedule.effective_round:
+                self._late_epoch = staged.epoch
+                log.warning(
+                    "peer %d: schedule epoch %d (from round %d) came at round %d; in force "
+                    "here from round %d",
+                    self.peer.rank,
+                    staged.epoch,
+                    schedule.effective_round,
+                    self.peer.round,
+                    staged.effective_round,
+                )
 
-    def _refuse(self, epoch: int, why: str, *, late: bool = False) -> None:
+    def _refuse(self, epoch: int, why: str) -> None:
         """Keep the current schedules and say why (the newest refused epoch is not tried
-        again). One refused for other than coming `late` is reported as unusable, so the
-        coordinator does not take it for missed and publish it again."""
+        again, and is reported as unusable, so the coordinator does not take a report past
+        its round for a miss)."""
         self._refused_epoch = epoch
-        if not late:
-            self._unusable_epoch = max(self._unusable_epoch, epoch)
+        self._unusable_epoch = max(self._unusable_epoch, epoch)
         self.refused.append(why)
         log.error("peer %d: refused the coordinator's schedule: %s", self.peer.rank, why)
 
@@ -197,6 +215,7 @@ class CoordinatorClient:
             critical=self.phase.critical,
             joining=peer.awaiting_admission,
             refused_epoch=self._unusable_epoch,
+            late_epoch=self._late_epoch,
         )
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """How fast the members' rounds go, so that a schedule's margin covers a time, not only rounds.
 
 A schedule is published `margin` rounds past the furthest round heard, and a peer that passes
-that round before the schedule reaches it refuses it (the coordinator then publishes it again,
-further ahead, and the members are under different schedules meanwhile). A margin counted in
+that round before the schedule reaches it takes it late, from its next round (its exchanges
+under the old one are refused meanwhile, since the others switched). A margin counted in
 rounds alone is 3 report intervals whatever a round takes: rounds of a few milliseconds (a
 small model, a fast link) outran it whenever the coordinator was slow to answer, as on a loaded
 machine. `RoundPace` measures each member's rounds per second from its believed claims and

@@ -16,8 +16,12 @@ every peer reports within `report_every` rounds and stages the reply at its next
 3 x report_every + 2 rounds leave room for a peer a little ahead of the others; and at least
 the rounds the members run in 0.15 s (pace.py), so that rounds of a few milliseconds
 do not outrun a reply from a busy coordinator. Should a peer still pass the effective round
-first, its next report shows it, and the coordinator publishes the schedule again under a new epoch with the
-margin doubled, until it fits. A raised margin halves again, down to its base, after
+first, it takes the schedule from its next round (client.py), and its report says so (or shows
+it past the round without the schedule): the margin doubles for the schedules that follow.
+Nothing is published again: a peer alone runs its rounds faster than the others, and a
+schedule published again for it passed it again (tests/test_torchrun_membership.py, CI at
+stop 43: a member never left the members it held before a removal). A raised margin halves
+again, down to its base, after
 `CALM_MARGINS` times its length in rounds with no schedule missed: one late reply (a busy
 spell) would otherwise slow every later change of the run, and of levels most of all. A miss
 that follows such a halving doubles the calm it takes (up to `MAX_CALM_MARGINS`), so a machine
@@ -34,8 +38,8 @@ phase (Accordion: a layer's gradient norm changed by half or more between window
 schedule/critical.py) go one level above the controller's choice while the phase lasts.
 
 Plans and levels wait while MAX_STAGED - 1 schedules wait for their round, so a peer never has
-to refuse the newest (it holds at most MAX_STAGED waiting); changes of members and
-republications do not (they must not wait for good where the lead stalls).
+to refuse the newest (it holds at most MAX_STAGED waiting); changes of members do not (they
+must not wait for good where the lead stalls).
 
 Live membership (a topology with `members:`, topology/members.py): the coordinator decides who
 is in (membership.py: members silent past `member_timeout` seconds are removed, ranks of the
@@ -43,7 +47,7 @@ capacity that report are admitted, a bounded number per change) and publishes ea
 schedule naming the members, in force a margin after the furthest round heard, like any
 schedule; every schedule it publishes on a live topology names them. Planning, the model's
 majority and rate control count the members in force only; a peer awaiting its admission
-counts toward no round and triggers no republication.
+counts toward no round and misses no schedule.
 
 No state survives a restart: membership comes back with the next reports, and epochs continue
 above the highest epoch the peers report holding, so they only ever increase.
@@ -169,7 +173,7 @@ class Coordinator:
             # two agree, or the one member of a network of one (joiners count none)
             quorum=lambda _: quorum_of(len(self.members)),
         )
-        self._republished_at: int | None = None  # lead round of the last republication
+        self._missed_epoch = 0  # the newest epoch a member took late: its miss is counted
         self._margin_set_at = 0  # lead round at which the margin last changed
         self._calm_margins = CALM_MARGINS  # margins of calm before a raised margin halves
         self._relaxed = False  # the margin last changed by halving (a miss then: calm too short)
@@ -218,7 +222,7 @@ class Coordinator:
             if agreed is not None:  # the furthest round, at most a margin past two peers' word
                 furthest = max(m.round for m in self._members.values())
                 self._lead = min(furthest, agreed + self.margin)
-            self._republish_if_missed(report)
+            self._note_missed(report)
             self._relax_margin()
             self._maybe_change_members()
             self._maybe_plan()
@@ -251,7 +255,7 @@ class Coordinator:
     def lacking(self, epoch: int, round: int) -> tuple[Schedule, ...]:
         """What a peer holding `epoch` at `round` is sent, oldest first: the newest schedule
         when it is newer than `epoch` (also when its round has passed at the peer, which
-        refuses it: `_republish_if_missed` then publishes it again), and before it every
+        then takes it from its next round: `_note_missed`), and before it every
         other schedule newer than `epoch` that still takes effect after `round`, at most
         MAX_STAGED in all. With only the newest, a peer that reported before one schedule and
         after the next ran on under the old one while its neighbours were under the one
@@ -339,39 +343,47 @@ class Coordinator:
         agreed = agreed_round(epochs, quorum_of(len(self.members))) or 0
         return min(max(epochs, default=0), agreed + MAX_STAGED)
 
-    def _republish_if_missed(self, report: MemberReport) -> None:
-        """A peer past the newest schedule's effective round without holding it missed it
-        (its rounds outran the reports' round trips): it refused it, so the schedule comes
-        again as a new epoch, further ahead: the margin doubles (up to MAX_MARGIN). At most
-        once per `report_every` rounds of the agreed round. Not one the peer refused as
-        unusable (its report's `refused_epoch`): it would be refused again, and no later
-        margin helps."""
-        newest = self.published[-1] if self.published else None
-        if newest is None or report.epoch >= newest.epoch or report.refused_epoch == newest.epoch:
-            return
+    def _note_missed(self, report: MemberReport) -> None:
+        """A schedule reached a member after its round: the margin was too short for it. Its
+        report says so (`late_epoch`, an epoch published here), or shows it at or past the
+        newest schedule's round without holding it (the reply takes it there late). The
+        margin doubles (up to MAX_MARGIN), once per epoch missed. Not for a schedule the
+        member refused as unusable (its report's `refused_epoch`: no margin helps), nor for
+        a peer awaiting admission (it does no rounds of the network's)."""
         if report.joining or report.rank not in self.members:
-            return  # it does no rounds of the network's: it missed nothing
-        if report.round < newest.effective_round:
             return
-        if self._republished_at is not None and (
-            0 <= self._lead - self._republished_at < self.report_every
+        newest = self.published[-1] if self.published else None
+        missed = 0
+        if report.late_epoch > self._missed_epoch and any(
+            s.epoch == report.late_epoch for s in self.published
         ):
+            missed = report.late_epoch
+        elif (
+            newest is not None
+            and self._missed_epoch < newest.epoch
+            and report.epoch < newest.epoch
+            and report.refused_epoch != newest.epoch
+            and report.round >= newest.effective_round
+        ):
+            missed = newest.epoch
+        if not missed:
             return
-        self._republished_at = self._margin_set_at = self._lead
+        self._missed_epoch = missed
+        self._margin_set_at = self._lead
         if self._relaxed:
             self._calm_margins = min(2 * self._calm_margins, MAX_CALM_MARGINS)
             self._relaxed = False
         self.margin = min(2 * self.margin, MAX_MARGIN)
+        schedule = next(s for s in reversed(self.published) if s.epoch == missed)
         log.warning(
-            "coordinator: peer %d at round %d missed schedule epoch %d (from round %d); "
-            "publishing it again %d rounds ahead",
+            "coordinator: peer %d at round %d missed schedule epoch %d (from round %d) and "
+            "takes it late; the margin is now %d rounds",
             report.rank,
             report.round,
-            newest.epoch,
-            newest.effective_round,
+            missed,
+            schedule.effective_round,
             self.margin,
         )
-        self._publish(newest.groups, newest.planner, newest.links, newest.budget_s)
 
     def _relax_margin(self) -> None:
         """Halve a raised margin (not below its base) once the calm (`CALM_MARGINS` x margin

@@ -64,6 +64,7 @@ class MemberReport:
     critical: bool = False  # in a critical learning phase (schedule/critical.py)
     joining: bool = False  # waits to be admitted by a schedule newer than `epoch`
     refused_epoch: int = 0  # the newest schedule it refused as unusable (0: none)
+    late_epoch: int = 0  # the newest schedule that reached it after its round (0: none)
 
 
 def _level_costs(request: cpb.PeerReport) -> LevelCosts | None:
@@ -218,5 +219,8 @@ def check_report(topology: Topology, request: cpb.PeerReport) -> MemberReport:
         joining=request.joining,
         refused_epoch=checked_integer(
             "refused_epoch", request.refused_epoch, 0, MAX_REPORTED_EPOCH, _invalid
+        ),
+        late_epoch=checked_integer(
+            "late_epoch", request.late_epoch, 0, MAX_REPORTED_EPOCH, _invalid
         ),
     )

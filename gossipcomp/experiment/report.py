@@ -30,7 +30,9 @@ class PeerReport:
     failed_exchanges: int
     consensus_distance: float  # squared distance of this peer's model to the network average
     mismatched_epoch_exchanges: int  # exchanges refused: the ends were in other schedule epochs
-    # every schedule in force during the run: {epoch, effective_round, planner, budget_s}
+    # every schedule in force during the run: {epoch, effective_round, planner, budget_s, late}
+    # (late: it reached this peer after its round; in force here from effective_round, after
+    # the others)
     schedule_epochs: list[dict[str, Any]]
     byzantine: bool = False  # this peer lied to its neighbours (a robustness experiment)
     gossip_rounds: int = 0  # gossip rounds this peer ran (its local steps: Report.rounds)
@@ -218,6 +220,7 @@ def peer_reports(
                     "effective_round": s.effective_round,
                     "planner": s.planner,
                     "budget_s": s.budget_s,
+                    "late": s.epoch in o.stats.late_epochs,
                 }
                 for s in o.stats.schedule_epochs
             ],

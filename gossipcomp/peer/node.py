@@ -325,16 +325,19 @@ class Peer:
         levels come from a coordinator or from the peers, never both."""
         self._schedules.base_specs.update(self._levels.adapt(round_budget))
 
-    def apply(self, schedule: Schedule) -> None:
-        """Stage `schedule` to take effect at its effective round (every peer switches then).
+    def apply(self, schedule: Schedule, *, late: bool = False) -> Schedule:
+        """Stage `schedule` to take effect at its effective round (every peer switches then);
+        the schedule as staged.
 
         Raises ScheduleRefused, keeping the current schedule, when it does not cover every
         parameter exactly once, names an unknown parameter or compressor, does not go forward
-        in epoch, or takes effect at or before this peer's round. Envelopes laid out by it are
-        accepted from now on (a neighbour may switch first); this peer uses it from its round.
-        Call it from the thread that calls `gossip()`.
+        in epoch, or takes effect at or before this peer's round (ScheduleLate; with `late`,
+        such a one takes effect at this peer's next round instead: the others switched
+        already). Envelopes laid out by it are accepted from now on (a neighbour may switch
+        first); this peer uses it from its round. Call it from the thread that calls
+        `gossip()`.
         """
-        self._schedules.apply(schedule, self.round)
+        return self._schedules.apply(schedule, self.round, late)
 
     @property
     def _edge_levels(self) -> EdgeLevels | None:
@@ -638,6 +641,7 @@ class Peer:
             comm_seconds=self._comm_seconds,
             mismatched_epoch_exchanges=self._links.epoch_mismatches,
             schedule_epochs=tuple(self.schedules.history),
+            late_epochs=frozenset(self.schedules.taken_late),
             local_steps=self._steps_taken,
             link_levels=tuple(self._levels.link_changes),
             peer_levels=tuple(self._levels.own_changes),

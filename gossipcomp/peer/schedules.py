@@ -142,13 +142,15 @@ class PeerSchedules:
         )
         return True
 
-    def apply(self, schedule: Schedule, round: int) -> None:
-        """Stage a coordinator's schedule (see Peer.apply); this peer is at `round`."""
+    def apply(self, schedule: Schedule, round: int, late: bool = False) -> Schedule:
+        """Stage a coordinator's schedule (see Peer.apply); this peer is at `round`. The
+        schedule as staged (`late`: from the next round, where its own has passed)."""
         specs = self.specs(schedule)
-        self.book.stage(schedule, round)
+        staged = self.book.stage(schedule, round, late=late)
         self.expect_epoch(schedule.epoch, specs)
         self.levels.expect()  # waiting level notices hold under it too
         self.refresh_replies()
+        return staged
 
     def specs(self, schedule: Schedule, book: LevelBook | None = None) -> dict[str, PayloadSpec]:
         """Per phase, what neighbours' envelopes hold under `schedule` (with the levels in

@@ -25,6 +25,8 @@ class PeerStats:
     comm_seconds: float
     mismatched_epoch_exchanges: int = 0  # exchanges refused: the two ends were in other epochs
     schedule_epochs: tuple[Schedule, ...] = ()  # every schedule that took effect, in order
+    # those of them it took late: in force from its round after they came, not theirs
+    late_epochs: frozenset[int] = frozenset()
     local_steps: int = 0  # local steps counted by `after_local_step` (custom loops)
     # each change of one of its links' level: {round, link: [low, high], level: label}
     link_levels: tuple[dict[str, Any], ...] = ()

@@ -297,6 +297,9 @@ class ScheduleBook:
         self._capacity = capacity
         self.current = Schedule(0, 0)
         self.history: list[Schedule] = [self.current]  # every schedule that took effect
+        # epochs staged `late`: in force here from the round after the one that staged them,
+        # not from the round the others switched at (not kept in a checkpoint)
+        self.taken_late: set[int] = set()
         self._staged: list[Schedule] = []
 
     @property
@@ -313,10 +316,10 @@ class ScheduleBook:
         ScheduleRefused (nothing changed) when it does not cover the model, does not go forward
         in epoch or goes too far (`allowed_epoch`), takes effect more than `SCHEDULE_HORIZON`
         rounds after `round` (the peer's current round), or at or before `round` (it may
-        already have exchanged under the old one). `late` (a schedule a neighbour already
-        holds, which this peer missed): one whose round has passed here takes effect at the
-        next round instead. Staged schedules that would take effect at or after its round are
-        superseded (dropped); at most MAX_STAGED wait."""
+        already have exchanged under the old one). `late` (a schedule the others hold, which
+        reached this peer after its round): one whose round has passed here takes effect at
+        the next round instead (its epoch joins `taken_late`). Staged schedules that would
+        take effect at or after its round are superseded (dropped); at most MAX_STAGED wait."""
         newest = self.newest
         if schedule.epoch <= newest.epoch:
             raise ScheduleRefused(
@@ -337,7 +340,8 @@ class ScheduleBook:
                 f"{schedule.effective_round}, expected at most {horizon} ({SCHEDULE_HORIZON} "
                 f"rounds after this peer's round {round})"
             )
-        if schedule.effective_round <= round:
+        taken_late = schedule.effective_round <= round
+        if taken_late:
             if not late:
                 raise ScheduleLate(
                     f"schedule epoch {schedule.epoch}: takes effect at round "
@@ -353,6 +357,8 @@ class ScheduleBook:
             )
         self._check(schedule)
         self._staged = [*kept, schedule]
+        if taken_late:
+            self.taken_late.add(schedule.epoch)
         return schedule
 
     def allowed_epoch(self, round: int) -> int:
