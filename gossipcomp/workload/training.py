@@ -21,6 +21,7 @@ from torch import nn
 from gossipcomp.workload.catalog import DEFAULT_BATCH_SIZE as DEFAULT_BATCH_SIZE  # re-exported
 from gossipcomp.workload.catalog import DEFAULT_LR as DEFAULT_LR
 from gossipcomp.workload.catalog import DEFAULT_MOMENTUM as DEFAULT_MOMENTUM
+from gossipcomp.workload.optimizer import SGD
 
 #: L2 weight decay passed to SGD.
 DEFAULT_WEIGHT_DECAY = 0.0
@@ -123,14 +124,15 @@ class BatchStream:
 def make_optimizer(
     model: nn.Module, lr: float, momentum: float, weight_decay: float = 0.0
 ) -> torch.optim.Optimizer:
-    """Plain SGD over the model's parameters (momentum buffer local to this peer)."""
+    """Plain SGD over the model's parameters (momentum buffer local to this peer): torch's,
+    without its start-up import of the compiler (workload/optimizer.py)."""
     if lr <= 0:
         raise ValueError(f"lr must be > 0, got {lr}")
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {momentum}")
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    return SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
 def local_step(
