@@ -5,7 +5,8 @@ constructor, `zero_grad`, `state_dict`, `load_state_dict`, and SGD's `step`) imp
 torch._dynamo on first use, to keep the compiler out of it. That import is no part of training
 here and costs as much as importing torch itself: 2.0-2.4 s on a 2-core machine (2026-11-27),
 paid by every peer process, every `gossipcomp simulate` and every test that starts one; 22 ms a
-round of a 100-round ring8 simulate's report (docs/benchmarks.md, "Engine: start-up").
+round of a 100-round ring8 simulate's report (docs/benchmarks.md, "Engine: the compiler's
+start-up import").
 
 `SGD` is torch.optim.SGD (same constructor, hyper-parameters, state_dict layout, and an
 `isinstance` of torch.optim.Optimizer for LR schedulers and the code that checks for one), with
