@@ -35,8 +35,8 @@ FIELDS = {
     "change_seconds", "failed_exchanges", "settled_communication_seconds",
 }  # fmt: skip
 ADAPTIVE_FIELDS = {
-    "link_levels", "final_levels", "level_changes_one_end_only", "reactions", "settled_phases",
-    "round_time_vs_published_budget",
+    "link_levels", "peer_levels", "final_levels", "level_changes_one_end_only", "reactions",
+    "settled_phases", "round_time_vs_published_budget",
 }  # fmt: skip
 FIGURES = ("adaptive_vs_best_fixed", "adaptive_vs_dpsgd", "round_time_vs_budget")
 
@@ -204,7 +204,12 @@ def test_throttled_network_bound_comparison_runs_end_to_end(tmp_path: Path) -> N
     checked = report["comm_over_compute_checked"]
     assert set(checked) == {"dpsgd", "rank=4", "rank=8"}  # D-PSGD, the ladder from its middle up
     assert report["comm_over_compute"] == min(checked.values()) >= adaptive.BOUND_FACTOR
-    for scope in (report, report["no_coordinator"], report["choco"]):
+    for scope in (
+        report,
+        report["no_coordinator"],
+        report["choco"],
+        report["choco_no_coordinator"],
+    ):
         assert set(FIGURES) <= set(scope) and set(scope["goals"]) == set(FIGURES)
     leveled = by_name["adaptive"]["repeats"][0]
     assert ADAPTIVE_FIELDS <= set(leveled)

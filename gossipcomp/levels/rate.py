@@ -41,6 +41,18 @@ byte, and picks per link:
   since a prediction far beyond the sizes the link has carried is an extrapolation, while
   going down goes as far as needed at once.
 
+A level is also judged by what its rounds took (`measured_round`: the median of the link's last
+half window of sends, made at that level): one whose rounds run over `MEASURED_OVER` x the
+budget goes at least one level down, however well the model says it fits (after
+`lower_after` decisions: half a window's median is one busy spell long). The model is fitted through a link's sends at every size, and a link
+behind a token bucket with a short queue carries a small payload at its rate but loses
+packets under a larger one: on a 4 Mbit/s tbf link of benchmarks/adaptive.py the model put
+Choco's top-k 0.05 (34 KB) at 69 ms, inside a 113 ms budget, while its rounds took 150-200 ms,
+and it held that level for 10-15 rounds after the change that slowed it. The drop is one
+level a decision (the model, wrong about this link, cannot say how far), and not where the
+noise-discounted estimate puts the level's bytes within `LATENCY_BOUND_SHARE` of the budget (a
+round slow for reasons a lower level does not change: a busy CPU, a long latency).
+
 A level also fits when its bytes take at most a quarter of the time (`LATENCY_BOUND_SHARE`):
 on a link whose latency alone leaves less than that, a lower level would shorten nothing but
 the bytes, so a drop must come from time that grows with bytes. A proposal is taken once it
@@ -92,6 +104,7 @@ MAX_BACKOFF = 8  # at most 8 x raise_after decisions before a link that flapped 
 LATENCY_BOUND_SHARE = 0.25  # on a link slower than the budget whatever the size: bytes' share
 FIRST_DECISION_ROUND = DEFAULT_WINDOW // 2  # rounds before a first decision (start-up is slow)
 NOISE_STEPS = 2.5  # time beyond the latency within 2.5x a size's typical send-to-send step: noise
+MEASURED_OVER = 1.1  # a level whose rounds as measured run over 1.1 x budget goes down
 
 Link = tuple[int, int]  # (lower rank, higher rank)
 
@@ -297,6 +310,8 @@ class RateController:
         self.ceiling_bytes: int | float | None = None  # the most a rising link may carry
         # the round as measured of each link at the lowest level at the last `update`
         self.measured: dict[Link, float] = {}
+        # and of each link above it, at its level then (`_patient` lowers one over budget)
+        self.measured_above: dict[Link, float] = {}
 
     def choose(
         self,
@@ -371,6 +386,13 @@ class RateController:
             if key in estimated
             and current.get(key) == lowest
             and (seconds := self.measured_round(lowest, directions)) is not None
+        }
+        self.measured_above = {
+            key: seconds
+            for key, directions in sends.items()
+            if key in estimated
+            and current.get(key, lowest) != lowest
+            and (seconds := self.measured_round(current.get(key), directions)) is not None
         }
         floors = {
             key: self.measured.get(key, self.costs.seconds(lowest, cost))
@@ -469,9 +491,10 @@ class RateController:
         budget_s: float,
         lenient: LinkCost,
     ) -> int:
-        """`choose`, once the proposal has repeated enough (module docstring); at once when
-        going down from a level whose `settled` estimate (the whole window: most of its sends,
-        not a short busy spell) is over `drop_at` x budget. While the floor sets the budget,
+        """`choose`, once the proposal has repeated enough (module docstring); at least one
+        level down from a level whose rounds as measured run over the budget (`_measured_over`);
+        at once when going down from a level whose `settled` estimate (the whole window: most
+        of its sends, not a short busy spell) is over `drop_at` x budget. While the floor sets the budget,
         rising goes no higher than the ceiling (`round_budget`), and not at all on the link the
         floor came from: every round waits for that link, so any higher level of it would
         lengthen the round beyond the budget it set (with its floor as measured, the model's
@@ -481,6 +504,10 @@ class RateController:
         if ceiling is not None and key == self.floor_link and current in self.costs.bytes_per_round:
             ceiling = self.costs.bytes_per_round[current]
         proposal = self.choose(current, cost, budget_s, lenient, ceiling)
+        measured = self.measured_above.get(key)
+        if measured is not None and self._measured_over(current, measured, lenient, budget_s):
+            assert current is not None  # a level was measured
+            proposal = min(proposal, max(x for x in self.costs.levels if x < current))
         if current is None or current not in self.costs.bytes_per_round or proposal == current:
             self._streaks.pop(key, None)
             return proposal
@@ -495,6 +522,20 @@ class RateController:
             return self._change(key, current, proposal)
         self._streaks[key] = (proposal, times)
         return current
+
+    def _measured_over(
+        self, current: int | None, measured: float, cost: LinkCost, budget_s: float
+    ) -> bool:
+        """Whether the rounds of a link above the lowest level, as measured (`measured`
+        seconds), run over `MEASURED_OVER` x the budget while the bytes of its level take more
+        than `LATENCY_BOUND_SHARE` of it by the lenient estimate (`cost`: the sends' time
+        within their noise counts no bytes), so that a lower level shortens them: a busy
+        spell in half the last sends lengthens the median round, not the bytes' share of
+        the sends that are not held up (module docstring)."""
+        if current not in self.costs.bytes_per_round or current == self.costs.levels[0]:
+            return False
+        bytes_s = self.costs.bytes_per_round[current] * cost.seconds_per_byte
+        return measured > MEASURED_OVER * budget_s and bytes_s > LATENCY_BOUND_SHARE * budget_s
 
     def _change(self, key: Link, current: int, proposal: int) -> int:
         """Take `proposal`. A link lowered right after it was raised (the estimate that
