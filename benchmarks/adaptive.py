@@ -602,6 +602,20 @@ def reactions(timeline: dict[str, list[tuple[int, str]]], w: Workload) -> list[d
     return found
 
 
+def sender_timeline(
+    peer_levels: dict[str, list[tuple[int, str]]], edges: Sequence[tuple[int, int]]
+) -> dict[str, list[tuple[int, str]]]:
+    """Per edge ("i-j"), the rounds at which what it carries changed when each peer sets the
+    level it broadcasts at (Choco without a coordinator: no link levels): either end's own
+    level changing, labelled "peer:level"."""
+    return {
+        f"{a}-{b}": sorted(
+            (r, f"{peer}:{level}") for peer in (a, b) for r, level in peer_levels.get(str(peer), [])
+        )
+        for a, b in edges
+    }
+
+
 def summarise(configuration: Configuration, run: Run, w: Workload) -> dict[str, Any]:
     reached = next(((r, s) for r, a, s in run.points if a >= w.target), None)
     rounds_done = run.points[-1][0] if run.points else 0
@@ -658,7 +672,7 @@ def summarise(configuration: Configuration, run: Run, w: Workload) -> dict[str, 
                 "peer_levels": run.peer_levels,
                 "final_levels": {k: changes[-1][1] for k, changes in timeline.items()},
                 "level_changes_one_end_only": ends_disagree(run),
-                "reactions": reactions(timeline, w),
+                "reactions": reactions(timeline or sender_timeline(run.peer_levels, w.edges), w),
                 "settled_phases": phases,
                 "round_time_vs_published_budget": (
                     None if None in ratios else max(ratios, default=None)

@@ -275,3 +275,17 @@ def test_shaped_run_moves_the_slow_link_and_leaves_no_namespace(tmp_path: Path) 
     assert len(shown) == 4 and "rate 1Mbit" in shown[1] and shown[1].startswith("1-2:")
     assert result["comm_over_compute"] > adaptive.BOUND_FACTOR  # 11 KB a round over 1 Mbit/s
     assert not any(n.startswith(shaped_links.PREFIX) for n in shaped_links.stale_namespaces())
+
+
+def test_reactions_of_broadcast_levels_come_from_either_end_of_an_edge() -> None:
+    """Choco without a coordinator has no link levels, only each peer's own: an edge's level
+    moved when either end's did (before this, every reaction read "did not move")."""
+    w = adaptive.Workload(peers=4, rounds=120, rates=(1.0, 4.0, 64.0), changes=3)
+    peer_levels = {"0": [(8, "topk:ratio=0.02")], "2": [(8, "topk:ratio=0.02"), (40, "x")]}
+    timeline = adaptive.sender_timeline(peer_levels, w.edges)
+    assert timeline["1-2"] == [(8, "2:topk:ratio=0.02"), (40, "2:x")]
+    assert timeline["0-1"] == [(8, "0:topk:ratio=0.02")]
+    first = adaptive.reactions(timeline, w)[0]
+    assert first["change_round"] == 30
+    # after round 30 the rates moved on every edge but the last; only peer 2 changed (round 40)
+    assert first["rounds_until_level_moved"] == {"0-1": None, "1-2": 10, "2-3": 10}

@@ -51,7 +51,9 @@ Choco's top-k 0.05 (34 KB) at 69 ms, inside a 113 ms budget, while its rounds to
 and it held that level for 10-15 rounds after the change that slowed it. The drop is one
 level a decision (the model, wrong about this link, cannot say how far), and not where the
 noise-discounted estimate puts the level's bytes within `LATENCY_BOUND_SHARE` of the budget (a
-round slow for reasons a lower level does not change: a busy CPU, a long latency).
+round slow for reasons a lower level does not change: a busy CPU, or a latency the link's
+sizes separated; a link that only ever carried one size has no latency apart from its bytes,
+for this rule as for the model).
 
 A level also fits when its bytes take at most a quarter of the time (`LATENCY_BOUND_SHARE`):
 on a link whose latency alone leaves less than that, a lower level would shorten nothing but
@@ -492,7 +494,8 @@ class RateController:
         lenient: LinkCost,
     ) -> int:
         """`choose`, once the proposal has repeated enough (module docstring); at least one
-        level down from a level whose rounds as measured run over the budget (`_measured_over`);
+        level down from a level whose rounds as measured run over `MEASURED_OVER` x the budget
+        (`_measured_over`);
         at once when going down from a level whose `settled` estimate (the whole window: most
         of its sends, not a short busy spell) is over `drop_at` x budget. While the floor sets the budget,
         rising goes no higher than the ceiling (`round_budget`), and not at all on the link the
