@@ -1,8 +1,9 @@
 """A level is also judged by what its rounds took (levels/rate.py, `MEASURED_OVER`): behind a
 token bucket with a short queue a link carries some rounds at its rate and loses packets in
 others, the model fitted through its sends puts the level within the budget, and its rounds run
-over it (Choco's top-k 0.05 on a 4 Mbit/s tbf link of benchmarks/adaptive.py: 69 ms by the
-model, 150-200 ms as measured, held 10-15 rounds after the change that slowed it)."""
+over it (Choco's top-k 0.05 on a 4 Mbit/s tbf link of benchmarks/adaptive.py: 0.13 s by the
+model within a 0.13-0.14 s budget, 0.15-0.18 s as measured, held 12-16 rounds after the change
+that slowed it)."""
 
 from __future__ import annotations
 

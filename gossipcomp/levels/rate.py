@@ -43,13 +43,14 @@ byte, and picks per link:
 
 A level is also judged by what its rounds took (`measured_round`: the median of the link's last
 half window of sends, made at that level): one whose rounds run over `MEASURED_OVER` x the
-budget goes at least one level down, however well the model says it fits (after
-`lower_after` decisions: half a window's median is one busy spell long). The model is fitted through a link's sends at every size, and a link
-behind a token bucket with a short queue carries a small payload at its rate but loses
-packets under a larger one: on a 4 Mbit/s tbf link of benchmarks/adaptive.py the model put
-Choco's top-k 0.05 (34 KB) at 69 ms, inside a 113 ms budget, while its rounds took 150-200 ms,
-and it held that level for 10-15 rounds after the change that slowed it. The drop is one
-level a decision (the model, wrong about this link, cannot say how far), and not where the
+budget goes at least one level down, however well the model says it fits (after `lower_after`
+decisions: half a window's median is one busy spell long). The model is fitted through a
+link's sends at every size, and a link behind a token bucket with a short queue carries a
+small payload at its rate but loses packets under a larger one: on a 4 Mbit/s tbf link of
+benchmarks/adaptive.py the model put Choco's top-k 0.05 (34 KB) at 0.13 s, within a
+0.13-0.14 s budget, while the median of its last sends took 0.15-0.18 s, and the level held
+12-16 rounds after the change that slowed the link (docs/benchmarks.md, runs 9 and 10). The
+drop is one level a decision (the model, wrong about this link, cannot say how far), and not where the
 noise-discounted estimate puts the level's bytes within `LATENCY_BOUND_SHARE` of the budget (a
 round slow for reasons a lower level does not change: a busy CPU, or a latency the link's
 sizes separated; a link that only ever carried one size has no latency apart from its bytes,
@@ -381,21 +382,16 @@ class RateController:
             estimated[key] = (worst, settled, lenient)
         self.estimated = {key: e[1] for key, e in estimated.items()}
         lowest = self.costs.levels[0]
-        # the round as measured, for the links at the lowest level only: the floor's input
-        self.measured = {
+        # the round as measured at each link's level: at the lowest, the floor's input; above
+        # it, what `_patient` holds against the budget
+        at_level = {
             key: seconds
             for key, directions in sends.items()
             if key in estimated
-            and current.get(key) == lowest
-            and (seconds := self.measured_round(lowest, directions)) is not None
-        }
-        self.measured_above = {
-            key: seconds
-            for key, directions in sends.items()
-            if key in estimated
-            and current.get(key, lowest) != lowest
             and (seconds := self.measured_round(current.get(key), directions)) is not None
         }
+        self.measured = {k: v for k, v in at_level.items() if current.get(k) == lowest}
+        self.measured_above = {k: v for k, v in at_level.items() if current.get(k) != lowest}
         floors = {
             key: self.measured.get(key, self.costs.seconds(lowest, cost))
             for key, cost in self.estimated.items()
@@ -495,10 +491,9 @@ class RateController:
     ) -> int:
         """`choose`, once the proposal has repeated enough (module docstring); at least one
         level down from a level whose rounds as measured run over `MEASURED_OVER` x the budget
-        (`_measured_over`);
-        at once when going down from a level whose `settled` estimate (the whole window: most
-        of its sends, not a short busy spell) is over `drop_at` x budget. While the floor sets the budget,
-        rising goes no higher than the ceiling (`round_budget`), and not at all on the link the
+        (`_measured_over`); at once when going down from a level whose `settled` estimate (the
+        whole window: most of its sends, not a short busy spell) is over `drop_at` x budget.
+        While the floor sets the budget, rising goes no higher than the ceiling (`round_budget`), and not at all on the link the
         floor came from: every round waits for that link, so any higher level of it would
         lengthen the round beyond the budget it set (with its floor as measured, the model's
         cost of a higher level could look cheap enough to take, and the next floor, from the
@@ -507,10 +502,10 @@ class RateController:
         if ceiling is not None and key == self.floor_link and current in self.costs.bytes_per_round:
             ceiling = self.costs.bytes_per_round[current]
         proposal = self.choose(current, cost, budget_s, lenient, ceiling)
-        measured = self.measured_above.get(key)
-        if measured is not None and self._measured_over(current, measured, lenient, budget_s):
-            assert current is not None  # a level was measured
-            proposal = min(proposal, max(x for x in self.costs.levels if x < current))
+        measured = self.measured_above.get(key)  # only for a level on the ladder above the lowest
+        if measured is not None and current is not None:
+            if self._measured_over(current, measured, lenient, budget_s):
+                proposal = min(proposal, max(x for x in self.costs.levels if x < current))
         if current is None or current not in self.costs.bytes_per_round or proposal == current:
             self._streaks.pop(key, None)
             return proposal
@@ -527,7 +522,7 @@ class RateController:
         return current
 
     def _measured_over(
-        self, current: int | None, measured: float, cost: LinkCost, budget_s: float
+        self, current: int, measured: float, cost: LinkCost, budget_s: float
     ) -> bool:
         """Whether the rounds of a link above the lowest level, as measured (`measured`
         seconds), run over `MEASURED_OVER` x the budget while the bytes of its level take more
@@ -535,8 +530,6 @@ class RateController:
         within their noise counts no bytes), so that a lower level shortens them: a busy
         spell in half the last sends lengthens the median round, not the bytes' share of
         the sends that are not held up (module docstring)."""
-        if current not in self.costs.bytes_per_round or current == self.costs.levels[0]:
-            return False
         bytes_s = self.costs.bytes_per_round[current] * cost.seconds_per_byte
         return measured > MEASURED_OVER * budget_s and bytes_s > LATENCY_BOUND_SHARE * budget_s
 
