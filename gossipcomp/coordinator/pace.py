@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from gossipcomp.transport.claims import DEFAULT_ROUND_SECONDS, SPEED_ALLOWANCE
 
 # seconds a published schedule is given to reach every peer, beyond the margin's report
-# intervals: a busy coordinator's reply (rounds of 35 ms and more keep the base margin of
-# 3 x report_every + 2 with report_every 1, so adaptive levels react no later)
+# intervals: a busy coordinator's reply (rounds of 55 ms and more keep the base margin of
+# 2 x report_every + 1 with report_every 1, so adaptive levels on slow links react no later)
 SCHEDULE_LEAD_S = 0.15
 PACE_SAMPLE_S = 0.1  # a member's pace is measured over at least this many seconds
 MAX_PACE = SPEED_ALLOWANCE / DEFAULT_ROUND_SECONDS  # rounds a second: what claims may show

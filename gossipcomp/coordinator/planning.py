@@ -12,8 +12,10 @@ compression costs, since rounds go in lockstep; one alpha-beta fit over every li
 transfers) and runs its planner. It publishes a new schedule when the plan differs from the one
 in force, and always once after it starts, so a restarted coordinator brings every peer onto
 one schedule again. A schedule takes effect `margin` rounds after the furthest round reported:
-every peer reports within `report_every` rounds and stages the reply at its next report, so
-3 x report_every + 2 rounds leave room for a peer a little ahead of the others; and at least
+every peer reports within `report_every` rounds of the furthest round heard, and stages the
+reply after the round that follows its report, so 2 x report_every + 1 rounds reach the peer
+furthest ahead (3 x report_every + 2 until stop 46: with report_every 1, two rounds more of
+every adaptive reaction on shaped links, docs/benchmarks.md run 11); and at least
 the rounds the members run in 0.15 s (pace.py), so that rounds of a few milliseconds
 do not outrun a reply from a busy coordinator. Should a peer still pass the effective round
 first, it takes the schedule from its next round (client.py), and its report says so (or shows
@@ -158,7 +160,7 @@ class Coordinator:
         self.planner = planner
         self.report_every = report_every
         self.replan_every = replan_every
-        self.base_margin = 3 * report_every + 2
+        self.base_margin = 2 * report_every + 1
         self.margin = self.base_margin
         self._members: dict[int, MemberReport] = {}
         # each rank's latest word on the model (signature, tensors): a majority decides
