@@ -15,7 +15,8 @@ one schedule again. A schedule takes effect `margin` rounds after the furthest r
 every peer reports within `report_every` rounds of the furthest round heard, and stages the
 reply after the round that follows its report, so 2 x report_every + 1 rounds reach the peer
 furthest ahead (3 x report_every + 2 until stop 46: with report_every 1, two rounds more of
-every adaptive reaction on shaped links, docs/benchmarks.md run 11); and at least
+every adaptive reaction on shaped links, docs/benchmarks.md run 11), 3 x report_every + 2
+until the members' pace is measured (start-up); and at least
 the rounds the members run in 0.15 s (pace.py), so that rounds of a few milliseconds
 do not outrun a reply from a busy coordinator. Should a peer still pass the effective round
 first, it takes the schedule from its next round (client.py), and its report says so (or shows
@@ -161,6 +162,7 @@ class Coordinator:
         self.report_every = report_every
         self.replan_every = replan_every
         self.base_margin = 2 * report_every + 1
+        self.unpaced_margin = 3 * report_every + 2  # until the members' pace is measured
         self.margin = self.base_margin
         self._members: dict[int, MemberReport] = {}
         # each rank's latest word on the model (signature, tensors): a majority decides
@@ -443,9 +445,16 @@ class Coordinator:
 
     def _lead_rounds(self) -> int:
         """The rounds the members run in the time a schedule is given to reach them
-        (pace.py): a schedule takes effect no sooner."""
+        (pace.py): a schedule takes effect no sooner. Before their pace is measured,
+        `unpaced_margin`: the first schedule of a run (the first plan, published at the
+        members' first reports) meets start-up rounds and a coordinator's first plan, and at
+        the base margin of 3 rounds one came a round late to a peer, whose edges went down
+        (benchmarks/adaptive.py, 1 run in 8, stop 46)."""
         members = self.members
-        return self._pace.lead_rounds(members, quorum_of(len(members)))
+        quorum = quorum_of(len(members))
+        if self._pace.rounds_per_second(members, quorum) is None:
+            return self.unpaced_margin
+        return self._pace.lead_rounds(members, quorum)
 
     def _staging_full(self) -> bool:
         """Whether as many schedules wait for their round as a new one may join (a peer holds
