@@ -101,6 +101,20 @@ def test_time_to_target_is_when_the_mean_of_the_last_evaluations_reaches_it() ->
     assert adaptive.reached_target(points[:2], 0.9, 3) is None  # fewer evaluations than the window
 
 
+def test_targets_and_their_window_out_of_range_are_refused_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--json", str(tmp_path / "x.json")]
+    parsed = adaptive.parse_args([*base, "--choco-target", "0.8", "--target-window", "1"])
+    assert adaptive.workload_of(parsed).choco_target == 0.8
+    assert adaptive.workload_of(parsed).target_window == 1
+    with pytest.raises(SystemExit):
+        adaptive.parse_args([*base, "--choco-target", "1.5", "--target-window", "0"])
+    error = capsys.readouterr().err
+    assert "--choco-target: expected an accuracy in (0, 1], got 1.5" in error
+    assert "--target-window: expected 1 to 50 evaluations, got 0" in error
+
+
 def test_choco_figures_are_timed_to_the_choco_target() -> None:
     """Choco's runs end below the PowerGossip target: its figures use `time_to_choco_target`,
     D-PSGD's included."""

@@ -142,7 +142,9 @@ def _clamped_fit(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     if intercept >= 0 and slope >= 0:
         return intercept, slope
     xx = math.fsum(a * a for a in x)
-    through_origin = max(0.0, math.fsum(a * b for a, b in zip(x, y, strict=True)) / xx) if xx else 0.0
+    through_origin = (
+        max(0.0, math.fsum(a * b for a, b in zip(x, y, strict=True)) / xx) if xx else 0.0
+    )
     candidates = [(0.0, through_origin), (max(0.0, y_mean), 0.0)]
     return min(
         candidates,
