@@ -461,7 +461,7 @@ def test_a_schedule_is_given_the_members_rounds_of_its_lead_time_where_rounds_ar
     SCHEDULE_LEAD_S take at that pace past the furthest round, not the 3 rounds of the base
     margin (12 ms of rounds, which a busy coordinator's reply outran: members missed the
     admission of a joiner). One member claiming a faster pace moves nothing; before any pace
-    is measured the base margin is all there is."""
+    is measured the wider margin of start-up is all there is."""
     coordinator = Coordinator(RING4, planner="single", report_every=1)
     clock = [0.0]
     coordinator._rounds._clock = lambda: clock[0]  # noqa: SLF001

@@ -449,7 +449,7 @@ class Coordinator:
         `unpaced_margin`: the first schedule of a run (the first plan, published at the
         members' first reports) meets start-up rounds and a coordinator's first plan, and at
         the base margin of 3 rounds one came a round late to a peer, whose edges went down
-        (benchmarks/adaptive.py: 2 adaptive runs in 13, stop 46)."""
+        (benchmarks/adaptive.py: 2 of 16 PowerGossip adaptive runs, stop 46)."""
         members = self.members
         quorum = quorum_of(len(members))
         if self._pace.rounds_per_second(members, quorum) is None:
