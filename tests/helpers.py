@@ -3,8 +3,9 @@ once: small models and level schedules; in-process rings (fast-probing, throttle
 round); closing peers; the checks a ring must pass after gossip (no failed exchange, the
 network sum kept, the broadcast copies and levels both ends track); hostile envelopes refused
 at the door and signed level notices; a stranger's Hello; the command line of a `gossipcomp
-peer` process; the benchmark scripts as modules, and whether network namespaces can be built
-here (benchmarks/shaped_links.py). conftest.py keeps the fixtures and the network builders."""
+peer` process; a store key set so that every connection sees it; the benchmark scripts as
+modules, and whether network namespaces can be built here (benchmarks/shaped_links.py).
+conftest.py keeps the fixtures and the network builders."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import gossip_round, stacked
 
 from gossipcomp.coordinator import CoordinatorServer
@@ -249,6 +251,14 @@ def peer_command(topology: Path, report: Path, *extra: str) -> list[str]:
         "--quiet",
         *extra,
     ]
+
+
+def store_set(store: dist.Store, key: str, value: bytes) -> None:
+    """Set `key` in a TCPStore and return once its server has applied it. A set is not
+    answered, so a read on another connection (a client's) may otherwise arrive first and miss
+    it; a check on the same connection is answered only after the set before it."""
+    store.set(key, value)
+    store.check([key])
 
 
 def benchmark(name: str) -> ModuleType:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from helpers import benchmark
+from helpers import benchmark, store_set
 
 from gossipcomp.cli import main
 from gossipcomp.inputs.text import quoted
@@ -95,7 +95,7 @@ def test_a_missing_rank_is_named_at_the_deadline() -> None:
 def _hostile(value: bytes, rank: int = 2) -> RendezvousError:
     """What the honest ranks say when rank `rank`'s key holds `value`."""
     master = _store()
-    master.set(f"gossipcomp/peer/{rank}/address", value)
+    store_set(master, f"gossipcomp/peer/{rank}/address", value)
     honest = [r for r in range(3) if r != rank]
     got = _in_threads(
         len(honest),
@@ -126,7 +126,7 @@ def test_hostile_addresses_in_the_store_are_refused(value: bytes, said: str) -> 
 
 def test_a_second_process_for_one_rank_is_refused() -> None:
     master = _store()
-    master.set("gossipcomp/peer/0/address", b"10.0.0.9:50100")
+    store_set(master, "gossipcomp/peer/0/address", b"10.0.0.9:50100")
     with pytest.raises(RendezvousError) as caught:
         exchange_addresses(_client(master), 0, 2, "127.0.0.1:45000", 5.0, "s")
     message = str(caught.value)

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import benchmark
+from helpers import benchmark, store_set
 
 from gossipcomp.rendezvous import (
     Launch,
@@ -136,7 +136,7 @@ def test_the_initial_members_rendezvous_without_waiting_for_a_joiner() -> None:
 
 def test_a_joiner_replaces_its_rank_s_announcement_and_a_fresh_start_may_not() -> None:
     master = _store()
-    master.set(KEY.format(rank=4), b"127.0.0.1:40004")  # rank 4's process before it left
+    store_set(master, KEY.format(rank=4), b"127.0.0.1:40004")  # rank 4's process before it left
     with pytest.raises(RendezvousError, match="rank 4 was already announced at b'127.0.0.1:400"):
         exchange_addresses(_client(master), 4, 5, "127.0.0.1:40014", 5.0, "s", ())
     got = exchange_addresses(_client(master), 4, 5, "127.0.0.1:40014", 5.0, "s", (), rejoin=True)
@@ -158,12 +158,12 @@ def test_hostile_late_addresses_are_warned_about_once_and_never_used(
     master = _store()
     late = StoreAddresses(_client(master), 5, "s")
     assert late(4) is None  # nothing announced yet
-    master.set(KEY.format(rank=4), value)
+    store_set(master, KEY.format(rank=4), value)
     with caplog.at_level(logging.WARNING, logger="gossipcomp.peer"):
         assert [late(4) for _ in range(3)] == [None] * 3
     (record,) = caplog.records
     assert said in record.getMessage() and len(record.getMessage()) < 400
-    master.set(KEY.format(rank=4), b"127.0.0.1:40004")  # announced again, well formed
+    store_set(master, KEY.format(rank=4), b"127.0.0.1:40004")  # announced again, well formed
     assert late(4) == "127.0.0.1:40004"
 
 
@@ -175,7 +175,7 @@ def test_late_look_ups_are_bounded_to_the_capacity_and_in_time(
     for rank in (5, -1, True, "4"):
         with pytest.raises(ValueError, match=r"^s: rank: expected an integer in \[0, 4\], got "):
             late(rank)  # type: ignore[arg-type]
-    master.set(KEY.format(rank=1), b"127.0.0.1:40001")
+    store_set(master, KEY.format(rank=1), b"127.0.0.1:40001")
     assert late(1) == "127.0.0.1:40001"
     del master  # the store's host is gone: a look-up answers None within its bound
     gc.collect()
