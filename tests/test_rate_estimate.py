@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gossipcomp.levels.rate import LevelCosts, RateController, estimate_link
+from gossipcomp.levels.rate import CALM_DECISIONS, LevelCosts, RateController, estimate_link
 from gossipcomp.schedule.costs import LinkCost
 
 # bytes per round of Choco's top-k ladder on the wide MLP (1e-4 ... 0.5, identity), one exchange
@@ -157,3 +157,20 @@ def test_a_link_lowered_right_after_it_rose_needs_more_patience_to_rise_again():
     # as bytes at 90 KB's rate: level 8, 180 KB in 40 ms
     first = [(936, 0.02)] * 4 + [(90144, 0.02)] * 4
     assert RateController(LADDER).update({}, {KEY: [first]}, BUDGET) == {KEY: 8}
+
+
+def test_the_patience_a_flap_earned_calms_down_while_the_link_holds_its_level():
+    """A link lowered right after a rise because the network moved, not because the estimate
+    was noise, would rise at half pace when the network moves back, a phase later: each
+    `CALM_DECISIONS` decisions without a change halve the backoff again."""
+    controller = RateController(LADDER)
+    fast = [(45088, 0.005)] * 8 + [(90144, 0.006)] * 8  # level 8 fits in 0.6 x budget
+    slow = [(90144, 0.2)] * 16
+    hold = [(45088, 0.025)] * 16  # level 6 fits, level 7 (50 ms) not within 0.6 x budget
+    for _ in range(3):
+        controller.update({KEY: 6}, {KEY: [fast]}, BUDGET)
+    assert controller.update({KEY: 7}, {KEY: [slow]}, BUDGET)[KEY] < 7  # flapped: backoff 2
+    for _ in range(CALM_DECISIONS):
+        assert controller.update({KEY: 6}, {KEY: [hold]}, BUDGET) == {KEY: 6}
+    rises = [controller.update({KEY: 6}, {KEY: [fast]}, BUDGET)[KEY] for _ in range(3)]
+    assert rises == [6, 6, 7], rises

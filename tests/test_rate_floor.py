@@ -98,3 +98,29 @@ def test_the_budget_follows_the_slowest_link_as_it_moves() -> None:
     assert controller.budget_s == pytest.approx(0.040)
     controller.update({}, {a: _sends(10 * KB, 4000 * KB), b: _sends(10 * KB, 500 * KB)}, 0.005)
     assert controller.budget_s == pytest.approx(0.020)  # b now the slowest, at twice a's rate
+
+
+def test_a_link_the_slowest_speed_moved_onto_keeps_the_floor_while_above_the_lowest() -> None:
+    """The slowest speed moved from `was_slow` (at the lowest level, now measured fast) onto
+    `now_slow`, still at level 4 behind a token bucket that lets the smaller of a round's two
+    payloads through at once: the model fitted through its two sizes prices the lowest level
+    at a few ms, and the budget fell to the compute time, dropping the fast link with it
+    (docs/benchmarks.md, run 11). Its rounds as measured, scaled to the lowest level's bytes,
+    keep the floor where it is; the fast link keeps its level and the slow one goes down."""
+    costs = LevelCosts({1: 10 * KB, 2: 20 * KB, 4: 40 * KB, 8: 80 * KB}, 2)  # two sends a round
+    was_slow, now_slow, fast = (0, 1), (1, 2), (2, 3)
+    sped_up = [(5 * KB, 0.040)] * 5 + [(5 * KB, 0.00125)] * 3
+    bucketed = [(12 * KB, 0.004), (28 * KB, 0.112)] * 4  # 250 KB/s past the bucket's burst
+    quick = [(20 * KB, 0.005)] * 8
+    sends = {was_slow: [sped_up] * 2, now_slow: [bucketed] * 2, fast: [quick] * 2}
+    levels = {was_slow: 1, now_slow: 4, fast: 4}
+    controller = RateController(costs)
+    chosen = controller.update(levels, sends, COMPUTE_S)
+    measured = controller.measured_above[now_slow]
+    assert measured == pytest.approx(2 * (0.004 + 0.112) / 2)  # two sends a round, the median
+    assert costs.seconds(1, controller.estimated[now_slow]) < COMPUTE_S  # the model: fast
+    assert controller.floor_link == now_slow
+    assert controller.budget_s == pytest.approx(measured / 4)  # 10 KB of its 40 KB a round
+    assert chosen[fast] == 4  # 10 ms a round at level 4: within the 29 ms floor
+    chosen = controller.update(chosen, sends, COMPUTE_S)
+    assert chosen == {was_slow: 1, now_slow: 1, fast: 4}

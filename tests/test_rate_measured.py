@@ -52,15 +52,20 @@ def test_rounds_within_the_margin_over_the_budget_keep_their_level() -> None:
     assert levels == {SLOW: 1, LEVELED: 2}
 
 
-def test_one_drop_a_decision_when_the_model_cannot_say_how_far() -> None:
-    """From level 8 the measured rule goes one level down at a time (the model, wrong about
-    this link, cannot say how far): 8, then 4, never straight to the bottom."""
-    controller = RateController(COSTS)
-    slowish = [(80 * KB, 0.036), (80 * KB, 0.038), (80 * KB, 0.060), (80 * KB, 0.064)] * 2
-    levels = {SLOW: 1, LEVELED: 8}
-    seen = []
-    for _ in range(2):
-        levels = controller.update(levels, _sends(slowish), COMPUTE_S)
-        seen.append(levels[LEVELED])
-    assert COSTS.seconds(8, controller.estimated[LEVELED]) <= controller.floor_s
-    assert seen == [8, 4]
+def test_a_drop_goes_as_far_as_the_measured_rounds_scaled_by_bytes_say() -> None:
+    """The model, wrong about this link, cannot say how far to go down; the rounds as
+    measured at the level, scaled by bytes, can, and never further than needed (the latency
+    shrinks with them). Level 8's rounds at 49 ms against a 40 ms budget: level 4 (24.5 ms).
+    Half its sends at 150-160 ms: 94 ms, level 2 (23.5 ms), not level 4 (47 ms), nor the
+    bottom. In both the lower median of its sends, what the model is fitted on, fits level 8."""
+    for sends, expected in (((0.036, 0.038, 0.060, 0.064), 4), ((0.036, 0.038, 0.150, 0.160), 2)):
+        controller = RateController(COSTS)
+        leveled = [(80 * KB, seconds) for seconds in sends] * 2
+        levels = {SLOW: 1, LEVELED: 8}
+        seen = []
+        for _ in range(2):
+            levels = controller.update(levels, _sends(leveled), COMPUTE_S)
+            seen.append(levels[LEVELED])
+        assert controller.budget_s == 0.040
+        assert COSTS.seconds(8, controller.estimated[LEVELED]) <= controller.budget_s
+        assert seen == [8, expected]

@@ -50,8 +50,9 @@ small payload at its rate but loses packets under a larger one: on a 4 Mbit/s tb
 benchmarks/adaptive.py the model put Choco's top-k 0.05 (34 KB) at 0.13 s, within a
 0.13-0.14 s budget, while the median of its last sends took 0.15-0.18 s, and the level held
 12-16 rounds after the change that slowed the link (docs/benchmarks.md, runs 9 and 10). The
-drop is one level a decision (the model, wrong about this link, cannot say how far), and not where the
-noise-discounted estimate puts the level's bytes within `LATENCY_BOUND_SHARE` of the budget (a
+drop goes as far as the measured rounds, scaled by bytes, say (`_measured_fit`: the model,
+wrong about this link, cannot say how far; the scaling shrinks the latency too, so it never
+goes further down than needed), and not where the noise-discounted estimate puts the level's bytes within `LATENCY_BOUND_SHARE` of the budget (a
 round slow for reasons a lower level does not change: a busy CPU, or a latency the link's
 sizes separated; a link that only ever carried one size has no latency apart from its bytes,
 for this rule as for the model).
@@ -62,7 +63,8 @@ the bytes, so a drop must come from time that grows with bytes. A proposal is ta
 repeats (`raise_after`, `lower_after`), or at once going down from a level the whole window
 (not a busy spell in its last sends) puts over `drop_at` x budget. A link lowered right after
 it was raised (the estimate that raised it was noise) needs twice the patience to rise again,
-up to `MAX_BACKOFF` times; a second raise in a row halves it.
+up to `MAX_BACKOFF` times; a second raise in a row halves it, and so do `CALM_DECISIONS`
+decisions without a change.
 
 The budget is a round's local computation time (so communication hides behind it) unless set,
 raised to the time the slowest link being decided takes at the lowest level when that is longer
@@ -70,7 +72,11 @@ raised to the time the slowest link being decided takes at the lowest level when
 A link at the lowest level gives that time as measured (`measured_round`: the median of its
 last half window of sends), not as modelled: behind a token bucket the smaller of PowerGossip's
 two payloads passes at once, and a latency and bandwidth fitted through the two sizes put a
-1 Mbit/s link's lowest level at a third of its real round (docs/benchmarks.md, e9). While that
+1 Mbit/s link's lowest level at a third of its real round (docs/benchmarks.md, e9). A link
+above the lowest level gives at least its rounds as measured scaled to the lowest level's bytes
+(`_floor_above`): when the slowest speed moves onto a link still at a higher level, the model
+fitted through its window says fast, the budget fell to a third of the round, and fast links
+dropped for it (docs/benchmarks.md, run 11). While that
 floor sets the budget, every other link rises no higher than `drop_at` times the lowest level's
 bytes (`ceiling_bytes`): bandwidth that moves can put the slowest link's speed on any edge, and
 a level fitted to a fast link then costs up to its bytes over the lowest level's budgets a round
@@ -104,6 +110,7 @@ SEPARABLE_SPAN = 1.5  # sends whose sizes span this factor separate latency from
 SIZE_SENDS = 3  # sends of one size before its median time counts towards the latency
 LATENCY_MEMORY = 8  # separated latencies per link whose median stands in for later ones
 MAX_BACKOFF = 8  # at most 8 x raise_after decisions before a link that flapped rises again
+CALM_DECISIONS = 2 * DEFAULT_WINDOW  # decisions without a change that halve a link's backoff
 LATENCY_BOUND_SHARE = 0.25  # on a link slower than the budget whatever the size: bytes' share
 FIRST_DECISION_ROUND = DEFAULT_WINDOW // 2  # rounds before a first decision (start-up is slow)
 NOISE_STEPS = 2.5  # time beyond the latency within 2.5x a size's typical send-to-send step: noise
@@ -300,8 +307,10 @@ class RateController:
         self.lower_after = lower_after
         self.drop_at = drop_at
         self._streaks: dict[Link, tuple[int, int]] = {}  # link -> (proposed level, times)
-        # link -> (its last change: +1 up, -1 down; the factor on raise_after, 1 to MAX_BACKOFF)
-        self._changes: dict[Link, tuple[int, int]] = {}
+        # link -> (its last change: +1 up, -1 down; the factor on raise_after, 1 to MAX_BACKOFF;
+        # the decision it was taken at)
+        self._changes: dict[Link, tuple[int, int, int]] = {}
+        self._decisions = 0  # `update`s so far: the clock a backoff calms down by
         # link -> the latencies its sends separated at the last decisions that could
         self._latency: dict[Link, deque[float]] = {}
         self.budget_s: float | None = None  # the budget of the last `update` (`round_budget`)
@@ -368,6 +377,7 @@ class RateController:
         `sends[link]` holds each direction's sends, oldest first; a link is as slow as its
         slower direction. A link's first level (none yet, or one off the ladder) jumps to
         what fits with every second of its sends priced as bytes: it never overshoots."""
+        self._decisions += 1
         chosen = dict(current)
         estimated: dict[Link, tuple[LinkCost, LinkCost, LinkCost]] = {}
         for key, directions in sends.items():
@@ -393,7 +403,9 @@ class RateController:
         self.measured = {k: v for k, v in at_level.items() if current.get(k) == lowest}
         self.measured_above = {k: v for k, v in at_level.items() if current.get(k) != lowest}
         floors = {
-            key: self.measured.get(key, self.costs.seconds(lowest, cost))
+            key: self.measured[key]
+            if key in self.measured
+            else self._floor_above(key, current.get(key), cost)
             for key, cost in self.estimated.items()
         }
         self.budget_s = self.round_budget(budget_s, floors)
@@ -425,6 +437,22 @@ class RateController:
             if self._nearest_level(mean_bytes) == level:
                 found.append(exchanges * statistics.median(s for _, s in recent))
         return max(found, default=None)
+
+    def _floor_above(self, key: Link, level: int | None, cost: LinkCost) -> float:
+        """A round at the lowest level on a link that is not there: the model's, or, when
+        more, its rounds as measured at `level` scaled to the lowest level's bytes. The scaled
+        time is below the lowest level's (its latency scaled down too), so it never raises
+        the budget past what the link takes there; it keeps the floor where the link is when
+        the model, fitted through a window of sends from before a slowdown, still says fast:
+        the link the slowest speed moved onto, still at a higher level, while the one that
+        was slowest, at the lowest level, measures fast (the budget fell to a third and fast
+        links dropped for it, docs/benchmarks.md, run 11)."""
+        modelled = self.costs.seconds(self.costs.levels[0], cost)
+        measured = self.measured_above.get(key)
+        if measured is None or level not in self.costs.bytes_per_round:
+            return modelled
+        lowest_bytes = self.costs.bytes_per_round[self.costs.levels[0]]
+        return max(modelled, measured * lowest_bytes / self.costs.bytes_per_round[level])
 
     def _nearest_level(self, nbytes: float) -> int:
         """The level whose bytes a round lie nearest `nbytes`, by ratio."""
@@ -505,7 +533,7 @@ class RateController:
         measured = self.measured_above.get(key)  # only for a level on the ladder above the lowest
         if measured is not None and current is not None:
             if self._measured_over(current, measured, lenient, budget_s):
-                proposal = min(proposal, max(x for x in self.costs.levels if x < current))
+                proposal = min(proposal, self._measured_fit(current, measured, budget_s))
         if current is None or current not in self.costs.bytes_per_round or proposal == current:
             self._streaks.pop(key, None)
             return proposal
@@ -514,8 +542,7 @@ class RateController:
         level, times = self._streaks.get(key, (proposal, 0))
         same_way = (level > current) == (proposal > current)
         times = times + 1 if same_way else 1
-        backoff = self._changes.get(key, (0, 1))[1]
-        needed = self.raise_after * backoff if proposal > current else self.lower_after
+        needed = self.raise_after * self._backoff(key) if proposal > current else self.lower_after
         if times >= needed:
             return self._change(key, current, proposal)
         self._streaks[key] = (proposal, times)
@@ -533,16 +560,40 @@ class RateController:
         bytes_s = self.costs.bytes_per_round[current] * cost.seconds_per_byte
         return measured > MEASURED_OVER * budget_s and bytes_s > LATENCY_BOUND_SHARE * budget_s
 
+    def _measured_fit(self, current: int, measured: float, budget_s: float) -> int:
+        """The highest level below `current` whose round, as measured at `current`
+        (`measured` seconds) scaled by bytes, stays within `MEASURED_OVER` x the budget (the
+        lowest when none does). The scaled time is a lower bound (the latency shrinks with
+        it), so the drop stops at or above the level that fits: a link the slowest speed moved
+        onto at level 4 goes straight to the lowest level its own floor set the budget by,
+        where one level a decision took two changes and their margins."""
+        bytes_per_round = self.costs.bytes_per_round
+        per_byte = measured / bytes_per_round[current]
+        below = [level for level in self.costs.levels if level < current]
+        fitting = [x for x in below if bytes_per_round[x] * per_byte <= MEASURED_OVER * budget_s]
+        return fitting[-1] if fitting else below[0]
+
+    def _backoff(self, key: Link) -> int:
+        """The factor on `raise_after` a link's flaps earned (`_change`), halved for every
+        `CALM_DECISIONS` decisions since its last change: a link lowered because the network
+        moved, right after a raise, rises again at the usual pace once the network moves
+        back (two of four links on benchmarks/adaptive.py's moving rates rose at half pace
+        a phase later, docs/benchmarks.md, run 12), while one that flaps every few decisions
+        keeps it."""
+        _, backoff, at = self._changes.get(key, (0, 1, 0))
+        return max(1, backoff >> min(8, (self._decisions - at) // CALM_DECISIONS))
+
     def _change(self, key: Link, current: int, proposal: int) -> int:
         """Take `proposal`. A link lowered right after it was raised (the estimate that
         raised it was noise) needs twice the patience to rise again, up to `MAX_BACKOFF`
-        times; one raised twice in a row, half of it again."""
+        times; one raised twice in a row, half of it again (`_backoff`: it calms down)."""
         self._streaks.pop(key, None)
         way = 1 if proposal > current else -1
-        last, backoff = self._changes.get(key, (0, 1))
+        last = self._changes.get(key, (0, 1, 0))[0]
+        backoff = self._backoff(key)
         if way < 0 and last > 0:
             backoff = min(MAX_BACKOFF, 2 * backoff)
         elif way > 0 and last > 0:
             backoff = max(1, backoff // 2)
-        self._changes[key] = (way, backoff)
+        self._changes[key] = (way, backoff, self._decisions)
         return proposal
