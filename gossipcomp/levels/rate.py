@@ -577,9 +577,9 @@ class RateController:
         """The factor on `raise_after` a link's flaps earned (`_change`), halved for every
         `CALM_DECISIONS` decisions since its last change: a link lowered because the network
         moved, right after a raise, rises again at the usual pace once the network moves
-        back (two of four links on benchmarks/adaptive.py's moving rates rose at half pace
-        a phase later, docs/benchmarks.md, run 12), while one that flaps every few decisions
-        keeps it."""
+        back (on benchmarks/adaptive.py's moving rates such links took 15 and 20 rounds from
+        rank 1 to rank 4, another 7: docs/benchmarks.md, run 12), while one that flaps every
+        few decisions keeps it."""
         _, backoff, at = self._changes.get(key, (0, 1, 0))
         return max(1, backoff >> min(8, (self._decisions - at) // CALM_DECISIONS))
 
