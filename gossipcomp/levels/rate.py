@@ -52,10 +52,10 @@ benchmarks/adaptive.py the model put Choco's top-k 0.05 (34 KB) at 0.13 s, withi
 12-16 rounds after the change that slowed the link (docs/benchmarks.md, runs 9 and 10). The
 drop goes as far as the measured rounds, scaled by bytes, say (`_measured_fit`: the model,
 wrong about this link, cannot say how far; the scaling shrinks the latency too, so it never
-goes further down than needed), and not where the noise-discounted estimate puts the level's bytes within `LATENCY_BOUND_SHARE` of the budget (a
-round slow for reasons a lower level does not change: a busy CPU, or a latency the link's
-sizes separated; a link that only ever carried one size has no latency apart from its bytes,
-for this rule as for the model).
+goes further down than needed), and not where the noise-discounted estimate puts the level's
+bytes within `LATENCY_BOUND_SHARE` of the budget (a round slow for reasons a lower level does
+not change: a busy CPU, or a latency the link's sizes separated; a link that only ever carried
+one size has no latency apart from its bytes, for this rule as for the model).
 
 A level also fits when its bytes take at most a quarter of the time (`LATENCY_BOUND_SHARE`):
 on a link whose latency alone leaves less than that, a lower level would shorten nothing but
@@ -210,7 +210,8 @@ def _estimate(
 def send_noise(sends: Sequence[tuple[int, float]]) -> float:
     """How much a send's time varies for reasons other than its size: `NOISE_STEPS` times
     the median difference between each send and the one before it of the same size (0 when
-    there are fewer than `SIZE_SENDS` such steps: one step may be the link changing speed). Successive differences, so a link whose speed changed shows one
+    there are fewer than `SIZE_SENDS` such steps: one step may be the link changing speed).
+    Successive differences, so a link whose speed changed shows one
     large step, not a wide spread that would hide the change; a median, so a busy spell of
     a minority of sends does not widen it."""
     before: dict[int, float] = {}
@@ -482,7 +483,8 @@ class RateController:
         """Each direction's estimate, its settled one and its lenient one (`estimate_link`,
         `past_noise`; directions without a send left out). The latency the sends separate is
         remembered per link (the slower direction's, at the last `LATENCY_MEMORY` decisions
-        that separated one), and their median stands in while they no longer do: a link that stays at one level keeps what
+        that separated one), and their median stands in while they no longer do: a link that
+        stays at one level keeps what
         its earlier sizes showed, and one unlucky snapshot (a busy spell at one size) does
         not decide it."""
         memory = self._latency.setdefault(key, deque(maxlen=LATENCY_MEMORY))
@@ -521,7 +523,8 @@ class RateController:
         level down from a level whose rounds as measured run over `MEASURED_OVER` x the budget
         (`_measured_over`); at once when going down from a level whose `settled` estimate (the
         whole window: most of its sends, not a short busy spell) is over `drop_at` x budget.
-        While the floor sets the budget, rising goes no higher than the ceiling (`round_budget`), and not at all on the link the
+        While the floor sets the budget, rising goes no higher than the ceiling
+        (`round_budget`), and not at all on the link the
         floor came from: every round waits for that link, so any higher level of it would
         lengthen the round beyond the budget it set (with its floor as measured, the model's
         cost of a higher level could look cheap enough to take, and the next floor, from the
