@@ -449,11 +449,16 @@ class RateController:
         was slowest, at the lowest level, measures fast (the budget fell to a third and fast
         links dropped for it, docs/benchmarks.md, run 11)."""
         modelled = self.costs.seconds(self.costs.levels[0], cost)
-        measured = self.measured_above.get(key)
-        if measured is None or level not in self.costs.bytes_per_round:
+        measured = self.measured_above.get(key)  # only ever measured at a level on the ladder
+        if measured is None or level is None:
             return modelled
-        lowest_bytes = self.costs.bytes_per_round[self.costs.levels[0]]
-        return max(modelled, measured * lowest_bytes / self.costs.bytes_per_round[level])
+        return max(modelled, self._scaled(measured, level, self.costs.levels[0]))
+
+    def _scaled(self, seconds: float, level: int, to: int) -> float:
+        """A round of `seconds` measured at `level`, scaled to level `to`'s bytes: a lower
+        bound on a round there when `to` is lower (the latency shrinks with it)."""
+        bytes_per_round = self.costs.bytes_per_round
+        return seconds * bytes_per_round[to] / bytes_per_round[level]
 
     def _nearest_level(self, nbytes: float) -> int:
         """The level whose bytes a round lie nearest `nbytes`, by ratio."""
@@ -570,21 +575,21 @@ class RateController:
         it), so the drop stops at or above the level that fits: a link the slowest speed moved
         onto at level 4 goes straight to the lowest level its own floor set the budget by,
         where one level a decision took two changes and their margins."""
-        bytes_per_round = self.costs.bytes_per_round
-        per_byte = measured / bytes_per_round[current]
         below = [level for level in self.costs.levels if level < current]
-        fitting = [x for x in below if bytes_per_round[x] * per_byte <= MEASURED_OVER * budget_s]
+        limit = MEASURED_OVER * budget_s
+        fitting = [x for x in below if self._scaled(measured, current, x) <= limit]
         return fitting[-1] if fitting else below[0]
 
     def _backoff(self, key: Link) -> int:
         """The factor on `raise_after` a link's flaps earned (`_change`), halved for every
         `CALM_DECISIONS` decisions since its last change: a link lowered because the network
         moved, right after a raise, rises again at the usual pace once the network moves
-        back (on benchmarks/adaptive.py's moving rates such links took 15 and 20 rounds from
-        rank 1 to rank 4, another 7: docs/benchmarks.md, run 12), while one that flaps every
-        few decisions keeps it."""
+        back (on benchmarks/adaptive.py's moving rates two such links were given rank 4 19 and
+        24 rounds after the change that freed them, three without the backoff 11-15:
+        docs/benchmarks.md, run 12), while one that flaps every few decisions keeps it."""
         _, backoff, at = self._changes.get(key, (0, 1, 0))
-        return max(1, backoff >> min(8, (self._decisions - at) // CALM_DECISIONS))
+        halvings = min((self._decisions - at) // CALM_DECISIONS, MAX_BACKOFF.bit_length())
+        return max(1, backoff >> halvings)
 
     def _change(self, key: Link, current: int, proposal: int) -> int:
         """Take `proposal`. A link lowered right after it was raised (the estimate that
