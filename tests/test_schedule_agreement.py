@@ -194,6 +194,37 @@ def test_peers_refuse_a_far_schedule_and_a_restarted_coordinator_replaces_a_rogu
             peer.close()
 
 
+def test_a_schedule_that_reaches_a_peer_just_before_its_round_switches_it_with_the_others():
+    """Three peers hold a schedule from round 6 well before it; the fourth gets it between
+    its rounds 5 and 6 (its coordinator's reply read after round 5, as a busy machine delays
+    it). Round 6 has not begun there, so it switches at round 6 with the others: no exchange
+    fails or mismatches, no edge goes down. Before (CI at stop 47), it took the schedule from
+    round 7, every edge of it failed at round 6 on mismatched epochs, and it trained alone for
+    15 rounds and then moved back 11."""
+    peers = _peers()
+    names = _names()
+    schedule = Schedule(
+        1, 6, (TensorGroup(tuple(names[:2]), "sign"), TensorGroup(tuple(names[2:]), "fp16"))
+    )
+    try:
+        _rounds(peers, 3)
+        for peer in (peers[0], peers[2], peers[3]):
+            peer.apply(schedule)
+        _rounds(peers, 3)
+        assert [p.round for p in peers] == [6] * 4
+        staged = peers[1].apply(schedule, late=True)  # the coordinator client's way
+        assert staged.effective_round == 6 and peers[1].schedules.taken_late == set()
+        _rounds(peers, 6)
+        assert all(p.schedules.current.epoch == 1 for p in peers)
+        assert {p.schedules.current.effective_round for p in peers} == {6}
+        assert [sum(p.stats.failed_exchanges.values()) for p in peers] == [0] * 4
+        assert all(p.stats.mismatched_epoch_exchanges == 0 for p in peers)
+        assert _all_up(peers)
+    finally:
+        for peer in peers:
+            peer.close()
+
+
 AGREEMENT_ROUNDS = 40  # rounds after the effective round by which every edge exchanges again
 
 

@@ -253,11 +253,11 @@ def test_a_schedule_that_comes_late_is_taken_from_the_next_round_and_reported():
     says so; refused_epoch names only a schedule refused as unusable (a tensor the model
     lacks), which is staged nowhere."""
     with _peer_zero_client() as (peers, client):
-        peers[0].round = 5
-        _take(client, cpb.ReportReply(has_schedule=True, schedule=_schedule(1, 5)))
+        peers[0].round = 5  # between rounds 4 and 5: round 4 has begun, 5 not yet
+        _take(client, cpb.ReportReply(has_schedule=True, schedule=_schedule(1, 4)))
         assert client.refused == []
         (staged,) = peers[0].schedules.staged
-        assert (staged.epoch, staged.effective_round) == (1, 6)
+        assert (staged.epoch, staged.effective_round) == (1, 5)
         assert peers[0].schedules.taken_late == {1}
         request = client._request()  # noqa: SLF001 (the report it sends)
         assert (request.late_epoch, request.refused_epoch, request.schedule_epoch) == (1, 0, 1)
@@ -266,8 +266,7 @@ def test_a_schedule_that_comes_late_is_taken_from_the_next_round_and_reported():
         assert len(client.refused) == 1 and "unknown" in client.refused[0]
         assert client._request().refused_epoch == 2  # noqa: SLF001
         assert peers[0].schedules.staged == (staged,)
-        peers[0].round = 6
-        assert peers[0].schedules.due(6) == staged  # in force from its next round
+        assert peers[0].schedules.due(5) == staged  # in force from the round it runs next
         assert peers[0].stats.late_epochs == {1}
 
 
@@ -276,6 +275,27 @@ def test_a_peer_s_own_schedule_call_still_refuses_one_whose_round_passed():
     whose round has passed, naming it, and stages nothing."""
     with _peer_zero_client() as (peers, _):
         peers[0].round = 5
-        with pytest.raises(ScheduleLate, match="takes effect at round 5, expected a round af"):
-            peers[0].apply(Schedule(1, 5))
+        with pytest.raises(ScheduleLate, match="takes effect at round 4, expected a round af"):
+            peers[0].apply(Schedule(1, 4))
         assert peers[0].schedules.staged == () and peers[0].schedules.taken_late == set()
+
+
+def test_a_schedule_of_the_round_a_peer_runs_next_is_on_time_until_that_round_begins():
+    """Between two rounds a peer at round r has exchanged nothing of round r: a schedule from
+    round r that comes then is staged on time, and the peer switches with the others (taking it
+    late, from r + 1, cut it off from every neighbour at round r: CI at stop 47, one late
+    reply isolated a peer for 15 rounds). Once the inbox has opened round r (exchanges of it
+    began), the same schedule is late."""
+    with _peer_zero_client() as (peers, client):
+        peers[0].round = 5
+        _take(client, cpb.ReportReply(has_schedule=True, schedule=_schedule(1, 5)))
+        (staged,) = peers[0].schedules.staged
+        assert (staged.epoch, staged.effective_round) == (1, 5)
+        assert peers[0].schedules.taken_late == set()
+        assert client._request().late_epoch == 0  # noqa: SLF001 (no miss to report)
+        peers[0].transport.inbox.open_round(5)  # round 5's exchanges have begun
+        with pytest.raises(ScheduleLate, match="takes effect at round 5, expected a round af"):
+            peers[0].apply(Schedule(2, 5))
+        _take(client, cpb.ReportReply(has_schedule=True, schedule=_schedule(2, 5)))
+        assert [(s.epoch, s.effective_round) for s in peers[0].schedules.staged] == [(1, 5), (2, 6)]
+        assert peers[0].schedules.taken_late == {2}

@@ -13,8 +13,10 @@ transfers) and runs its planner. It publishes a new schedule when the plan diffe
 in force, and always once after it starts, so a restarted coordinator brings every peer onto
 one schedule again. A schedule takes effect `margin` rounds after the furthest round reported:
 every peer reports within `report_every` rounds of the furthest round heard, and stages the
-reply after the round that follows its report, so 2 x report_every + 1 rounds reach the peer
-furthest ahead (3 x report_every + 2 until stop 46: with report_every 1, two rounds more of
+reply after the round that follows its report, in time for the round it runs next (a schedule
+is late only for a round a peer has begun, schedule.py `stage`), so 2 x report_every rounds
+reach the peer furthest ahead and the margin's 2 x report_every + 1 leave one round for a slow
+reply (3 x report_every + 2 until stop 46: with report_every 1, two rounds more of
 every adaptive reaction on shaped links, docs/benchmarks.md run 11), 3 x report_every + 2
 until the members' pace is measured (start-up); and at least
 the rounds the members run in 0.15 s (pace.py), so that rounds of a few milliseconds

@@ -130,7 +130,7 @@ class PeerSchedules:
                 "change them (a neighbour cannot announce others' departures or arrivals)"
             )
         specs = self.specs(schedule)
-        staged = self.book.stage(schedule, round, late=True)
+        staged = self.book.stage(schedule, round, late=True, begun=self.begun(round))
         self.expect_epoch(staged.epoch, specs)
         self.refresh_replies()
         self.levels.expect()
@@ -146,11 +146,19 @@ class PeerSchedules:
         """Stage a coordinator's schedule (see Peer.apply); this peer is at `round`. The
         schedule as staged (`late`: from the next round, where its own has passed)."""
         specs = self.specs(schedule)
-        staged = self.book.stage(schedule, round, late=late)
+        staged = self.book.stage(schedule, round, late=late, begun=self.begun(round))
         self.expect_epoch(schedule.epoch, specs)
         self.levels.expect()  # waiting level notices hold under it too
         self.refresh_replies()
         return staged
+
+    def begun(self, round: int) -> int:
+        """The furthest round this peer, at `round` between two of its rounds, has begun: the
+        one before, unless its inbox opened `round` already (a start, or a round whose exchanges
+        began and broke off). A schedule of a round not begun is on time: nothing was exchanged
+        under the old one, and envelopes under the new one were refused only as not yet due
+        (their senders push them again)."""
+        return max(round - 1, self.transport.inbox.mailbox.reached)
 
     def specs(self, schedule: Schedule, book: LevelBook | None = None) -> dict[str, PayloadSpec]:
         """Per phase, what neighbours' envelopes hold under `schedule` (with the levels in

@@ -311,15 +311,20 @@ class ScheduleBook:
     def staged(self) -> tuple[Schedule, ...]:
         return tuple(self._staged)
 
-    def stage(self, schedule: Schedule, round: int, *, late: bool = False) -> Schedule:
+    def stage(
+        self, schedule: Schedule, round: int, *, late: bool = False, begun: int | None = None
+    ) -> Schedule:
         """Accept `schedule` to take effect at its round and return it as staged;
         ScheduleRefused (nothing changed) when it does not cover the model, does not go forward
         in epoch or goes too far (`allowed_epoch`), takes effect more than `SCHEDULE_HORIZON`
-        rounds after `round` (the peer's current round), or at or before `round` (it may
-        already have exchanged under the old one). `late` (a schedule the others hold, which
-        reached this peer after its round): one whose round has passed here takes effect at
-        the next round instead (its epoch joins `taken_late`). Staged schedules that would
-        take effect at or after its round are superseded (dropped); at most MAX_STAGED wait."""
+        rounds after `round` (the peer's current round), or at or before `begun`, the furthest
+        round the peer has begun (default `round`: it may already have exchanged under the old
+        one; a peer between two rounds passes `round - 1`, so a schedule of the round it is
+        about to run still counts as on time). `late` (a schedule the others hold, which
+        reached this peer after its round): one whose round has begun here takes effect at
+        the next round not begun instead (its epoch joins `taken_late`). Staged schedules that
+        would take effect at or after its round are superseded (dropped); at most MAX_STAGED
+        wait."""
         newest = self.newest
         if schedule.epoch <= newest.epoch:
             raise ScheduleRefused(
@@ -340,15 +345,16 @@ class ScheduleBook:
                 f"{schedule.effective_round}, expected at most {horizon} ({SCHEDULE_HORIZON} "
                 f"rounds after this peer's round {round})"
             )
-        taken_late = schedule.effective_round <= round
+        begun = round if begun is None else begun
+        taken_late = schedule.effective_round <= begun
         if taken_late:
             if not late:
                 raise ScheduleLate(
                     f"schedule epoch {schedule.epoch}: takes effect at round "
-                    f"{schedule.effective_round}, expected a round after {round} (this peer's "
-                    "round): a schedule cannot take effect in the past"
+                    f"{schedule.effective_round}, expected a round after {begun} (the furthest "
+                    "round this peer has begun): a schedule cannot take effect in the past"
                 )
-            schedule = dataclasses.replace(schedule, effective_round=round + 1)
+            schedule = dataclasses.replace(schedule, effective_round=begun + 1)
         kept = [s for s in self._staged if s.effective_round < schedule.effective_round]
         if len(kept) >= MAX_STAGED:
             raise ScheduleRefused(
