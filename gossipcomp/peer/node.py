@@ -333,9 +333,9 @@ class Peer:
         parameter exactly once, names an unknown parameter or compressor, does not go forward
         in epoch, or takes effect at a round this peer has begun (ScheduleLate; with `late`,
         such a one takes effect at the first round it has not begun instead: the others
-        switched already). Between two calls of `gossip()`, `round` has not begun. Envelopes laid out by it are accepted from now on (a neighbour may switch
-        first); this peer uses it from its round. Call it from the thread that calls
-        `gossip()`.
+        switched already). Between two calls of `gossip()`, `round` has not begun. Envelopes
+        laid out by it are accepted from now on (a neighbour may switch first); this peer uses
+        it from its round. Call it from the thread that calls `gossip()`.
         """
         return self._schedules.apply(schedule, self.round, late)
 
