@@ -10,6 +10,7 @@ average still do.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import pytest
@@ -26,6 +27,7 @@ from gossipcomp.gossip.clipping import (
     FixedRadius,
     clipped_weights,
     difference_norm,
+    total_norm,
 )
 from gossipcomp.peer import Peer
 from gossipcomp.topology import load_topology
@@ -80,6 +82,17 @@ def test_difference_norm_is_over_the_whole_model():
     a = [torch.tensor([[3.0, 0.0]]), torch.tensor([1.0])]
     b = [torch.zeros(1, 2), torch.tensor([-3.0])]
     assert difference_norm(a, b) == pytest.approx(5.0)  # sqrt(3^2 + 4^2), not per tensor
+
+
+def test_total_norm_of_huge_finite_tensors_is_finite_and_non_finite_ones_are_not():
+    # float32's own norm overflows past 1.8e19 per element; the float64 one is taken then
+    huge = [torch.full((4,), 1e30), torch.tensor([3e30])]
+    assert total_norm(huge) == pytest.approx(math.sqrt(4 * 1e60 + 9e60), rel=1e-6)
+    assert total_norm([torch.tensor([1.0, float("inf")])]) == math.inf
+    assert math.isnan(total_norm([torch.tensor([float("nan"), 1.0])]))
+    values = torch.randn(65_536, generator=torch.Generator().manual_seed(0))
+    exact = float(torch.linalg.vector_norm(values, dtype=torch.float64))
+    assert total_norm([values]) == pytest.approx(exact, rel=1e-5)
 
 
 @pytest.mark.parametrize(

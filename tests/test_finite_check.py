@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from gossipcomp.transport.base import EnvelopeRejected
-from gossipcomp.transport.codec import FiniteScanner, tensor_spec
+from gossipcomp.transport.codec import (
+    FiniteScanner,
+    all_finite,
+    check_finite,
+    encode_raw,
+    tensor_spec,
+)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16}
 
@@ -69,3 +75,26 @@ def test_tensors_whose_joint_sum_overflows_are_accepted():
     """Each tensor's sum is finite but the span's overflows: the element-wise check accepts."""
     largest = float(numpy.finfo(numpy.float32).max)
     _scan_envelope({"a": torch.full((3,), largest / 2), "b": torch.full((3,), largest / 2)})
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, "bfloat16"])
+@pytest.mark.parametrize("size", [1, 300, 20_000])
+def test_a_stored_envelope_is_checked_by_the_same_rule(dtype, size):
+    """check_finite (the in-memory transport's door, on the wire bytes) and all_finite (a
+    model's tensors) refuse a NaN/Inf anywhere and accept finite values whose sum overflows,
+    in every dtype the wire carries (bfloat16, which numpy lacks, decoded)."""
+    torch_dtype = getattr(torch, dtype)
+    values = torch.randn(size, generator=torch.Generator().manual_seed(size)).to(torch_dtype)
+    spec = (tensor_spec("x", values),)
+    check_finite((encode_raw("x", values),), spec)
+    assert all_finite(values) and all_finite(values.reshape(-1, 1).t())  # strided: torch's path
+    largest = torch.full((size,), torch.finfo(torch_dtype).max, dtype=torch_dtype)
+    check_finite((encode_raw("x", largest),), spec)
+    assert all_finite(largest)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in {0, size // 2, size - 1}:
+            spoiled = values.clone()
+            spoiled[where] = bad
+            with pytest.raises(EnvelopeRejected, match="tensor 'x' values: expected finite, got 1"):
+                check_finite((encode_raw("x", spoiled),), spec)
+            assert not all_finite(spoiled)

@@ -28,6 +28,26 @@ def _declared(header) -> tuple[TensorSpec, ...]:
     )
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 4, 78, 155, 156, 157, 1 << 20])
+@pytest.mark.parametrize("sizes", [(), (0,), (0, 1, 5, 33), (300,)])
+def test_wire_bytes_are_counted_as_the_chunks_would_be_built(chunk_bytes, sizes):
+    # counted without building the chunks: data that fills chunks exactly, one byte short or
+    # over, an envelope of no data at all, and a header too long for a one-byte varint (300)
+    wire = tuple(
+        encode_raw(f"t{i}" + "x" * (200 if n == 300 else 0), torch.arange(n, dtype=torch.float32))
+        for i, n in enumerate(sizes)
+    )
+    envelope = Envelope(3, 9, "x", wire, 2)
+    built = sum(len(c) for c in envelope_chunks(envelope, chunk_bytes))
+    assert envelope_wire_bytes(envelope, chunk_bytes) == built
+    assert envelope_wire_bytes(envelope, chunk_bytes, header=header_of(envelope)) == built
+
+
+def test_wire_bytes_refuse_a_chunk_size_below_one():
+    with pytest.raises(ValueError, match="chunk_bytes must be >= 1, got 0"):
+        envelope_wire_bytes(Envelope(0, 0, "x", ()), 0)
+
+
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 1 << 20])
 def test_chunks_reassemble_exactly_across_tensor_boundaries(chunk_bytes):
     tensors = [torch.arange(n, dtype=torch.float32) for n in (0, 1, 5, 33)]

@@ -113,6 +113,15 @@ def test_basis_keeps_a_zero_column_at_zero():
     assert torch.equal(q[:, 1].abs(), torch.zeros(10))
     assert torch.allclose(q[:, [0, 2]].t() @ q[:, [0, 2]], torch.eye(2), atol=1e-6)
     assert torch.equal(orthonormal_basis(torch.zeros(5, 2)).abs(), torch.zeros(5, 2))
+    assert torch.equal(orthonormal_basis(torch.zeros(5, 1)).abs(), torch.zeros(5, 1))
+
+
+def test_a_single_column_basis_is_the_qr_one():
+    # one column is normalised without a QR; it must be the column QR's rule gives
+    v = torch.randn(300, 1, generator=torch.Generator().manual_seed(5))
+    q, r = torch.linalg.qr(v)
+    by_qr = q * (r.diagonal() / (r.diagonal().abs() + 1e-8))
+    assert torch.allclose(orthonormal_basis(v), by_qr, rtol=1e-5, atol=1e-7)
 
 
 def test_largest_useful_rank_is_the_longest_short_side():

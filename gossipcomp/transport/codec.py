@@ -208,10 +208,16 @@ def all_finite(values: torch.Tensor) -> bool:
 
     A float sum is finite exactly when every element is finite, unless the sum overflows: so
     the cheap sum decides, and only an overflowing sum pays for the element-wise check
-    (torch.isfinite(x).all() is ~15x slower than a sum on 16M elements).
+    (torch.isfinite(x).all() is ~15x slower than a sum on 16M elements). A contiguous CPU
+    tensor of a dtype numpy has is checked on its bytes by the rule the wire's values are
+    (`_segment_finite`): for the small tensors of a round (biases, power vectors) that is 3-5
+    us against 12-20 for torch's sum, isfinite and bool (2-core EPYC, 2026-11-29).
     """
     if not values.is_floating_point() or values.numel() == 0:
         return True
+    name = _DTYPE_NAMES.get(values.dtype)
+    if values.device.type == "cpu" and name in _NUMPY_FLOATS and values.is_contiguous():
+        return _segment_finite(memoryview(values.detach().numpy()).cast("B"), name)
     if bool(torch.isfinite(values.sum())):
         return True
     return bool(torch.isfinite(values).all())
@@ -330,14 +336,20 @@ def decode_payloads(
     return tuple(decoded)
 
 
+def _raw_finite(wire: WireTensor) -> bool:
+    """Whether a raw tensor (validated already) holds no NaN/Inf: judged on its bytes, as the
+    stream's scanner judges them, where numpy has the dtype; decoded otherwise (bfloat16)."""
+    if wire.dtype in _NUMPY_FLOATS and wire.nbytes:
+        return _segment_finite(memoryview(wire.data).cast("B"), wire.dtype)
+    return all_finite(decode_raw(wire))
+
+
 def check_finite(tensors: Iterable[WireTensor], spec: PayloadSpec) -> None:
     """Refuse raw floating-point tensors holding NaN or Inf where the spec requires finite."""
     for wire, want in zip(tensors, spec, strict=True):
-        if want.require_finite and wire.codec == RAW_CODEC:
-            values = decode_raw(wire)
-            if not all_finite(values):
-                bad = int((~torch.isfinite(values)).sum())
-                raise EnvelopeRejected(
-                    RejectCode.INVALID_ARGUMENT,
-                    f"tensor {want.name!r} values: expected finite, got {bad} NaN/Inf entries",
-                )
+        if want.require_finite and wire.codec == RAW_CODEC and not _raw_finite(wire):
+            bad = int((~torch.isfinite(decode_raw(wire))).sum())
+            raise EnvelopeRejected(
+                RejectCode.INVALID_ARGUMENT,
+                f"tensor {want.name!r} values: expected finite, got {bad} NaN/Inf entries",
+            )

@@ -113,8 +113,9 @@ class InMemoryTransport:
 
     def receive(self, envelope: Envelope) -> int:
         """Validate and store an envelope as if it came over the wire; return its wire bytes."""
-        spec = self.inbox.check_header(header_of(envelope))
-        wire_bytes = envelope_wire_bytes(envelope)
+        header = header_of(envelope)
+        spec = self.inbox.check_header(header)
+        wire_bytes = envelope_wire_bytes(envelope, header=header)
         self.inbox.accept(envelope, spec, wire_bytes)
         return wire_bytes
 

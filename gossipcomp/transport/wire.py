@@ -134,9 +134,27 @@ def content_sha256(envelope: Envelope) -> bytes:
     return digest.digest()
 
 
-def envelope_wire_bytes(envelope: Envelope, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Serialised size of an envelope's chunks: what gRPC carries (before HTTP/2 framing)."""
-    return sum(len(chunk) for chunk in envelope_chunks(envelope, chunk_bytes))
+def envelope_wire_bytes(
+    envelope: Envelope,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    header: pb.EnvelopeHeader | None = None,
+) -> int:
+    """Serialised size of an envelope's chunks: what gRPC carries (before HTTP/2 framing).
+
+    Counted, not built: the chunks `envelope_chunks` yields are the header field, then data
+    fields of `chunk_bytes` but the last, the first chunk holding the header and, when there is
+    data, the first data field (`header`: the envelope's, when the caller has it already)."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    header_size = (header if header is not None else header_of(envelope)).ByteSize()
+    total = len(_HEADER_TAG) + len(_varint(header_size)) + header_size
+    data = sum(len(memoryview(tensor.data).cast("B")) for tensor in envelope.tensors)
+    full, last = divmod(data, chunk_bytes)
+    if full:
+        total += full * (len(_DATA_TAG) + len(_varint(chunk_bytes)) + chunk_bytes)
+    if last:
+        total += len(_DATA_TAG) + len(_varint(last)) + last
+    return total
 
 
 def parse_chunk(raw: bytes) -> tuple[pb.EnvelopeHeader | None, memoryview]:
