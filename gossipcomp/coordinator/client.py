@@ -1,12 +1,16 @@
 """A peer's side of the coordinator: report every few rounds, stage the schedules it sends.
 
-Nothing here blocks training: a report is sent after a round by one thread kept for the
-purpose (a blocking call there), and its reply is looked at after a later round. Not as a gRPC
-future: on a channel with no call in flight, grpcio starts a thread to poll each future's
-completion and waits until that thread runs, milliseconds a report on a busy machine (ring4
-in one process reporting every round: 40 ms a round with futures, 30 ms without, one run each;
-the shaped adaptive runs of docs/benchmarks.md, issue 24: a reporting peer's time outside
-gossip 0.012-0.016 s a round before, 0.004-0.007 s after). A coordinator that cannot be reached costs a warning (once until
+Nothing here blocks training: a report is sent after a round as a grpc.aio call on the
+process's one event loop (transport/serving.py's `PROCESS_LOOP`, where the peer's pushes run
+already), and its reply is looked at after a later round. Not as a sync gRPC future: on a
+channel with no call in flight, grpcio starts a thread to poll each future's completion and
+waits until that thread runs, milliseconds a report on a busy machine (ring4 in one process
+reporting every round: 40 ms a round with futures, 30 ms without); and no longer from a
+thread of its own making blocking calls, one more thread per peer contending for the
+interpreter lock (the shaped adaptive runs of docs/benchmarks.md, issue 24: a reporting
+peer's time outside gossip 6.3-8.6 ms a round on the loop, 7.6-9.5 from the thread: within
+the runs' noise; 4.5 without a coordinator).
+A coordinator that cannot be reached costs a warning (once until
 it answers again) and the peer trains on with the schedules it has; one that sends a schedule
 the peer refuses (`ScheduleRefused`) costs an error naming why, and the peer keeps its current
 schedule. One that comes after its round (a reply slower than the coordinator's margin, or this
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import grpc
 import torch
@@ -37,6 +41,7 @@ from gossipcomp.schedule.messages import schedule_from_proto
 from gossipcomp.schedule.schedule import MAX_STAGED, ScheduleRefused
 from gossipcomp.security.tls import TlsFiles, channel_credentials
 from gossipcomp.transport.base import PROTOCOL_VERSION
+from gossipcomp.transport.serving import PROCESS_LOOP
 
 log = logging.getLogger("gossipcomp.coordinator_client")  # the name it had as one module
 
@@ -69,11 +74,13 @@ class CoordinatorClient:
             if compressor
             else CompressorCost(0.0, 0.0)
         )
-        self._channel = (
-            grpc.insecure_channel(address, options=RECONNECT)
-            if tls is None
-            else grpc.secure_channel(address, channel_credentials(tls), options=RECONNECT)
-        )
+        credentials = None if tls is None else channel_credentials(tls)
+        self._loop = PROCESS_LOOP.lease()
+        try:
+            self._channel = self._loop.run(_open_channel(address, credentials))
+        except BaseException:
+            self._loop.close()
+            raise
         self._report = cpb_grpc.CoordinatorStub(self._channel).Report
         self._signature = peer.signature
         algorithm = peer.algorithm
@@ -82,7 +89,6 @@ class CoordinatorClient:
             if isinstance(algorithm, LinkLeveled | PeerLeveled)
             else None
         )
-        self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"report-{peer.rank}")
         self._pending: Future[cpb.ReportReply] | None = None
         self._unreachable = False
         self.phase = CriticalPhase()  # reported: the coordinator may boost a critical peer
@@ -108,9 +114,11 @@ class CoordinatorClient:
         due = self.peer.round % self.report_every == 0
         # a peer outside a live network does no rounds: it reports until it is admitted
         if self._pending is None and (due or not self.peer.member):
-            self._pending = self._sender.submit(
-                self._report, self._request(), timeout=REPORT_TIMEOUT
-            )
+            self._pending = self._loop.submit(self._send(self._request()))
+
+    async def _send(self, report: cpb.PeerReport) -> cpb.ReportReply:
+        """One report, on the loop (a grpc.aio call belongs to the loop it starts on)."""
+        return await self._report(report, timeout=REPORT_TIMEOUT)
 
     def _take(self, answered: Future[cpb.ReportReply]) -> None:
         try:
@@ -220,6 +228,17 @@ class CoordinatorClient:
 
     def close(self) -> None:
         if self._pending is not None:
-            self._pending.cancel()
-        self._channel.close()  # a report in flight ends with an error its thread drops
-        self._sender.shutdown(wait=False)
+            self._pending.cancel()  # a report in flight is cancelled on the loop
+        try:
+            self._loop.run(self._channel.close())
+        finally:
+            self._loop.close()
+
+
+async def _open_channel(
+    address: str, credentials: grpc.ChannelCredentials | None
+) -> grpc.aio.Channel:
+    """The coordinator's channel, made on the loop its calls will run on."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=RECONNECT)
+    return grpc.aio.secure_channel(address, credentials, options=RECONNECT)
