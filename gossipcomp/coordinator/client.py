@@ -8,8 +8,8 @@ waits until that thread runs, milliseconds a report on a busy machine (ring4 in 
 reporting every round: 40 ms a round with futures, 30 ms without); and no longer from a
 thread of its own making blocking calls, one more thread per peer contending for the
 interpreter lock (the shaped adaptive runs of docs/benchmarks.md, issue 24: a reporting
-peer's time outside gossip 6.3-8.6 ms a round on the loop, 7.6-9.5 from the thread: within
-the runs' noise; 4.5 without a coordinator).
+peer's time outside gossip 6.3-8.6 ms a round on the loop in seven runs, 7.6-9.5 from the
+thread in six: within the runs' noise; 4.5 without a coordinator).
 A coordinator that cannot be reached costs a warning (once until
 it answers again) and the peer trains on with the schedules it has; one that sends a schedule
 the peer refuses (`ScheduleRefused`) costs an error naming why, and the peer keeps its current
