@@ -148,7 +148,7 @@ def envelope_wire_bytes(
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     header_size = (header if header is not None else header_of(envelope)).ByteSize()
     total = len(_HEADER_TAG) + len(_varint(header_size)) + header_size
-    data = sum(len(memoryview(tensor.data).cast("B")) for tensor in envelope.tensors)
+    data = sum(tensor.nbytes for tensor in envelope.tensors)
     full, last = divmod(data, chunk_bytes)
     if full:
         total += full * (len(_DATA_TAG) + len(_varint(chunk_bytes)) + chunk_bytes)
