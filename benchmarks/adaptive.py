@@ -125,6 +125,9 @@ class Workload:
     eval_every: int = 2
     settle_rounds: int = 6
     round_budget: float | None = None
+    # with a coordinator: every link at the lowest level until this round (0: no hold;
+    # `gossipcomp coordinator --hold-lowest-until`)
+    hold_lowest_until: int = 0
     round_timeout: float = 60.0
     # declared before run 10: the digits split of 2026-11-26 ends every fixed rank at 0.91-0.94
     # and D-PSGD at 0.945 (run 9), so 0.95 was above where most configurations end; 0.94 is
@@ -403,6 +406,7 @@ class ShapedRunner:
         checkpoints = directory / "checkpoints"
         processes: list[tuple[str, subprocess.Popen]] = []
         budget = [] if w.round_budget is None else ["--round-budget", f"{w.round_budget:g}"]
+        hold = ["--hold-lowest-until", str(w.hold_lowest_until)] if w.hold_lowest_until else []
         try:
             flags = list(configuration.algorithm_flags)
             if configuration.adaptive and configuration.coordinator:
@@ -410,7 +414,7 @@ class ShapedRunner:
                 processes.append(("coordinator", self._start(
                     "control", directory / "coordinator.log",
                     gossipcomp("coordinator", "--topology", str(topology), "--address", address,
-                               "--insecure", "--adaptive", "--report-every", "1", *budget),
+                               "--insecure", "--adaptive", "--report-every", "1", *budget, *hold),
                 )))  # fmt: skip
                 flags += ["--coordinator", address, "--report-every", "1"]
             elif configuration.adaptive:
@@ -545,6 +549,8 @@ class ThrottledRunner:
             argv += ["--adaptive", "--report-every", "1"]
             if not configuration.coordinator:
                 argv.append("--no-coordinator")
+            elif w.hold_lowest_until:
+                argv += ["--hold-lowest-until", str(w.hold_lowest_until)]
             if w.round_budget is not None:
                 argv += ["--round-budget", f"{w.round_budget:g}"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
@@ -1003,6 +1009,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="rounds after a change before round time counts as adapted",
     )
     parser.add_argument("--round-budget", type=float, default=None)
+    parser.add_argument("--hold-lowest-until", type=int, default=d.hold_lowest_until,
+                        metavar="ROUND", help="with a coordinator: every link at the lowest "
+                        "level until this round (0: no hold)")  # fmt: skip
     parser.add_argument("--round-timeout", type=float, default=d.round_timeout)
     parser.add_argument("--keep", type=Path, help="keep each run's reports and logs in "
                         "KEEP/NAME-REPEAT (a new folder) instead of a temporary one")  # fmt: skip
@@ -1040,6 +1049,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         problems.append(f"--target-window: expected 1 to 50 evaluations, got {args.target_window}")
     if args.round_budget is not None and args.round_budget <= 0:
         problems.append("--round-budget: expected seconds > 0")
+    if not 0 <= args.hold_lowest_until <= args.rounds:
+        problems.append(f"--hold-lowest-until: expected 0 to --rounds ({args.rounds}), got "
+                        f"{args.hold_lowest_until}")  # fmt: skip
     for mbit in args.rates:
         try:
             shaped_links.check_mbit(mbit, "--rates")
@@ -1057,7 +1069,7 @@ def workload_of(args: argparse.Namespace) -> Workload:
         model=args.model, dataset=args.dataset, partition=args.partition, lr=args.lr,
         batch_size=args.batch_size, seed=args.seed, eval_every=args.eval_every,
         settle_rounds=args.settle_rounds, round_budget=args.round_budget,
-        round_timeout=args.round_timeout, target=args.target,
+        hold_lowest_until=args.hold_lowest_until, round_timeout=args.round_timeout, target=args.target,
         choco_target=args.choco_target, target_window=args.target_window,
     )  # fmt: skip
 

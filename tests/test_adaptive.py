@@ -339,6 +339,39 @@ def _report(sender: int, critical: bool) -> cpb.PeerReport:
     )
 
 
+def test_a_hold_publishes_the_lowest_level_until_its_round_then_the_controllers_choice(caplog):
+    """`hold_lowest_until`: decisions before that round publish every link at the ladder's
+    lowest level (said in the decision's line), while the controller measures the links; the
+    first decision from that round on publishes what it chose (level 8 fits the 10 ms
+    budget here), without waiting for raises one step at a time."""
+    coordinator = Coordinator(
+        RING4, report_every=1, adaptive=True, round_budget=0.01, hold_lowest_until=7
+    )
+    published = []
+    with caplog.at_level(logging.INFO, logger="gossipcomp.coordinator.levels"):
+        for round in (4, 5, 6, 7):
+            for rank in range(4):
+                report = _report(rank, critical=False)
+                report.round = round
+                coordinator.receive(report)
+            published.append(coordinator.published[-1])
+    held = {x.level for x in published[0].links}
+    assert held == {LADDER.levels[0]}
+    assert published[0] == published[1] == published[2]  # the held levels, published once
+    assert {x.level for x in published[3].links} == {8}
+    assert published[3].epoch == published[0].epoch + 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "gossipcomp.coordinator.levels"]
+    assert len(lines) == 2, lines
+    assert "held at the lowest level until round 7" in lines[0]
+    assert "held" not in lines[1]
+
+
+@pytest.mark.parametrize("hold", [-1, 2**53, True, 1.5])
+def test_a_hold_round_out_of_range_is_refused(hold):
+    with pytest.raises(ValueError, match="hold_lowest_until"):
+        Coordinator(RING4, report_every=1, adaptive=True, hold_lowest_until=hold)
+
+
 @pytest.mark.parametrize("boost", [False, True])
 def test_boost_raises_the_links_of_a_critical_peer_one_level(boost):
     coordinator = Coordinator(RING4, report_every=1, adaptive=True, round_budget=0.01, boost=boost)

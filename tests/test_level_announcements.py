@@ -389,6 +389,12 @@ def test_simulate_without_a_coordinator_reports_the_levels_the_peers_set(tmp_pat
         (["simulate", "--adaptive", "--no-coordinator", "--coordinator"], "--coordinator works"),
         (["simulate", "--adaptive", "--no-coordinator", "--boost"], "--boost works"),
         (
+            ["simulate", "--adaptive", "--no-coordinator", "--hold-lowest-until", "5"],
+            "--hold-lowest-until works",
+        ),
+        (["simulate", "--hold-lowest-until", "5"], "--hold-lowest-until: expected --adaptive"),
+        (["simulate", "--adaptive", "--hold-lowest-until", "-1"], "--hold-lowest-until"),
+        (
             ["peer", "--topology", "ring4", "--rank", "0", "--adaptive", "--coordinator", "x:1"],
             "expected one of them",
         ),

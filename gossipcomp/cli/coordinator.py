@@ -15,6 +15,7 @@ from gossipcomp.coordinator.membership import DEFAULT_MEMBER_TIMEOUT, MAX_MEMBER
 from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
 from gossipcomp.schedule.catalog import PLANNER_NAMES
 from gossipcomp.topology import Topology
+from gossipcomp.transport.base import MAX_WIRE_ROUND
 
 if TYPE_CHECKING:  # `peer` takes this module's flags: the coordinator itself loads when run
     from gossipcomp.coordinator import Coordinator
@@ -54,6 +55,17 @@ def add_coordinator_flags(group: argparse._ActionsContainer) -> None:
         default=DEFAULT_MEMBER_TIMEOUT,
         help="a live topology (`members:`): a member silent this many seconds is removed; make "
         "it several times --report-every rounds of the slowest round (a round timeout too)",
+    )
+    group.add_argument(
+        "--hold-lowest-until",
+        type=integer("round to hold the lowest level until", 0, MAX_WIRE_ROUND - 1),
+        default=0,
+        metavar="ROUND",
+        help="with --adaptive: every link stays at the ladder's lowest level until this round "
+        "(the links are measured and the levels chosen meanwhile, and taken from it on): a "
+        "warm-up at the cheapest level, for training whose early rounds gain nothing from a "
+        "higher one while every change of the network costs the reaction time at it "
+        "(docs/benchmarks.md); 0 (default): no hold",
     )
     group.add_argument(
         "--boost",
@@ -109,12 +121,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_tls_flags(coordinator, "coordinator")
 
 
-def make_coordinator(args: argparse.Namespace, topology: Topology) -> Coordinator:
-    """The coordinator the flags describe; ValueError for --round-budget/--boost without
-    --adaptive."""
-    for flag, given in (("--round-budget", args.round_budget is not None), ("--boost", args.boost)):
+def require_adaptive(args: argparse.Namespace) -> None:
+    """ValueError for a flag that changes link levels (--round-budget, --boost,
+    --hold-lowest-until) given without --adaptive: it would do nothing."""
+    for flag, given in (
+        ("--round-budget", args.round_budget is not None),
+        ("--boost", args.boost),
+        ("--hold-lowest-until", args.hold_lowest_until > 0),
+    ):
         if given and not args.adaptive:
             raise ValueError(f"{flag}: expected --adaptive with it (it changes link levels)")
+
+
+def make_coordinator(args: argparse.Namespace, topology: Topology) -> Coordinator:
+    """The coordinator the flags describe; ValueError for --round-budget, --boost or
+    --hold-lowest-until without --adaptive."""
+    require_adaptive(args)
     from gossipcomp.coordinator import Coordinator
 
     return Coordinator(
@@ -125,6 +147,7 @@ def make_coordinator(args: argparse.Namespace, topology: Topology) -> Coordinato
         adaptive=args.adaptive,
         round_budget=args.round_budget,
         boost=args.boost,
+        hold_lowest_until=args.hold_lowest_until,
         member_timeout=args.member_timeout,
     )
 

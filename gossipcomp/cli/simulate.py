@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from gossipcomp.cli.coordinator import add_coordinator_flags, make_coordinator
+from gossipcomp.cli.coordinator import add_coordinator_flags, make_coordinator, require_adaptive
 from gossipcomp.cli.training_flags import add_training_flags
 from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
 from gossipcomp.topology import Topology
@@ -131,13 +131,18 @@ def run(args: argparse.Namespace, console: Console) -> int:
 def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:
     """Link levels set by the peers themselves, without a coordinator (`--adaptive
     --no-coordinator`); ValueError for flags that contradict it."""
+    require_adaptive(args)
     if not args.no_coordinator:
         return None
     if not args.adaptive:
         raise ValueError(
             "--no-coordinator: expected --adaptive with it (the peers set link levels)"
         )
-    for flag, given in (("--coordinator", args.coordinator), ("--boost", args.boost)):
+    for flag, given in (
+        ("--coordinator", args.coordinator),
+        ("--boost", args.boost),
+        ("--hold-lowest-until", args.hold_lowest_until > 0),
+    ):
         if given:
             raise ValueError(
                 f"--no-coordinator with {flag}: {flag} works through a coordinator; expected one of them"

@@ -98,6 +98,7 @@ from gossipcomp.schedule import (
 from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.schedule import MAX_BUDGET_S, MAX_STAGED, LinkLevel, Schedule
 from gossipcomp.topology import Topology
+from gossipcomp.transport.base import MAX_WIRE_ROUND
 from gossipcomp.transport.claims import (
     DEFAULT_ROUND_SECONDS,
     RoundClaims,
@@ -143,12 +144,16 @@ class Coordinator:
         adaptive: bool = False,
         round_budget: float | None = None,
         boost: bool = False,
+        hold_lowest_until: int = 0,
         member_timeout: float = DEFAULT_MEMBER_TIMEOUT,
         liveness: MemberLiveness | None = None,
     ) -> None:
         """`adaptive`: choose a level per link (module docstring) within `round_budget`
         seconds of transfers per round (None: the slowest peer's compute time per round);
-        `boost`: links of a peer in a critical learning phase go one level higher. A live
+        `boost`: links of a peer in a critical learning phase go one level higher;
+        `hold_lowest_until`: every link is published at the ladder's lowest level until the
+        furthest round reaches it (the controller measures and chooses meanwhile; its levels
+        are published from then on; 0: no hold). A live
         topology: members silent for `member_timeout` seconds are removed (`liveness`: the
         whole rule, membership.py, for tests and callers that set its bounds)."""
         make_planner(planner)  # fails naming the planners that exist
@@ -156,6 +161,9 @@ class Coordinator:
             checked_number("round_budget", round_budget, 0.0, MAX_BUDGET_S, closed_low=False)
         self.adaptive = adaptive
         self.boost = boost
+        self.hold_lowest_until = checked_integer(
+            "hold_lowest_until", hold_lowest_until, 0, MAX_WIRE_ROUND - 1
+        )
         self.round_budget = round_budget
         for field, value in (("report_every", report_every), ("replan_every", replan_every)):
             checked_integer(field, value, 1, 10**6)
@@ -524,15 +532,19 @@ class Coordinator:
             key: ladder.above(level) if critical.intersection(key) else level
             for key, level in self._base.items()
         }
+        held = self._lead < self.hold_lowest_until
+        if held:  # a warm-up at the cheapest level: the choice waits for its round
+            chosen = dict.fromkeys(chosen, ladder.levels[0])
         if chosen == current:
             return
-        self._log_decision(chosen, budget)
+        self._log_decision(chosen, budget, held)
         links = tuple(LinkLevel(a, b, level) for (a, b), level in sorted(chosen.items()))
         self._publish(newest.groups if newest else (), ADAPTIVE_PLANNER, links, budget)
 
-    def _log_decision(self, chosen: dict[Link, int], budget: float) -> None:
+    def _log_decision(self, chosen: dict[Link, int], budget: float, held: bool) -> None:
         """One line per change of levels: the round it was decided at, the budget and where it
-        came from, and each link's level with the settled estimate the floor was taken from."""
+        came from, and each link's level with the settled estimate the floor was taken from
+        (`held`: every level is the lowest until `hold_lowest_until`)."""
         if self._rate is None or not decisions_log.isEnabledFor(logging.INFO):
             return
         estimated = self._rate.estimated
@@ -548,11 +560,12 @@ class Coordinator:
         )
         decisions_log.info(
             "coordinator: levels decided at round %d: budget %.1f ms (floor %.1f ms: the "
-            "slowest link at the lowest level); %s",
+            "slowest link at the lowest level); %s%s",
             self._lead,
             1e3 * budget,
             1e3 * self._rate.floor_s,
             links,
+            f" (held at the lowest level until round {self.hold_lowest_until})" if held else "",
         )
 
     def _plan(self) -> tuple[TensorGroup, ...]:
