@@ -372,6 +372,11 @@ def test_a_hold_round_out_of_range_is_refused(hold):
         Coordinator(RING4, report_every=1, adaptive=True, hold_lowest_until=hold)
 
 
+def test_a_hold_without_adaptive_levels_is_refused():
+    with pytest.raises(ValueError, match="hold_lowest_until 5: expected adaptive=True"):
+        Coordinator(RING4, report_every=1, hold_lowest_until=5)
+
+
 @pytest.mark.parametrize("boost", [False, True])
 def test_boost_raises_the_links_of_a_critical_peer_one_level(boost):
     coordinator = Coordinator(RING4, report_every=1, adaptive=True, round_budget=0.01, boost=boost)

@@ -164,6 +164,11 @@ class Coordinator:
         self.hold_lowest_until = checked_integer(
             "hold_lowest_until", hold_lowest_until, 0, MAX_WIRE_ROUND - 1
         )
+        if self.hold_lowest_until and not adaptive:
+            raise ValueError(
+                f"hold_lowest_until {hold_lowest_until}: expected adaptive=True with it (it "
+                "holds the link levels an adaptive coordinator sets)"
+            )
         self.round_budget = round_budget
         for field, value in (("report_every", report_every), ("replan_every", replan_every)):
             checked_integer(field, value, 1, 10**6)
