@@ -26,6 +26,8 @@ from helpers import (
     throttled_ring,
 )
 
+from gossipcomp.cli import build_parser
+from gossipcomp.cli.coordinator import make_coordinator
 from gossipcomp.coordinator import Coordinator, CoordinatorServer, ReportRefused
 from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.gossip import PowerGossip
@@ -339,31 +341,41 @@ def _report(sender: int, critical: bool) -> cpb.PeerReport:
     )
 
 
-def test_a_hold_publishes_the_lowest_level_until_its_round_then_the_controllers_choice(caplog):
+def test_a_hold_publishes_the_lowest_level_until_its_round_then_rises_step_by_step(caplog):
     """`hold_lowest_until`: decisions before that round publish every link at the ladder's
-    lowest level (said in the decision's line), while the controller measures the links; the
-    first decision from that round on publishes what it chose (level 8 fits the 10 ms
-    budget here), without waiting for raises one step at a time."""
+    lowest level (said in the decision's line), a critical peer's too (no boost while held).
+    Without the hold the first decision puts every link at level 8 (what fits the 10 ms budget
+    here: the test below); with it the controller is told the lowest level is in force, so
+    from the hold's round each link rises one rung a step (2, then 4; a boosted one a rung
+    above), never straight to a level its sends never tried."""
     coordinator = Coordinator(
-        RING4, report_every=1, adaptive=True, round_budget=0.01, hold_lowest_until=7
+        RING4, report_every=1, adaptive=True, round_budget=0.01, boost=True, hold_lowest_until=7
     )
-    published = []
+    published = {}
     with caplog.at_level(logging.INFO, logger="gossipcomp.coordinator.levels"):
-        for round in (4, 5, 6, 7):
+        for round in range(4, 12):
             for rank in range(4):
-                report = _report(rank, critical=False)
+                report = _report(rank, critical=rank == 2)
                 report.round = round
                 coordinator.receive(report)
-            published.append(coordinator.published[-1])
-    held = {x.level for x in published[0].links}
-    assert held == {LADDER.levels[0]}
-    assert published[0] == published[1] == published[2]  # the held levels, published once
-    assert {x.level for x in published[3].links} == {8}
-    assert published[3].epoch == published[0].epoch + 1
+            published[round] = coordinator.published[-1]
+    levels = {r: {(x.low, x.high): x.level for x in s.links} for r, s in published.items()}
+    lowest = dict.fromkeys([(0, 1), (0, 3), (1, 2), (2, 3)], LADDER.levels[0])
+    assert levels[4] == levels[5] == levels[6] == lowest
+    assert published[4] is published[6]  # the held levels, published once
+    assert levels[7] == {(0, 1): 2, (0, 3): 2, (1, 2): 4, (2, 3): 4}  # peer 2's boosted
+    assert levels[11] == {(0, 1): 4, (0, 3): 4, (1, 2): 8, (2, 3): 8}
     lines = [r.getMessage() for r in caplog.records if r.name == "gossipcomp.coordinator.levels"]
-    assert len(lines) == 2, lines
     assert "held at the lowest level until round 7" in lines[0]
-    assert "held" not in lines[1]
+    assert not any("held" in line for line in lines[1:]), lines
+
+
+def test_without_a_hold_the_first_decision_takes_the_level_that_fits():
+    """The contrast of the test above: the same reports without a hold give level 8 at once."""
+    coordinator = Coordinator(RING4, report_every=1, adaptive=True, round_budget=0.01)
+    for rank in range(4):
+        coordinator.receive(_report(rank, critical=False))
+    assert {x.level for x in coordinator.published[-1].links} == {8}
 
 
 @pytest.mark.parametrize("hold", [-1, 2**53, True, 1.5])
@@ -474,3 +486,12 @@ def test_link_levels_survive_the_schedule_dict_and_older_dicts_without_them_load
     assert Schedule.from_dict(old).links == ()
     with pytest.raises(ScheduleRefused, match=r"\[low, high, level\]"):
         Schedule.from_dict({**old, "links": [[0, 1]]})
+
+
+def test_the_command_line_hold_reaches_the_coordinator():
+    """`gossipcomp coordinator --adaptive --hold-lowest-until 9` builds a coordinator that
+    holds until round 9 (the flag is not parsed and dropped)."""
+    args = build_parser("coordinator").parse_args(
+        ["coordinator", "--topology", "ring4", "--adaptive", "--hold-lowest-until", "9"]
+    )
+    assert make_coordinator(args, RING4).hold_lowest_until == 9

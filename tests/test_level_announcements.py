@@ -393,7 +393,12 @@ def test_simulate_without_a_coordinator_reports_the_levels_the_peers_set(tmp_pat
             "--hold-lowest-until works",
         ),
         (["simulate", "--hold-lowest-until", "5"], "--hold-lowest-until: expected --adaptive"),
-        (["simulate", "--adaptive", "--hold-lowest-until", "-1"], "--hold-lowest-until"),
+        (
+            ["simulate", "--adaptive", "--hold-lowest-until", "-1"],
+            "must be in [0, 9007199254740991], got -1",
+        ),
+        (["simulate", "--round-budget", "1"], "--round-budget: expected --adaptive"),
+        (["simulate", "--boost"], "--boost: expected --adaptive"),
         (
             ["peer", "--topology", "ring4", "--rank", "0", "--adaptive", "--coordinator", "x:1"],
             "expected one of them",
@@ -402,6 +407,7 @@ def test_simulate_without_a_coordinator_reports_the_levels_the_peers_set(tmp_pat
     ],
 )
 def test_contradicting_level_flags_are_refused(capsys, argv, message):
+    """Each refused before anything runs, naming the flag and what it needs."""
     assert main([*argv, "--rounds", "1"]) == 2
     assert message in capsys.readouterr().err
 

@@ -61,11 +61,13 @@ def add_coordinator_flags(group: argparse._ActionsContainer) -> None:
         type=integer("round to hold the lowest level until", 0, MAX_WIRE_ROUND - 1),
         default=0,
         metavar="ROUND",
-        help="with --adaptive: every link stays at the ladder's lowest level until this round "
-        "(the links are measured and the levels chosen meanwhile, and taken from it on): a "
+        help="with --adaptive: the coordinator's decisions before this round publish every link "
+        "at the ladder's lowest level (until its first decision, a few rounds in, the peers "
+        "send at their own level); from this round on each link rises from the lowest by the "
+        "controller's own steps, each in force a margin of rounds after its decision. A "
         "warm-up at the cheapest level, for training whose early rounds gain nothing from a "
         "higher one while every change of the network costs the reaction time at it "
-        "(docs/benchmarks.md); 0 (default): no hold",
+        "(docs/benchmarks.md); no --boost while held; 0 (default): no hold",
     )
     group.add_argument(
         "--boost",

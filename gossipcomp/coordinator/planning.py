@@ -151,9 +151,10 @@ class Coordinator:
         """`adaptive`: choose a level per link (module docstring) within `round_budget`
         seconds of transfers per round (None: the slowest peer's compute time per round);
         `boost`: links of a peer in a critical learning phase go one level higher;
-        `hold_lowest_until`: every link is published at the ladder's lowest level until the
-        furthest round reaches it (the controller measures and chooses meanwhile; its levels
-        are published from then on; 0: no hold). A live
+        `hold_lowest_until`: decisions before the furthest round reaches it publish every link
+        at the ladder's lowest level, and the controller goes on from that level (a link rises
+        from it by the controller's own steps once the hold ends; no boost meanwhile; 0: no
+        hold). A live
         topology: members silent for `member_timeout` seconds are removed (`liveness`: the
         whole rule, membership.py, for tests and callers that set its bounds)."""
         make_planner(planner)  # fails naming the planners that exist
@@ -531,15 +532,17 @@ class Coordinator:
         if self._rate is None or self._rate.costs != ladder:
             self._rate = RateController(ladder)
         self._base = self._rate.update(self._base, sends, budget)
+        held = self._lead < self.hold_lowest_until
+        if held:  # a warm-up at the cheapest level: the controller is told it is in force, so
+            # that after the hold each link rises from it step by step, each step measured,
+            # never straight to a level its sends never tried (nor boosted meanwhile)
+            self._base = dict.fromkeys(self._base, ladder.levels[0])
         budget = self._rate.budget_s or budget  # what the levels fit: at least the slowest link's
-        critical = {m.rank for m in reports if m.critical} if self.boost else set()
+        critical = {m.rank for m in reports if m.critical} if self.boost and not held else set()
         chosen = {
             key: ladder.above(level) if critical.intersection(key) else level
             for key, level in self._base.items()
         }
-        held = self._lead < self.hold_lowest_until
-        if held:  # a warm-up at the cheapest level: the choice waits for its round
-            chosen = dict.fromkeys(chosen, ladder.levels[0])
         if chosen == current:
             return
         self._log_decision(chosen, budget, held)
