@@ -209,6 +209,7 @@ FAMILIES = [
     "choco-adaptive",
     "choco-no-coordinator",
 ]
+COORDINATED = {"adaptive", "choco-adaptive"}  # the families whose levels a coordinator sets
 
 
 def configurations(
@@ -1010,8 +1011,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--round-budget", type=float, default=None)
     parser.add_argument("--hold-lowest-until", type=int, default=d.hold_lowest_until,
-                        metavar="ROUND", help="with a coordinator: every link at the lowest "
-                        "level until this round (0: no hold)")  # fmt: skip
+                        metavar="ROUND", help="passed to the coordinator of `adaptive` and "
+                        "`choco-adaptive`: links held at the lowest level until this round "
+                        "(0: no hold)")  # fmt: skip
     parser.add_argument("--round-timeout", type=float, default=d.round_timeout)
     parser.add_argument("--keep", type=Path, help="keep each run's reports and logs in "
                         "KEEP/NAME-REPEAT (a new folder) instead of a temporary one")  # fmt: skip
@@ -1052,6 +1054,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not 0 <= args.hold_lowest_until <= args.rounds:
         problems.append(f"--hold-lowest-until: expected 0 to --rounds ({args.rounds}), got "
                         f"{args.hold_lowest_until}")  # fmt: skip
+    if args.hold_lowest_until and not COORDINATED.intersection(args.configs):
+        problems.append(f"--hold-lowest-until: expected a configuration with a coordinator in "
+                        f"--configs ({', '.join(sorted(COORDINATED))}): no other has one to hold "
+                        "the levels")  # fmt: skip
     for mbit in args.rates:
         try:
             shaped_links.check_mbit(mbit, "--rates")

@@ -115,6 +115,26 @@ def test_targets_and_their_window_out_of_range_are_refused_naming_the_flag(
     assert "--target-window: expected 1 to 50 evaluations, got 0" in error
 
 
+def test_a_hold_reaches_the_workload_and_is_refused_where_nothing_would_hold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--hold-lowest-until` goes to the workload (the coordinator's flag); beyond --rounds, or
+    with no configuration that has a coordinator, it is refused naming the flag, not ignored."""
+    base = ["--json", str(tmp_path / "x.json"), "--rounds", "40"]
+    parsed = adaptive.parse_args([*base, "--hold-lowest-until", "20"])
+    assert adaptive.workload_of(parsed).hold_lowest_until == 20
+    for extra, said in (
+        (["--hold-lowest-until", "41"], "--hold-lowest-until: expected 0 to --rounds (40), got 41"),
+        (
+            ["--hold-lowest-until", "5", "--configs", "fixed", "no-coordinator"],
+            "--hold-lowest-until: expected a configuration with a coordinator",
+        ),
+    ):
+        with pytest.raises(SystemExit):
+            adaptive.parse_args([*base, *extra])
+        assert said in capsys.readouterr().err
+
+
 def test_choco_figures_are_timed_to_the_choco_target() -> None:
     """Choco's runs end below the PowerGossip target: its figures use `time_to_choco_target`,
     D-PSGD's included."""
