@@ -51,6 +51,7 @@ LAYERS = {
     "levels.ladder": 1,
     "levels.notices": 3,
     "levels.rate": 4,
+    "levels.progress": 4,
     "levels.edges": 4,
     "levels.senders": 4,
     "levels.codecs": 5,

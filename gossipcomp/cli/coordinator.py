@@ -70,6 +70,15 @@ def add_coordinator_flags(group: argparse._ActionsContainer) -> None:
         "(docs/benchmarks.md); no --boost while held; 0 (default): no hold",
     )
     group.add_argument(
+        "--follow-loss",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --adaptive: no link above what the fall of the peers' training loss allows "
+        "(AdaComm's rule: the lowest level's bytes times sqrt(first loss / recent loss), the "
+        "median over the peers), so links start at the lowest level and rise as training "
+        "comes to need the bytes; --no-follow-loss: the bandwidth budget alone sets levels",
+    )
+    group.add_argument(
         "--boost",
         action="store_true",
         help="with --adaptive: a peer in a critical learning phase (a layer's gradient norm "
@@ -125,19 +134,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def require_adaptive(args: argparse.Namespace) -> None:
     """ValueError for a flag that changes link levels (--round-budget, --boost,
-    --hold-lowest-until) given without --adaptive: it would do nothing."""
+    --hold-lowest-until, --no-follow-loss) given without --adaptive: it would do nothing."""
     for flag, given in (
         ("--round-budget", args.round_budget is not None),
         ("--boost", args.boost),
         ("--hold-lowest-until", args.hold_lowest_until > 0),
+        ("--no-follow-loss", not args.follow_loss),
     ):
         if given and not args.adaptive:
             raise ValueError(f"{flag}: expected --adaptive with it (it changes link levels)")
 
 
 def make_coordinator(args: argparse.Namespace, topology: Topology) -> Coordinator:
-    """The coordinator the flags describe; ValueError for --round-budget, --boost or
-    --hold-lowest-until without --adaptive."""
+    """The coordinator the flags describe; ValueError for --round-budget, --boost,
+    --hold-lowest-until or --no-follow-loss without --adaptive."""
     require_adaptive(args)
     from gossipcomp.coordinator import Coordinator
 
@@ -150,6 +160,7 @@ def make_coordinator(args: argparse.Namespace, topology: Topology) -> Coordinato
         round_budget=args.round_budget,
         boost=args.boost,
         hold_lowest_until=args.hold_lowest_until,
+        follow_loss=args.follow_loss,
         member_timeout=args.member_timeout,
     )
 

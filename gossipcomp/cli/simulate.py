@@ -142,6 +142,7 @@ def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:
         ("--coordinator", args.coordinator),
         ("--boost", args.boost),
         ("--hold-lowest-until", args.hold_lowest_until > 0),
+        ("--no-follow-loss", not args.follow_loss),
     ):
         if given:
             raise ValueError(

@@ -32,6 +32,7 @@ import torch
 
 from gossipcomp.gossip.base import LinkLeveled, PeerLeveled
 from gossipcomp.inputs.numbers import checked_integer
+from gossipcomp.levels.progress import LossWindow
 from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import coordinator_pb2_grpc as cpb_grpc
@@ -92,6 +93,7 @@ class CoordinatorClient:
         self._pending: Future[cpb.ReportReply] | None = None
         self._unreachable = False
         self.phase = CriticalPhase()  # reported: the coordinator may boost a critical peer
+        self.losses = LossWindow()  # reported: an adaptive coordinator caps levels by them
         self.refused: list[str] = []  # why schedules were refused, once per epoch
         self._refused_epoch: int | None = None
         self._unusable_epoch = 0  # reported: the newest refused
@@ -105,8 +107,14 @@ class CoordinatorClient:
                 [float(p.grad.norm()) if p.grad is not None else 0.0 for p in model.parameters()]
             )
 
+    def observe_loss(self, loss: float) -> None:
+        """Note one local step's minibatch loss (an adaptive coordinator raises levels as the
+        loss falls, levels/progress.py; a loop that never calls this leaves them uncapped)."""
+        self.losses.observe(loss)
+
     def after_round(self) -> None:
         """Look at an answered report, then send the next one when it is due."""
+        self.losses.end_round()
         pending = self._pending
         if pending is not None and pending.done():
             self._pending = None
@@ -224,6 +232,8 @@ class CoordinatorClient:
             joining=peer.awaiting_admission,
             refused_epoch=self._unusable_epoch,
             late_epoch=self._late_epoch,
+            initial_loss=self.losses.initial,
+            loss=self.losses.recent,
         )
 
     def close(self) -> None:

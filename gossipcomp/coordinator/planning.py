@@ -40,7 +40,13 @@ on, the coordinator estimates every link from both ends' sends and lets the rate
 peer's compute time per round); when any level changes it publishes a schedule with the same
 groups and the new levels. With `boost`, the links of a peer that reports a critical learning
 phase (Accordion: a layer's gradient norm changed by half or more between windows of rounds,
-schedule/critical.py) go one level above the controller's choice while the phase lasts.
+schedule/critical.py) go one level above the controller's choice while the phase lasts. With
+`follow_loss` (the default) no link goes above what the fall of the training loss allows
+(AdaComm's rule carried to bytes, levels/progress.py: the lowest level's bytes times
+sqrt(F_0 / F_t), F the median of the members' reported losses), so links start at the lowest
+level and rise as training comes to need the bytes; where some member reports no loss (a loop
+of one's own that does not call `observe_loss`) the ceiling does not apply, and the decision
+log says so once.
 
 Plans and levels wait while MAX_STAGED - 1 schedules wait for their round, so a peer never has
 to refuse the newest (it holds at most MAX_STAGED waiting); changes of members do not (they
@@ -84,7 +90,8 @@ from gossipcomp.coordinator.pace import RoundPace
 from gossipcomp.coordinator.reports import MAX_MARGIN, MemberReport, ReportRefused, check_report
 from gossipcomp.inputs.numbers import checked_integer, checked_number
 from gossipcomp.inputs.text import quoted
-from gossipcomp.levels.rate import FIRST_DECISION_ROUND, Link, RateController
+from gossipcomp.levels.progress import LossAllowance
+from gossipcomp.levels.rate import FIRST_DECISION_ROUND, LevelCosts, Link, RateController
 from gossipcomp.levels.rate import link as edge_of
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule import (
@@ -145,6 +152,7 @@ class Coordinator:
         round_budget: float | None = None,
         boost: bool = False,
         hold_lowest_until: int = 0,
+        follow_loss: bool = True,
         member_timeout: float = DEFAULT_MEMBER_TIMEOUT,
         liveness: MemberLiveness | None = None,
     ) -> None:
@@ -154,7 +162,8 @@ class Coordinator:
         `hold_lowest_until`: decisions before the furthest round reaches it publish every link
         at the ladder's lowest level, and the controller goes on from that level (a link rises
         from it by the controller's own steps once the hold ends; no boost meanwhile; 0: no
-        hold). A live
+        hold); `follow_loss`: no link above what the fall of the members' training loss
+        allows (levels/progress.py). A live
         topology: members silent for `member_timeout` seconds are removed (`liveness`: the
         whole rule, membership.py, for tests and callers that set its bounds)."""
         make_planner(planner)  # fails naming the planners that exist
@@ -170,6 +179,9 @@ class Coordinator:
                 f"hold_lowest_until {hold_lowest_until}: expected adaptive=True with it (it "
                 "holds the link levels an adaptive coordinator sets)"
             )
+        self.follow_loss = follow_loss
+        self._allowance = LossAllowance()  # the ceiling the loss allows (`follow_loss`)
+        self._loss_unmeasured = False  # a member reported no loss (said once)
         self.round_budget = round_budget
         for field, value in (("report_every", report_every), ("replan_every", replan_every)):
             checked_integer(field, value, 1, 10**6)
@@ -537,6 +549,9 @@ class Coordinator:
             # that after the hold each link rises from it step by step, each step measured,
             # never straight to a level its sends never tried (nor boosted meanwhile)
             self._base = dict.fromkeys(self._base, ladder.levels[0])
+        ceiling = None if held or not self.follow_loss else self._loss_ceiling(reports, ladder)
+        if ceiling is not None:  # told to the controller too: above it, a rung at a time
+            self._base = {key: min(level, ceiling) for key, level in self._base.items()}
         budget = self._rate.budget_s or budget  # what the levels fit: at least the slowest link's
         critical = {m.rank for m in reports if m.critical} if self.boost and not held else set()
         chosen = {
@@ -545,14 +560,32 @@ class Coordinator:
         }
         if chosen == current:
             return
-        self._log_decision(chosen, budget, held)
+        self._log_decision(chosen, budget, held, ceiling)
         links = tuple(LinkLevel(a, b, level) for (a, b), level in sorted(chosen.items()))
         self._publish(newest.groups if newest else (), ADAPTIVE_PLANNER, links, budget)
 
-    def _log_decision(self, chosen: dict[Link, int], budget: float, held: bool) -> None:
+    def _loss_ceiling(self, reports: Sequence[MemberReport], ladder: LevelCosts) -> int | None:
+        """The highest level the fall of the members' training loss allows (levels/progress.py);
+        None, said once, while some member reports no loss."""
+        if not self._allowance.update([m.initial_loss for m in reports], [m.loss for m in reports]):
+            if not self._loss_unmeasured:
+                log.warning(
+                    "coordinator: levels not capped by the training loss: peers %s report none "
+                    "(a loop of one's own calls CoordinatorClient.observe_loss)",
+                    ", ".join(str(m.rank) for m in reports if m.initial_loss <= 0 or m.loss <= 0),
+                )
+            self._loss_unmeasured = True
+            return None
+        self._loss_unmeasured = False
+        return self._allowance.highest(ladder)
+
+    def _log_decision(
+        self, chosen: dict[Link, int], budget: float, held: bool, ceiling: int | None
+    ) -> None:
         """One line per change of levels: the round it was decided at, the budget and where it
         came from, and each link's level with the settled estimate the floor was taken from
-        (`held`: every level is the lowest until `hold_lowest_until`)."""
+        (`held`: every level is the lowest until `hold_lowest_until`; `ceiling`: the highest the
+        training loss allows)."""
         if self._rate is None or not decisions_log.isEnabledFor(logging.INFO):
             return
         estimated = self._rate.estimated
@@ -568,12 +601,15 @@ class Coordinator:
         )
         decisions_log.info(
             "coordinator: levels decided at round %d: budget %.1f ms (floor %.1f ms: the "
-            "slowest link at the lowest level); %s%s",
+            "slowest link at the lowest level); %s%s%s",
             self._lead,
             1e3 * budget,
             1e3 * self._rate.floor_s,
             links,
             f" (held at the lowest level until round {self.hold_lowest_until})" if held else "",
+            ""
+            if ceiling is None
+            else f" (at most level {ceiling}: the training loss fell {self._allowance.ratio:.2f}x)",
         )
 
     def _plan(self) -> tuple[TensorGroup, ...]:

@@ -31,6 +31,7 @@ MAX_NAMES_CHARS = 1 << 20  # characters of all parameter names of one report
 MAX_SIGNATURE_CHARS = 128  # a model signature (models.model_signature: 64 hex digits)
 MAX_SAMPLES_PER_LINK = 64  # transfers of one link in one report
 MAX_SECONDS = 86_400.0  # a measured time beyond a day is a lie or a bug
+MAX_LOSS = 1e6  # a training loss (cross-entropy: nats) beyond this is a lie or a diverged run
 MAX_LEVELS = 64  # levels of one ladder in a report
 MAX_MARGIN = 10_000  # rounds ahead a schedule may be published at most
 # a reported round or epoch leaves room for what the coordinator publishes above it
@@ -65,6 +66,8 @@ class MemberReport:
     joining: bool = False  # waits to be admitted by a schedule newer than `epoch`
     refused_epoch: int = 0  # the newest schedule it refused as unusable (0: none)
     late_epoch: int = 0  # the newest schedule that reached it after its round (0: none)
+    initial_loss: float = 0.0  # its first round's training loss (0: not measured)
+    loss: float = 0.0  # its recent rounds' mean training loss (0: not measured)
 
 
 def _level_costs(request: cpb.PeerReport) -> LevelCosts | None:
@@ -223,4 +226,8 @@ def check_report(topology: Topology, request: cpb.PeerReport) -> MemberReport:
         late_epoch=checked_integer(
             "late_epoch", request.late_epoch, 0, MAX_REPORTED_EPOCH, _invalid
         ),
+        initial_loss=checked_number(
+            "initial_loss", request.initial_loss, 0.0, MAX_LOSS, error=_invalid
+        ),
+        loss=checked_number("loss", request.loss, 0.0, MAX_LOSS, error=_invalid),
     )

@@ -222,7 +222,9 @@ class PeerTrainer:
             self._await_admission()
             return
         for _ in range(config.steps_at(before + 1) - steps):
-            local_step(peer.model, self.optimizer, self.stream.next_batch())
+            loss = local_step(peer.model, self.optimizer, self.stream.next_batch())
+            if self.coordinator is not None:
+                self.coordinator.observe_loss(loss)
             peer.note_local_step()  # the drift correction's share, when there is one
         # once a round suffices: received NaN/Inf is refused at the door, and anything gossip
         # itself overflowed to is caught after the next local steps

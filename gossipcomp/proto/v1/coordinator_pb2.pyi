@@ -69,7 +69,7 @@ class LinkSamples(_message.Message):
     def __init__(self, neighbour: _Optional[int] = ..., bytes: _Optional[_Iterable[int]] = ..., seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PeerReport(_message.Message):
-    __slots__ = ("protocol_version", "sender", "topology_hash", "model_signature", "round", "schedule_epoch", "compute_seconds", "compressor_fixed_seconds", "compressor_element_seconds", "compressor", "tensors", "links", "sends", "level_costs", "exchanges_per_round", "critical", "joining", "refused_epoch", "late_epoch")
+    __slots__ = ("protocol_version", "sender", "topology_hash", "model_signature", "round", "schedule_epoch", "compute_seconds", "compressor_fixed_seconds", "compressor_element_seconds", "compressor", "tensors", "links", "sends", "level_costs", "exchanges_per_round", "critical", "joining", "refused_epoch", "late_epoch", "initial_loss", "loss")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,8 @@ class PeerReport(_message.Message):
     JOINING_FIELD_NUMBER: _ClassVar[int]
     REFUSED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LATE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     sender: int
     topology_hash: str
@@ -108,7 +110,9 @@ class PeerReport(_message.Message):
     joining: bool
     refused_epoch: int
     late_epoch: int
-    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., round: _Optional[int] = ..., schedule_epoch: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., compressor_fixed_seconds: _Optional[float] = ..., compressor_element_seconds: _Optional[float] = ..., compressor: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSize, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkSamples, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[LinkSamples, _Mapping]]] = ..., level_costs: _Optional[_Iterable[_Union[LevelCost, _Mapping]]] = ..., exchanges_per_round: _Optional[int] = ..., critical: _Optional[bool] = ..., joining: _Optional[bool] = ..., refused_epoch: _Optional[int] = ..., late_epoch: _Optional[int] = ...) -> None: ...
+    initial_loss: float
+    loss: float
+    def __init__(self, protocol_version: _Optional[int] = ..., sender: _Optional[int] = ..., topology_hash: _Optional[str] = ..., model_signature: _Optional[str] = ..., round: _Optional[int] = ..., schedule_epoch: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., compressor_fixed_seconds: _Optional[float] = ..., compressor_element_seconds: _Optional[float] = ..., compressor: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSize, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkSamples, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[LinkSamples, _Mapping]]] = ..., level_costs: _Optional[_Iterable[_Union[LevelCost, _Mapping]]] = ..., exchanges_per_round: _Optional[int] = ..., critical: _Optional[bool] = ..., joining: _Optional[bool] = ..., refused_epoch: _Optional[int] = ..., late_epoch: _Optional[int] = ..., initial_loss: _Optional[float] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ("has_schedule", "schedule", "earlier")

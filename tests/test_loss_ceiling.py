@@ -1,0 +1,205 @@
+"""Link levels follow the training loss (AdaComm's rule carried to ranks, levels/progress.py).
+
+The peer's loss window, the coordinator's allowance (grows only, the median over the members so
+one peer's word cannot raise it), the ceiling it puts on the rate controller's levels (a rung
+at a time as the loss falls), the checks on the reported losses, the flags, and a real
+`simulate` whose trainer reports the losses the ceiling is taken from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+
+import grpc
+import pytest
+
+from gossipcomp.cli import build_parser, main
+from gossipcomp.cli.coordinator import make_coordinator
+from gossipcomp.coordinator import Coordinator, ReportRefused
+from gossipcomp.levels.progress import LossAllowance, LossWindow
+from gossipcomp.levels.rate import LevelCosts
+from gossipcomp.proto.v1 import coordinator_pb2 as cpb
+from gossipcomp.topology import build_topology
+from gossipcomp.transport.base import PROTOCOL_VERSION
+
+RING4 = build_topology("ring", n=4)
+LADDER = LevelCosts({1: 1_000, 2: 2_000, 4: 4_000, 8: 8_000, 16: 16_000}, exchanges_per_round=1)
+LINKS = [(0, 1), (0, 3), (1, 2), (2, 3)]
+
+
+def test_the_window_keeps_the_first_rounds_loss_and_the_mean_of_the_last_rounds():
+    window = LossWindow(rounds=3)
+    assert (window.initial, window.recent) == (0.0, 0.0)
+    window.end_round()  # a round without local steps (a peer awaiting admission): nothing
+    assert window.initial == 0.0
+    for step_losses in ([2.0, 4.0], [2.0], [1.0], [0.5], [math.nan, -1.0, math.inf]):
+        for loss in step_losses:
+            window.observe(loss)
+        window.end_round()
+    assert window.initial == 3.0  # the first round's mean, kept
+    assert window.recent == pytest.approx((2.0 + 1.0 + 0.5) / 3)  # the last 3 rounds with steps
+
+
+@pytest.mark.parametrize(
+    ("ratio", "level"), [(1.0, 1), (3.99, 1), (4.0, 2), (15.9, 2), (16.0, 4), (1e6, 16)]
+)
+def test_each_rung_up_the_ladder_needs_another_fourfold_fall_of_the_loss(ratio, level):
+    """Rank (a rung's doubling) grows as sqrt(F_0 / F_t): rung k needs a fall of 4^k, and the
+    top of the ladder caps it."""
+    allowance = LossAllowance()
+    assert allowance.update([2.0], [2.0 / ratio])
+    assert allowance.highest(LADDER) == level
+
+
+def test_the_allowance_only_grows_and_needs_every_member_measured():
+    allowance = LossAllowance()
+    assert allowance.update([2.0, 2.0, 2.0], [0.5, 0.5, 0.5]) and allowance.ratio == 4.0
+    assert allowance.update([2.0, 2.0, 2.0], [1.5, 1.8, 2.2])  # noise, or a rise: kept at 4
+    assert allowance.ratio == 4.0
+    assert not allowance.update([2.0, 0.0, 2.0], [0.1, 0.1, 0.1])  # peer 1 measured nothing
+    assert allowance.ratio == 4.0
+
+
+def test_one_peer_claiming_a_tiny_loss_does_not_raise_the_allowance():
+    """The attack: a forged report's loss of 1e-9 (a ratio of 2e9) among three honest peers
+    whose loss has not fallen; the median is an honest peer's, so no link may rise."""
+    allowance = LossAllowance()
+    assert allowance.update([2.0, 2.0, 2.0, 1e6], [1e-9, 2.0, 2.0, 2.0])
+    assert allowance.ratio == 1.0 and allowance.highest(LADDER) == 1
+
+
+def _report(sender: int, round: int, loss: float, initial: float = 2.0) -> cpb.PeerReport:
+    """A ring4 peer's report: a 5-level ladder, sends at 1e-6 s per byte to both neighbours
+    (level 8 takes 8 ms: the most that fits a 10 ms budget), and its training loss."""
+    return cpb.PeerReport(
+        protocol_version=PROTOCOL_VERSION,
+        sender=sender,
+        topology_hash=RING4.hash,
+        model_signature="m",
+        round=round,
+        level_costs=[cpb.LevelCost(level=x, bytes_per_round=1000 * x) for x in LADDER.levels],
+        exchanges_per_round=1,
+        sends=[
+            cpb.LinkSamples(neighbour=j, bytes=[1000, 8000], seconds=[0.001, 0.008])
+            for j in RING4.neighbors(sender)
+        ],
+        initial_loss=initial,
+        loss=loss,
+    )
+
+
+def _levels(coordinator: Coordinator) -> dict[tuple[int, int], int]:
+    return {(x.low, x.high): x.level for x in coordinator.published[-1].links}
+
+
+def test_links_start_at_the_lowest_level_and_rise_a_rung_at_a_time_as_the_loss_falls(caplog):
+    """The budget allows level 8 from the first decision (tests/test_adaptive.py); while the
+    loss has not fallen every link stays at 1. A fourfold fall allows 2, a sixteenfold 4: the
+    links rise to the ceiling by the controller's own steps (it is told the ceiling's level is
+    in force, so each rung waits for its repeated proposals) and never above it, and a loss
+    that rises again lowers nothing."""
+    coordinator = Coordinator(RING4, report_every=1, adaptive=True, round_budget=0.01)
+    schedule = [(r, 2.0, 1) for r in range(4, 10)] + [(r, 0.5, 2) for r in range(10, 16)]
+    schedule += [(r, 0.125, 4) for r in range(16, 26)] + [(r, 1.9, 4) for r in range(26, 30)]
+    seen = []
+    with caplog.at_level(logging.INFO, logger="gossipcomp.coordinator.levels"):
+        for round, loss, ceiling in schedule:
+            for rank in range(4):
+                coordinator.receive(_report(rank, round, loss))
+            levels = set(_levels(coordinator).values())
+            assert max(levels) <= ceiling, (round, levels)
+            seen.append((round, levels))
+    assert dict(seen)[9] == {1} and dict(seen)[15] == {2}
+    assert dict(seen)[25] == dict(seen)[29] == {4}  # at the ceiling, and kept when loss rises
+    lines = [r.getMessage() for r in caplog.records if r.name == "gossipcomp.coordinator.levels"]
+    assert "(at most level 1: the training loss fell 1.00x)" in lines[0]
+    assert any("(at most level 2: the training loss fell 4.00x)" in line for line in lines)
+    assert "(at most level 4: the training loss fell 16.00x)" in lines[-1]
+
+
+def test_a_forged_loss_from_one_peer_raises_no_link():
+    """One peer of four reports a loss of 1e-9 every decision; the others' has not fallen."""
+    coordinator = Coordinator(RING4, report_every=1, adaptive=True, round_budget=0.01)
+    for round in range(4, 8):
+        for rank in range(4):
+            coordinator.receive(_report(rank, round, 1e-9 if rank == 0 else 2.0))
+    assert _levels(coordinator) == dict.fromkeys(LINKS, 1)
+
+
+def test_without_losses_the_budget_alone_decides_and_the_coordinator_says_so_once(caplog):
+    """A loop of one's own that never calls observe_loss: the ceiling cannot apply, levels are
+    the budget's (8), and one warning names the peers that report no loss."""
+    coordinator = Coordinator(RING4, report_every=1, adaptive=True, round_budget=0.01)
+    with caplog.at_level(logging.WARNING, logger="gossipcomp.coordinator"):
+        for round in (4, 5, 6):
+            for rank in range(4):
+                coordinator.receive(_report(rank, round, 0.0, initial=0.0))
+    assert _levels(coordinator) == dict.fromkeys(LINKS, 8)
+    warnings = [r.getMessage() for r in caplog.records if "not capped" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "peers 0, 1, 2, 3 report none" in warnings[0]
+
+
+def test_follow_loss_off_lets_the_budget_decide_alone():
+    coordinator = Coordinator(
+        RING4, report_every=1, adaptive=True, round_budget=0.01, follow_loss=False
+    )
+    for rank in range(4):
+        coordinator.receive(_report(rank, 4, 2.0))
+    assert _levels(coordinator) == dict.fromkeys(LINKS, 8)
+
+
+@pytest.mark.parametrize("field", ["loss", "initial_loss"])
+@pytest.mark.parametrize("value", [-1.0, math.nan, math.inf, 1e7])
+def test_a_loss_out_of_range_is_refused_naming_the_field(field, value):
+    coordinator = Coordinator(RING4, report_every=1, adaptive=True)
+    report = _report(0, 4, 1.0)
+    setattr(report, field, value)
+    with pytest.raises(ReportRefused, match=f"^{field}: expected a finite number") as refused:
+        coordinator.receive(report)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert not coordinator.published  # nothing of the refused report was taken
+
+
+def test_the_command_line_turns_the_ceiling_off_only_with_adaptive(capsys):
+    parse = build_parser("coordinator").parse_args
+    on = parse(["coordinator", "--topology", "ring4", "--adaptive"])
+    off = parse(["coordinator", "--topology", "ring4", "--adaptive", "--no-follow-loss"])
+    assert make_coordinator(on, RING4).follow_loss
+    assert not make_coordinator(off, RING4).follow_loss
+    with pytest.raises(ValueError, match="--no-follow-loss: expected --adaptive"):
+        make_coordinator(parse(["coordinator", "--topology", "ring4", "--no-follow-loss"]), RING4)
+    argv = ["simulate", "--adaptive", "--no-coordinator", "--no-follow-loss", "--rounds", "1"]
+    assert main(argv) == 2
+    assert "--no-follow-loss works through a coordinator" in capsys.readouterr().err
+
+
+def test_simulate_reports_the_training_loss_and_no_link_rises_above_its_ceiling(tmp_path, caplog):
+    """A real `simulate` with an adaptive coordinator and a budget every level fits: the
+    trainer's losses reach the coordinator (its decisions name a fall above 1), and every
+    level published is at most the ceiling of the decision that published it."""
+    path = tmp_path / "report.json"
+    argv = ["--topology", "ring4", "--adaptive", "--report-every", "1", "--round-budget", "100"]
+    argv += ["--rounds", "30", "--workers", "1", "--eval-every", "0", "--report", str(path)]
+    with caplog.at_level(logging.INFO, logger="gossipcomp.coordinator"):
+        assert main(["simulate", "--quiet", *argv]) == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "gossipcomp.coordinator.levels"]
+    assert lines, "no decision of levels"
+    assert not any("not capped" in r.getMessage() for r in caplog.records)
+    falls, ceilings = [], []
+    for line in lines:
+        found = re.search(r"at most level (\d+): the training loss fell ([\d.]+)x", line)
+        assert found, line
+        levels = [int(x) for x in re.findall(r"\d-\d level (\d+)", line)]
+        assert levels and max(levels) <= int(found[1]), line
+        ceilings.append(int(found[1]))
+        falls.append(float(found[2]))
+    assert falls == sorted(falls) and falls[-1] > 1.0, falls
+    report = json.loads(path.read_text())
+    assert report["link_levels"], "no level in force at the peers"
+    in_force = {int(c["level"].removeprefix("rank=")) for c in report["link_levels"]}
+    assert max(in_force) <= max(ceilings), (in_force, ceilings)
+    assert report["mismatched_epoch_exchanges"] == 0
