@@ -128,6 +128,9 @@ class Workload:
     # with a coordinator: every link at the lowest level until this round (0: no hold;
     # `gossipcomp coordinator --hold-lowest-until`)
     hold_lowest_until: int = 0
+    # with a coordinator: levels capped by the training loss's fall (the default since stop 51;
+    # False: `--no-follow-loss`, the budget alone)
+    follow_loss: bool = True
     round_timeout: float = 60.0
     # declared before run 10: the digits split of 2026-11-26 ends every fixed rank at 0.91-0.94
     # and D-PSGD at 0.945 (run 9), so 0.95 was above where most configurations end; 0.94 is
@@ -408,6 +411,7 @@ class ShapedRunner:
         processes: list[tuple[str, subprocess.Popen]] = []
         budget = [] if w.round_budget is None else ["--round-budget", f"{w.round_budget:g}"]
         hold = ["--hold-lowest-until", str(w.hold_lowest_until)] if w.hold_lowest_until else []
+        hold += [] if w.follow_loss else ["--no-follow-loss"]
         try:
             flags = list(configuration.algorithm_flags)
             if configuration.adaptive and configuration.coordinator:
@@ -550,8 +554,11 @@ class ThrottledRunner:
             argv += ["--adaptive", "--report-every", "1"]
             if not configuration.coordinator:
                 argv.append("--no-coordinator")
-            elif w.hold_lowest_until:
-                argv += ["--hold-lowest-until", str(w.hold_lowest_until)]
+            else:
+                if w.hold_lowest_until:
+                    argv += ["--hold-lowest-until", str(w.hold_lowest_until)]
+                if not w.follow_loss:
+                    argv.append("--no-follow-loss")
             if w.round_budget is not None:
                 argv += ["--round-budget", f"{w.round_budget:g}"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
@@ -1014,6 +1021,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         metavar="ROUND", help="passed to the coordinator of `adaptive` and "
                         "`choco-adaptive`: links held at the lowest level until this round "
                         "(0: no hold)")  # fmt: skip
+    parser.add_argument("--no-follow-loss", dest="follow_loss", action="store_false",
+                        help="passed to the coordinator of `adaptive` and `choco-adaptive`: "
+                        "levels not capped by the training loss (the budget alone)")  # fmt: skip
     parser.add_argument("--round-timeout", type=float, default=d.round_timeout)
     parser.add_argument("--keep", type=Path, help="keep each run's reports and logs in "
                         "KEEP/NAME-REPEAT (a new folder) instead of a temporary one")  # fmt: skip
@@ -1058,6 +1068,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         problems.append(f"--hold-lowest-until: expected a configuration with a coordinator in "
                         f"--configs ({', '.join(sorted(COORDINATED))}): no other has one to hold "
                         "the levels")  # fmt: skip
+    if not args.follow_loss and not COORDINATED.intersection(args.configs):
+        problems.append(f"--no-follow-loss: expected a configuration with a coordinator in "
+                        f"--configs ({', '.join(sorted(COORDINATED))})")  # fmt: skip
     for mbit in args.rates:
         try:
             shaped_links.check_mbit(mbit, "--rates")
@@ -1075,7 +1088,8 @@ def workload_of(args: argparse.Namespace) -> Workload:
         model=args.model, dataset=args.dataset, partition=args.partition, lr=args.lr,
         batch_size=args.batch_size, seed=args.seed, eval_every=args.eval_every,
         settle_rounds=args.settle_rounds, round_budget=args.round_budget,
-        hold_lowest_until=args.hold_lowest_until, round_timeout=args.round_timeout, target=args.target,
+        hold_lowest_until=args.hold_lowest_until, follow_loss=args.follow_loss,
+        round_timeout=args.round_timeout, target=args.target,
         choco_target=args.choco_target, target_window=args.target_window,
     )  # fmt: skip
 

@@ -345,15 +345,17 @@ def test_a_hold_publishes_the_lowest_level_until_its_round_then_rises_step_by_st
     """`hold_lowest_until`: decisions before that round publish every link at the ladder's
     lowest level (said in the decision's line), a critical peer's too (no boost while held).
     Without the hold the first decision puts every link at level 8 (what fits the 10 ms budget
-    here: the test below); with it the controller is told the lowest level is in force, so
-    from the hold's round each link rises one rung a step (2, then 4; a boosted one a rung
-    above), never straight to a level its sends never tried."""
+    here: the test below); with it the controller proposes nothing above the lowest level,
+    so from the hold's round each link rises one rung at a time, each after its repeated
+    proposals, three decisions a rung (2 at round 10, 4 at 13; a boosted one a rung above from
+    the hold's end), never
+    straight to a level its sends never tried."""
     coordinator = Coordinator(
         RING4, report_every=1, adaptive=True, round_budget=0.01, boost=True, hold_lowest_until=7
     )
     published = {}
     with caplog.at_level(logging.INFO, logger="gossipcomp.coordinator.levels"):
-        for round in range(4, 12):
+        for round in range(4, 14):
             for rank in range(4):
                 report = _report(rank, critical=rank == 2)
                 report.round = round
@@ -363,8 +365,9 @@ def test_a_hold_publishes_the_lowest_level_until_its_round_then_rises_step_by_st
     lowest = dict.fromkeys([(0, 1), (0, 3), (1, 2), (2, 3)], LADDER.levels[0])
     assert levels[4] == levels[5] == levels[6] == lowest
     assert published[4] is published[6]  # the held levels, published once
-    assert levels[7] == {(0, 1): 2, (0, 3): 2, (1, 2): 4, (2, 3): 4}  # peer 2's boosted
-    assert levels[11] == {(0, 1): 4, (0, 3): 4, (1, 2): 8, (2, 3): 8}
+    assert levels[7] == levels[9] == {(0, 1): 1, (0, 3): 1, (1, 2): 2, (2, 3): 2}  # boosted
+    assert levels[10] == levels[12] == {(0, 1): 2, (0, 3): 2, (1, 2): 4, (2, 3): 4}
+    assert levels[13] == {(0, 1): 4, (0, 3): 4, (1, 2): 8, (2, 3): 8}
     lines = [r.getMessage() for r in caplog.records if r.name == "gossipcomp.coordinator.levels"]
     assert "held at the lowest level until round 7" in lines[0]
     assert not any("held" in line for line in lines[1:]), lines

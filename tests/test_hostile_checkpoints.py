@@ -163,6 +163,14 @@ def test_a_file_bigger_than_the_model_allows_is_refused_before_any_read(
             lambda state: state["history"][0].update(test_loss="2.5"),
             "history: [0] test_loss: expected a finite number",
         ),
+        (
+            lambda state: state["losses"].update(initial=math.nan),
+            "losses: initial: expected a finite number",
+        ),
+        (
+            lambda state: state["losses"].update(rounds=[1.0] * 11),
+            "losses: rounds: expected a list of at most 10 losses",
+        ),
     ],
 )
 def test_a_bad_part_of_the_newest_checkpoint_falls_back_to_the_previous(

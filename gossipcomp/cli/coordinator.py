@@ -70,13 +70,13 @@ def add_coordinator_flags(group: argparse._ActionsContainer) -> None:
         "(docs/benchmarks.md); no --boost while held; 0 (default): no hold",
     )
     group.add_argument(
-        "--follow-loss",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="with --adaptive: no link above what the fall of the peers' training loss allows "
-        "(AdaComm's rule: the lowest level's bytes times sqrt(first loss / recent loss), the "
-        "median over the peers), so links start at the lowest level and rise as training "
-        "comes to need the bytes; --no-follow-loss: the bandwidth budget alone sets levels",
+        "--no-follow-loss",
+        dest="follow_loss",
+        action="store_false",
+        help="with --adaptive: the bandwidth budget alone sets levels (default: no link above "
+        "what the fall of the peers' training loss allows, AdaComm's rule in ladder rungs: "
+        "rung k, from 0 at the lowest, once the peers' median loss fell 4^k-fold from their "
+        "first, so links start at the lowest level and rise as training comes to need them)",
     )
     group.add_argument(
         "--boost",

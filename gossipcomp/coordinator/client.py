@@ -93,7 +93,9 @@ class CoordinatorClient:
         self._pending: Future[cpb.ReportReply] | None = None
         self._unreachable = False
         self.phase = CriticalPhase()  # reported: the coordinator may boost a critical peer
-        self.losses = LossWindow()  # reported: an adaptive coordinator caps levels by them
+        # reported: an adaptive coordinator caps levels by them (a trainer hands in its own
+        # window, kept in its checkpoints: PeerTrainer.attach)
+        self.losses = LossWindow()
         self.refused: list[str] = []  # why schedules were refused, once per epoch
         self._refused_epoch: int | None = None
         self._unusable_epoch = 0  # reported: the newest refused
@@ -108,8 +110,9 @@ class CoordinatorClient:
             )
 
     def observe_loss(self, loss: float) -> None:
-        """Note one local step's minibatch loss (an adaptive coordinator raises levels as the
-        loss falls, levels/progress.py; a loop that never calls this leaves them uncapped)."""
+        """Note one local step's minibatch loss, 0 to 1e6 (an adaptive coordinator raises
+        levels as the loss falls, levels/progress.py; a loss outside that range is not counted,
+        and while most peers' loops never call this, levels are not capped)."""
         self.losses.observe(loss)
 
     def after_round(self) -> None:

@@ -42,11 +42,12 @@ groups and the new levels. With `boost`, the links of a peer that reports a crit
 phase (Accordion: a layer's gradient norm changed by half or more between windows of rounds,
 schedule/critical.py) go one level above the controller's choice while the phase lasts. With
 `follow_loss` (the default) no link goes above what the fall of the training loss allows
-(AdaComm's rule carried to bytes, levels/progress.py: the lowest level's bytes times
-sqrt(F_0 / F_t), F the median of the members' reported losses), so links start at the lowest
-level and rise as training comes to need the bytes; where some member reports no loss (a loop
-of one's own that does not call `observe_loss`) the ceiling does not apply, and the decision
-log says so once.
+(AdaComm's sqrt(F_0 / F_t) carried to ladder rungs, levels/progress.py: rung k, from 0 at the
+lowest, needs a 4^k-fold fall of the members' median loss), so links start at the lowest
+level and rise as training comes to need the bytes (past the ceiling each link still rises a
+rung at a time; `boost` may put a critical peer's links one rung above it); until a majority of
+the members report a loss (a loop of one's own that does not call `observe_loss`) the ceiling
+does not apply, and the coordinator's log says so once.
 
 Plans and levels wait while MAX_STAGED - 1 schedules wait for their round, so a peer never has
 to refuse the newest (it holds at most MAX_STAGED waiting); changes of members do not (they
@@ -118,6 +119,7 @@ log = logging.getLogger("gossipcomp.coordinator")  # the name it had as one modu
 # shows them): the budget, its floor and every link's estimate
 decisions_log = logging.getLogger("gossipcomp.coordinator.levels")
 
+MAX_NAMED_PEERS = 16  # peers a warning names (a network of thousands: the first 16, then ...)
 ADAPTIVE_PLANNER = "adaptive"  # the planner label of schedules that change link levels
 CALM_MARGINS = 32  # margins of rounds with no schedule missed before a raised margin halves
 MAX_CALM_MARGINS = 32 * CALM_MARGINS  # the most that calm grows to after misses that follow it
@@ -181,7 +183,7 @@ class Coordinator:
             )
         self.follow_loss = follow_loss
         self._allowance = LossAllowance()  # the ceiling the loss allows (`follow_loss`)
-        self._loss_unmeasured = False  # a member reported no loss (said once)
+        self._loss_unmeasured = False  # no majority reported a loss yet (said once)
         self.round_budget = round_budget
         for field, value in (("report_every", report_every), ("replan_every", replan_every)):
             checked_integer(field, value, 1, 10**6)
@@ -543,14 +545,19 @@ class Coordinator:
                 sends.setdefault(edge_of(member.rank, j), []).append(samples)
         if self._rate is None or self._rate.costs != ladder:
             self._rate = RateController(ladder)
-        self._base = self._rate.update(self._base, sends, budget)
         held = self._lead < self.hold_lowest_until
-        if held:  # a warm-up at the cheapest level: the controller is told it is in force, so
-            # that after the hold each link rises from it step by step, each step measured,
-            # never straight to a level its sends never tried (nor boosted meanwhile)
-            self._base = dict.fromkeys(self._base, ladder.levels[0])
-        ceiling = None if held or not self.follow_loss else self._loss_ceiling(reports, ladder)
-        if ceiling is not None:  # told to the controller too: above it, a rung at a time
+        # a warm-up at the cheapest level, or the rung the training loss allows: the controller
+        # proposes nothing above it, so past it each link rises from it step by step, each
+        # step measured, never straight to a level its sends never tried (no boost while held)
+        ceiling = (
+            ladder.levels[0]
+            if held
+            else self._loss_ceiling(reports, ladder)
+            if self.follow_loss
+            else None
+        )
+        self._base = self._rate.update(self._base, sends, budget, top=ceiling)
+        if ceiling is not None:  # a level set before the ceiling was (a restarted controller)
             self._base = {key: min(level, ceiling) for key, level in self._base.items()}
         budget = self._rate.budget_s or budget  # what the levels fit: at least the slowest link's
         critical = {m.rank for m in reports if m.critical} if self.boost and not held else set()
@@ -560,24 +567,34 @@ class Coordinator:
         }
         if chosen == current:
             return
-        self._log_decision(chosen, budget, held, ceiling)
+        self._log_decision(chosen, budget, held, None if held else ceiling)
         links = tuple(LinkLevel(a, b, level) for (a, b), level in sorted(chosen.items()))
         self._publish(newest.groups if newest else (), ADAPTIVE_PLANNER, links, budget)
 
     def _loss_ceiling(self, reports: Sequence[MemberReport], ladder: LevelCosts) -> int | None:
-        """The highest level the fall of the members' training loss allows (levels/progress.py);
-        None, said once, while some member reports no loss."""
-        if not self._allowance.update([m.initial_loss for m in reports], [m.loss for m in reports]):
-            if not self._loss_unmeasured:
-                log.warning(
-                    "coordinator: levels not capped by the training loss: peers %s report none "
-                    "(a loop of one's own calls CoordinatorClient.observe_loss)",
-                    ", ".join(str(m.rank) for m in reports if m.initial_loss <= 0 or m.loss <= 0),
-                )
+        """The highest level the fall of the members' training loss allows (levels/progress.py:
+        the members that report both losses count, once a majority; a member awaiting its
+        admission does not). None until a majority ever has, said once: the budget alone sets
+        the levels then."""
+        reporting = [
+            (m.initial_loss, m.loss)
+            for m in reports
+            if not m.joining and m.initial_loss > 0 and m.loss > 0
+        ]
+        self._allowance.update(reporting, len(reports))
+        if self._allowance.measured:
+            return self._allowance.highest(ladder)
+        if not self._loss_unmeasured:
+            silent = [m.rank for m in reports if m.joining or m.initial_loss <= 0 or m.loss <= 0]
+            log.warning(
+                "coordinator: levels not capped by the training loss: peers %s (of %d) report "
+                "none; a majority must (a loop of one's own calls CoordinatorClient.observe_loss)",
+                ", ".join(map(str, silent[:MAX_NAMED_PEERS]))
+                + (" ..." if len(silent) > MAX_NAMED_PEERS else ""),
+                len(reports),
+            )
             self._loss_unmeasured = True
-            return None
-        self._loss_unmeasured = False
-        return self._allowance.highest(ladder)
+        return None
 
     def _log_decision(
         self, chosen: dict[Link, int], budget: float, held: bool, ceiling: int | None

@@ -17,6 +17,7 @@ import grpc
 from gossipcomp.compress import parse_spec
 from gossipcomp.inputs.numbers import checked_integer, checked_number
 from gossipcomp.inputs.text import quoted
+from gossipcomp.levels.progress import MAX_LOSS
 from gossipcomp.levels.rate import MAX_LEVEL, LevelCosts
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule import CompressorCost, TensorInfo
@@ -31,7 +32,6 @@ MAX_NAMES_CHARS = 1 << 20  # characters of all parameter names of one report
 MAX_SIGNATURE_CHARS = 128  # a model signature (models.model_signature: 64 hex digits)
 MAX_SAMPLES_PER_LINK = 64  # transfers of one link in one report
 MAX_SECONDS = 86_400.0  # a measured time beyond a day is a lie or a bug
-MAX_LOSS = 1e6  # a training loss (cross-entropy: nats) beyond this is a lie or a diverged run
 MAX_LEVELS = 64  # levels of one ladder in a report
 MAX_MARGIN = 10_000  # rounds ahead a schedule may be published at most
 # a reported round or epoch leaves room for what the coordinator publishes above it

@@ -31,6 +31,7 @@ from gossipcomp.experiment.restore import (
 )
 from gossipcomp.experiment.setup import peer_examples, static_schedule
 from gossipcomp.inputs.text import quoted
+from gossipcomp.levels.progress import LossWindow
 from gossipcomp.peer import Peer
 from gossipcomp.transport.codec import all_finite
 from gossipcomp.workload.checkpoint import CheckpointStore, LoadedCheckpoint
@@ -84,7 +85,9 @@ class PeerTrainer:
         self.config = config
         self.store = store
         self.checkpoint_every = checkpoint_every
-        self.coordinator = coordinator
+        self.losses = LossWindow()  # the training loss a coordinator hears (checkpointed)
+        self.coordinator: CoordinatorClient | None = None
+        self.attach(coordinator)
         x, y = peer_examples(data, peer.topology, peer.rank, config)
         self.stream = BatchStream(x, y, config.batch_size, config.seed, peer.rank)
         self.optimizer = make_optimizer(peer.model, config.lr, config.momentum)
@@ -94,6 +97,14 @@ class PeerTrainer:
         if schedule is not None and peer.round < schedule.effective_round:
             peer.apply(schedule)  # a restored checkpoint brings its own schedules back
 
+    def attach(self, coordinator: CoordinatorClient | None) -> None:
+        """Report to `coordinator` after every round (None: to none), with this trainer's
+        training losses: restored with a checkpoint, so a restored peer does not report its
+        trained model's loss as its first (levels/progress.py)."""
+        self.coordinator = coordinator
+        if coordinator is not None:
+            coordinator.losses = self.losses
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "peer": self.peer.state_dict(),
@@ -101,6 +112,7 @@ class PeerTrainer:
             "stream": self.stream.state_dict(),
             "history": [asdict(c) for c in self.history],
             "config": self.config.to_dict(),
+            "losses": self.losses.state_dict(),
         }
 
     def restore(self) -> int | None:
@@ -153,7 +165,7 @@ class PeerTrainer:
         """
         path, state = loaded.path, loaded.state
         with _part(path, "state"):
-            _require_keys(state, {"peer", "optimizer", "stream", "history"}, {"config"})
+            _require_keys(state, {"peer", "optimizer", "stream", "history"}, {"config", "losses"})
         with _part(path, "config"):
             saved_config = _saved_config(state.get("config", {}))
         saved, mine = _identity(saved_config), _identity(self.config.to_dict())
@@ -183,9 +195,15 @@ class PeerTrainer:
             stream.load_state_dict(state["stream"])
         with _part(path, "history"):
             history = _history(state["history"], loaded.round, self.config)
+        losses = LossWindow()  # a checkpoint from before losses were kept: none measured
+        with _part(path, "losses"):
+            if "losses" in state:
+                losses.load_state_dict(state["losses"])
         with _part(path, "peer"):
             self.peer.load_state_dict(peer_state)
         self.optimizer, self.stream, self.history = scratch, stream, history
+        self.losses = losses
+        self.attach(self.coordinator)
 
     def run(
         self,
@@ -222,13 +240,12 @@ class PeerTrainer:
             self._await_admission()
             return
         for _ in range(config.steps_at(before + 1) - steps):
-            loss = local_step(peer.model, self.optimizer, self.stream.next_batch())
-            if self.coordinator is not None:
-                self.coordinator.observe_loss(loss)
+            self.losses.observe(local_step(peer.model, self.optimizer, self.stream.next_batch()))
             peer.note_local_step()  # the drift correction's share, when there is one
         # once a round suffices: received NaN/Inf is refused at the door, and anything gossip
         # itself overflowed to is caught after the next local steps
         _check_finite(peer, before + 1, "after the local steps")
+        self.losses.end_round()
         if self.coordinator is not None:
             self.coordinator.observe_gradients(peer.model)
         peer.gossip()

@@ -373,11 +373,14 @@ class RateController:
         current: Mapping[Link, int],
         sends: Mapping[Link, Sequence[Sequence[tuple[int, float]]]],
         budget_s: float,
+        top: int | None = None,
     ) -> dict[Link, int]:
         """New levels for every link (those without sends to estimate from keep theirs).
         `sends[link]` holds each direction's sends, oldest first; a link is as slow as its
         slower direction. A link's first level (none yet, or one off the ladder) jumps to
-        what fits with every second of its sends priced as bytes: it never overshoots."""
+        what fits with every second of its sends priced as bytes: it never overshoots. No
+        link is proposed above `top` (None: the ladder's top), so no raise past it is counted
+        or taken (a caller's ceiling: coordinator's hold, the training loss's allowance)."""
         self._decisions += 1
         chosen = dict(current)
         estimated: dict[Link, tuple[LinkCost, LinkCost, LinkCost]] = {}
@@ -412,7 +415,7 @@ class RateController:
         self.budget_s = self.round_budget(budget_s, floors)
         for key, (worst, settled, lenient) in estimated.items():
             chosen[key] = self._patient(
-                key, current.get(key), worst, settled, self.budget_s, lenient
+                key, current.get(key), worst, settled, self.budget_s, lenient, top
             )
         return chosen
 
@@ -523,8 +526,9 @@ class RateController:
         settled: LinkCost,
         budget_s: float,
         lenient: LinkCost,
+        top: int | None = None,
     ) -> int:
-        """`choose`, once the proposal has repeated enough (module docstring); at least one
+        """`choose` (no higher than `top`), once the proposal has repeated enough (module docstring); at least one
         level down from a level whose rounds as measured run over `MEASURED_OVER` x the budget
         (`_measured_over`); at once when going down from a level whose `settled` estimate (the
         whole window: most of its sends, not a short busy spell) is over `drop_at` x budget.
@@ -537,6 +541,9 @@ class RateController:
         ceiling = self.ceiling_bytes
         if ceiling is not None and key == self.floor_link and current in self.costs.bytes_per_round:
             ceiling = self.costs.bytes_per_round[current]
+        if top in self.costs.bytes_per_round:
+            top_bytes = self.costs.bytes_per_round[top]
+            ceiling = top_bytes if ceiling is None else min(ceiling, top_bytes)
         proposal = self.choose(current, cost, budget_s, lenient, ceiling)
         measured = self.measured_above.get(key)  # only for a level on the ladder above the lowest
         if measured is not None and current is not None:

@@ -76,7 +76,7 @@ def _trainer(
     if checkpoints is None:
         return PeerTrainer(peer, data, config, coordinator=coordinator)
     trainer = checkpoints.trainer(peer, data, config)
-    trainer.coordinator = coordinator
+    trainer.attach(coordinator)
     return trainer
 
 
