@@ -30,17 +30,40 @@ from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.gossip import Choco, GossipAlgorithm
 from gossipcomp.peer import Peer
 from gossipcomp.peer.links import Backoff
+from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.schedule.schedule import LinkLevel, Schedule
 from gossipcomp.topology import Topology
 from gossipcomp.transport.authentication import Authenticator
-from gossipcomp.transport.base import Envelope, EnvelopeRejected, Identity
+from gossipcomp.transport.base import PROTOCOL_VERSION, Envelope, EnvelopeRejected, Identity
 from gossipcomp.transport.grpc_transport import SERVICE_NAME, GrpcTransport
 from gossipcomp.transport.memory import Fault, InMemoryHub, InMemoryTransport
 from gossipcomp.transport.throttled import LinkRates, ThrottledTransport
 from gossipcomp.workload.models import build_mlp, model_signature
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def ladder_report(
+    topology: Topology, sender: int, round: int = 4, slower: float = 1.0, **fields: Any
+) -> cpb.PeerReport:
+    """A peer's report to an adaptive coordinator: a 5-level ladder (levels 1-16, 1 KB a round
+    per level) and sends at `slower` x 1 us a byte to every neighbour (level 8 takes 8 ms: the
+    most that fits a 10 ms budget), with any other PeerReport `fields`."""
+    return cpb.PeerReport(
+        protocol_version=PROTOCOL_VERSION,
+        sender=sender,
+        topology_hash=topology.hash,
+        model_signature="m",
+        round=round,
+        level_costs=[cpb.LevelCost(level=x, bytes_per_round=1000 * x) for x in (1, 2, 4, 8, 16)],
+        exchanges_per_round=1,
+        sends=[
+            cpb.LinkSamples(neighbour=j, bytes=[1000, 8000], seconds=[1e-3 * slower, 8e-3 * slower])
+            for j in topology.neighbors(sender)
+        ],
+        **fields,
+    )
 
 
 def mlp_models(n: int, hidden: int = 32, same: bool = False) -> list[torch.nn.Module]:

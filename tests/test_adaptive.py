@@ -19,6 +19,7 @@ from helpers import (
     assert_clean,
     assert_sum_kept,
     close_all,
+    ladder_report,
     levels_schedule,
     link_level_by_round,
     mlp_models,
@@ -323,22 +324,8 @@ def test_a_critical_phase_detector_refuses_bounds_out_of_range(bounds, expected)
 
 
 def _report(sender: int, critical: bool) -> cpb.PeerReport:
-    """A ring4 peer's report: a 5-level ladder, and sends at 1e-6 s per byte to both
-    neighbours (level 8 takes 8 ms: the most that fits a 10 ms budget)."""
-    return cpb.PeerReport(
-        protocol_version=PROTOCOL_VERSION,
-        sender=sender,
-        topology_hash=RING4.hash,
-        model_signature="m",
-        round=4,
-        level_costs=[cpb.LevelCost(level=x, bytes_per_round=1000 * x) for x in LADDER.levels],
-        exchanges_per_round=1,
-        sends=[
-            cpb.LinkSamples(neighbour=j, bytes=[1000, 8000], seconds=[0.001, 0.008])
-            for j in RING4.neighbors(sender)
-        ],
-        critical=critical,
-    )
+    """A ring4 peer's report at round 4 (helpers.ladder_report: level 8 fits a 10 ms budget)."""
+    return ladder_report(RING4, sender, critical=critical)
 
 
 def test_a_hold_publishes_the_lowest_level_until_its_round_then_rises_step_by_step(caplog):

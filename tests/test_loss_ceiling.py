@@ -16,6 +16,7 @@ import re
 import grpc
 import pytest
 from conftest import in_memory_trainers, run_in_threads
+from helpers import ladder_report
 
 from gossipcomp.cli import build_parser, main
 from gossipcomp.cli.coordinator import make_coordinator
@@ -25,7 +26,6 @@ from gossipcomp.levels.progress import LossAllowance, LossWindow
 from gossipcomp.levels.rate import LevelCosts
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.topology import build_topology
-from gossipcomp.transport.base import PROTOCOL_VERSION
 from gossipcomp.transport.memory import InMemoryHub
 
 RING4 = build_topology("ring", n=4)
@@ -111,24 +111,9 @@ def test_an_overflowing_fall_is_bounded_and_allows_the_top():
 def _report(
     sender: int, round: int, loss: float, initial: float = 2.0, critical: bool = False
 ) -> cpb.PeerReport:
-    """A ring4 peer's report: a 5-level ladder, sends at 1e-6 s per byte to both neighbours
-    (level 8 takes 8 ms: the most that fits a 10 ms budget), and its training loss."""
-    return cpb.PeerReport(
-        protocol_version=PROTOCOL_VERSION,
-        sender=sender,
-        topology_hash=RING4.hash,
-        model_signature="m",
-        round=round,
-        level_costs=[cpb.LevelCost(level=x, bytes_per_round=1000 * x) for x in LADDER.levels],
-        exchanges_per_round=1,
-        sends=[
-            cpb.LinkSamples(neighbour=j, bytes=[1000, 8000], seconds=[0.001, 0.008])
-            for j in RING4.neighbors(sender)
-        ],
-        initial_loss=initial,
-        loss=loss,
-        critical=critical,
-    )
+    """A ring4 peer's report (helpers.ladder_report: level 8 fits a 10 ms budget) with its
+    training losses."""
+    return ladder_report(RING4, sender, round, initial_loss=initial, loss=loss, critical=critical)
 
 
 def _levels(coordinator: Coordinator) -> dict[tuple[int, int], int]:

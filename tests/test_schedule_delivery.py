@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from conftest import build_network, reporting_rounds
+from helpers import ladder_report
 from torch import nn
 
 from gossipcomp.compress import parse_spec
@@ -31,7 +32,6 @@ from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.messages import schedule_to_proto
 from gossipcomp.schedule.schedule import MAX_STAGED, Schedule, ScheduleLate
 from gossipcomp.topology import build_topology
-from gossipcomp.transport.base import PROTOCOL_VERSION
 
 RING4 = build_topology("ring", n=4)
 LATE = 1  # the peer that does not report while the two schedules are published
@@ -212,22 +212,8 @@ def test_earlier_schedules_the_peer_already_holds_are_skipped_quietly(held):
 
 
 def _report(sender: int, round: int, epoch: int, slower: float) -> cpb.PeerReport:
-    """A ring4 peer's report at `round` holding `epoch`: a 5-level ladder (1 KB a round per
-    level) and sends at `slower` x 1 us a byte to both neighbours."""
-    return cpb.PeerReport(
-        protocol_version=PROTOCOL_VERSION,
-        sender=sender,
-        topology_hash=RING4.hash,
-        model_signature="m",
-        round=round,
-        schedule_epoch=epoch,
-        level_costs=[cpb.LevelCost(level=x, bytes_per_round=1000 * x) for x in (1, 2, 4, 8, 16)],
-        exchanges_per_round=1,
-        sends=[
-            cpb.LinkSamples(neighbour=j, bytes=[1000, 8000], seconds=[1e-3 * slower, 8e-3 * slower])
-            for j in RING4.neighbors(sender)
-        ],
-    )
+    """A ring4 peer's report at `round` holding `epoch` (helpers.ladder_report)."""
+    return ladder_report(RING4, sender, round, slower, schedule_epoch=epoch)
 
 
 def test_levels_are_decided_only_while_a_peer_can_hold_one_more_schedule():
