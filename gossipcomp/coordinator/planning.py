@@ -557,7 +557,7 @@ class Coordinator:
             else None
         )
         self._base = self._rate.update(self._base, sends, budget, top=ceiling)
-        if ceiling is not None:  # a level set before the ceiling was (a restarted controller)
+        if ceiling is not None:  # a link kept above it from before (a hold that re-entered)
             self._base = {key: min(level, ceiling) for key, level in self._base.items()}
         budget = self._rate.budget_s or budget  # what the levels fit: at least the slowest link's
         critical = {m.rank for m in reports if m.critical} if self.boost and not held else set()

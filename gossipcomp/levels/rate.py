@@ -528,9 +528,9 @@ class RateController:
         lenient: LinkCost,
         top: int | None = None,
     ) -> int:
-        """`choose` (no higher than `top`), once the proposal has repeated enough (module docstring); at least one
-        level down from a level whose rounds as measured run over `MEASURED_OVER` x the budget
-        (`_measured_over`); at once when going down from a level whose `settled` estimate (the
+        """`choose` (no higher than `top`), once the proposal has repeated enough (module
+        docstring); at least one level down from a level whose rounds as measured run over
+        `MEASURED_OVER` x the budget (`_measured_over`); at once when going down from a level whose `settled` estimate (the
         whole window: most of its sends, not a short busy spell) is over `drop_at` x budget.
         While the floor sets the budget, rising goes no higher than the ceiling
         (`round_budget`), and not at all on the link the
