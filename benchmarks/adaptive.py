@@ -128,7 +128,7 @@ class Workload:
     # with a coordinator: every link at the lowest level until this round (0: no hold;
     # `gossipcomp coordinator --hold-lowest-until`)
     hold_lowest_until: int = 0
-    # with a coordinator: levels capped by the training loss's fall (the default since stop 51;
+    # levels capped by the training loss's fall, with a coordinator or not (the default since stop 51;
     # False: `--no-follow-loss`, the budget alone)
     follow_loss: bool = True
     round_timeout: float = 60.0
@@ -213,6 +213,7 @@ FAMILIES = [
     "choco-no-coordinator",
 ]
 COORDINATED = {"adaptive", "choco-adaptive"}  # the families whose levels a coordinator sets
+ADAPTIVE = COORDINATED | {"no-coordinator", "choco-no-coordinator"}  # levels that adapt
 
 
 def configurations(
@@ -411,7 +412,7 @@ class ShapedRunner:
         processes: list[tuple[str, subprocess.Popen]] = []
         budget = [] if w.round_budget is None else ["--round-budget", f"{w.round_budget:g}"]
         hold = ["--hold-lowest-until", str(w.hold_lowest_until)] if w.hold_lowest_until else []
-        hold += [] if w.follow_loss else ["--no-follow-loss"]
+        follow = [] if w.follow_loss else ["--no-follow-loss"]
         try:
             flags = list(configuration.algorithm_flags)
             if configuration.adaptive and configuration.coordinator:
@@ -419,11 +420,12 @@ class ShapedRunner:
                 processes.append(("coordinator", self._start(
                     "control", directory / "coordinator.log",
                     gossipcomp("coordinator", "--topology", str(topology), "--address", address,
-                               "--insecure", "--adaptive", "--report-every", "1", *budget, *hold),
+                               "--insecure", "--adaptive", "--report-every", "1", *budget, *hold,
+                               *follow),
                 )))  # fmt: skip
                 flags += ["--coordinator", address, "--report-every", "1"]
             elif configuration.adaptive:
-                flags += ["--adaptive", *budget]
+                flags += ["--adaptive", *budget, *follow]
             for rank in range(w.peers):
                 argv = gossipcomp(
                     "peer", "--topology", str(topology), "--rank", str(rank), "--insecure",
@@ -554,11 +556,10 @@ class ThrottledRunner:
             argv += ["--adaptive", "--report-every", "1"]
             if not configuration.coordinator:
                 argv.append("--no-coordinator")
-            else:
-                if w.hold_lowest_until:
-                    argv += ["--hold-lowest-until", str(w.hold_lowest_until)]
-                if not w.follow_loss:
-                    argv.append("--no-follow-loss")
+            elif w.hold_lowest_until:
+                argv += ["--hold-lowest-until", str(w.hold_lowest_until)]
+            if not w.follow_loss:
+                argv.append("--no-follow-loss")
             if w.round_budget is not None:
                 argv += ["--round-budget", f"{w.round_budget:g}"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
@@ -1022,8 +1023,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "`choco-adaptive`: links held at the lowest level until this round "
                         "(0: no hold)")  # fmt: skip
     parser.add_argument("--no-follow-loss", dest="follow_loss", action="store_false",
-                        help="passed to the coordinator of `adaptive` and `choco-adaptive`: "
-                        "levels not capped by the training loss (the budget alone)")  # fmt: skip
+                        help="every adaptive configuration's levels not capped by the "
+                        "training loss (the budget alone)")  # fmt: skip
     parser.add_argument("--round-timeout", type=float, default=d.round_timeout)
     parser.add_argument("--keep", type=Path, help="keep each run's reports and logs in "
                         "KEEP/NAME-REPEAT (a new folder) instead of a temporary one")  # fmt: skip
@@ -1068,9 +1069,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         problems.append(f"--hold-lowest-until: expected a configuration with a coordinator in "
                         f"--configs ({', '.join(sorted(COORDINATED))}): no other has one to hold "
                         "the levels")  # fmt: skip
-    if not args.follow_loss and not COORDINATED.intersection(args.configs):
-        problems.append(f"--no-follow-loss: expected a configuration with a coordinator in "
-                        f"--configs ({', '.join(sorted(COORDINATED))})")  # fmt: skip
+    if not args.follow_loss and not ADAPTIVE.intersection(args.configs):
+        problems.append(f"--no-follow-loss: expected an adaptive configuration in --configs "
+                        f"({', '.join(sorted(ADAPTIVE))})")  # fmt: skip
     for mbit in args.rates:
         try:
             shaped_links.check_mbit(mbit, "--rates")

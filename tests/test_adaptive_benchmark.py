@@ -118,15 +118,17 @@ def test_targets_and_their_window_out_of_range_are_refused_naming_the_flag(
 def test_a_hold_reaches_the_workload_and_is_refused_where_nothing_would_hold(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`--hold-lowest-until` and `--no-follow-loss` go to the workload (the coordinator's
-    flags); beyond --rounds, or with no configuration that has a coordinator, they are refused
-    naming the flag, not ignored."""
+    """`--hold-lowest-until` and `--no-follow-loss` go to the workload; beyond --rounds, or
+    with no configuration they act on (a coordinator's hold, any adaptive configuration's
+    loss), they are refused naming the flag, not ignored."""
     base = ["--json", str(tmp_path / "x.json"), "--rounds", "40"]
     parsed = adaptive.parse_args([*base, "--hold-lowest-until", "20"])
     assert adaptive.workload_of(parsed).hold_lowest_until == 20
-    assert adaptive.workload_of(parsed).follow_loss  # the coordinator's default
+    assert adaptive.workload_of(parsed).follow_loss  # the default
     unfollowed = adaptive.parse_args([*base, "--no-follow-loss"])
     assert not adaptive.workload_of(unfollowed).follow_loss
+    alone = adaptive.parse_args([*base, "--no-follow-loss", "--configs", "no-coordinator"])
+    assert not adaptive.workload_of(alone).follow_loss  # levels set by the peers follow it too
     for extra, said in (
         (["--hold-lowest-until", "41"], "--hold-lowest-until: expected 0 to --rounds (40), got 41"),
         (
@@ -134,8 +136,8 @@ def test_a_hold_reaches_the_workload_and_is_refused_where_nothing_would_hold(
             "--hold-lowest-until: expected a configuration with a coordinator",
         ),
         (
-            ["--no-follow-loss", "--configs", "dpsgd"],
-            "--no-follow-loss: expected a configuration with a coordinator",
+            ["--no-follow-loss", "--configs", "dpsgd", "fixed"],
+            "--no-follow-loss: expected an adaptive configuration",
         ),
     ):
         with pytest.raises(SystemExit):

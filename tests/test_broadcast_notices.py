@@ -424,17 +424,25 @@ def test_a_signed_resume_envelope_covers_the_level_it_states():
 # -- the command line ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("algorithm", ["choco", "def"])
-def test_simulate_without_a_coordinator_reports_the_levels_the_senders_set(tmp_path, algorithm):
+@pytest.mark.parametrize(
+    ("algorithm", "follow", "level"),
+    [("choco", False, "identity"), ("def", False, "identity"), ("choco", True, "topk:ratio=0.02")],
+)
+def test_simulate_without_a_coordinator_reports_the_levels_the_senders_set(
+    tmp_path, algorithm, follow, level
+):
     """`simulate --adaptive --no-coordinator` with a budget no link can exceed: every peer
-    goes to no compression at the same round, as the report's peer_levels show."""
+    goes to one level at the same round, as the report's peer_levels show: no compression
+    with `--no-follow-loss`, else the floor (the loss has not fallen fourfold by round 12:
+    the configured top-k 0.05 comes down to 0.02)."""
     path = tmp_path / "report.json"
     argv = ["--topology", "ring4", "--algorithm", algorithm, "--compressor", "topk:ratio=0.05"]
     argv += ["--adaptive", "--no-coordinator", "--round-budget", "100"]
+    argv += [] if follow else ["--no-follow-loss"]
     argv += ["--rounds", "12", "--workers", "1", "--eval-every", "0"]
     assert main(["simulate", "--quiet", "--report", str(path), *argv]) == 0
     report = json.loads(path.read_text())
     for peer in report["per_peer"]:
-        assert peer["peer_levels"] == [{"round": MIN_SENDS + NOTICE_LEAD, "level": "identity"}]
+        assert peer["peer_levels"] == [{"round": MIN_SENDS + NOTICE_LEAD, "level": level}]
         assert peer["failed_exchanges"] == 0
     assert report["mismatched_epoch_exchanges"] == 0

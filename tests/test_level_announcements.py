@@ -13,6 +13,7 @@ notice is refused at the door naming the field, and a neighbour can move only it
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -100,6 +101,53 @@ def test_a_very_high_budget_takes_links_to_the_top_and_a_very_low_one_to_the_low
         helpers.assert_sum_kept(before, peers, 1e-4)
     finally:
         helpers.close_all(peers)
+
+
+def test_levels_set_by_peers_follow_each_deciding_ends_training_loss(one_thread, caplog):
+    """The budget fits the top, but no edge rises above the rung the deciding end's own loss
+    allows: from the first decision the lowest (the algorithm's own rank 2 comes down) while
+    its loss has not fallen, the next once it fell fourfold (each end
+    switching at the same round, nothing failing); a network that never notes a loss is
+    capped by nothing, and each of its peers says so once."""
+    peers = build_network(RING4, helpers.mlp_models(4), lambda: PowerGossip(rank=2))
+    try:
+        for peer in peers:
+            peer.adapt_levels(1e3)
+        ladder = peers[0].algorithm.level_costs(peers[0].gossiped).levels
+        for round in range(MIN_SENDS + NOTICE_LEAD + 20):
+            fall = 1.0 if round < MIN_SENDS + NOTICE_LEAD + 2 else 4.0
+            for peer in peers:
+                peer.note_training_loss(2.0, 2.0 / fall)
+            gossip_round(peers)
+            _assert_ends_agree(peers)
+            ranks = {_rank(peers[a], b) for a, b in EDGES}
+            if round < MIN_SENDS + NOTICE_LEAD:  # the first decision's notice still waits
+                assert ranks == {2}, (round, ranks)  # the algorithm's own
+            else:
+                assert max(ranks) <= (ladder[0] if fall == 1.0 else ladder[1]), (round, ranks)
+            if round == MIN_SENDS + NOTICE_LEAD + 1:
+                assert ranks == {ladder[0]}
+        assert {_rank(peers[a], b) for a, b in EDGES} == {ladder[1]}
+        helpers.assert_clean(peers)
+    finally:
+        helpers.close_all(peers)
+    silent = build_network(RING4, helpers.mlp_models(4), lambda: PowerGossip(rank=2))
+    try:
+        for peer in silent:
+            peer.adapt_levels(1e3)
+        with caplog.at_level(logging.WARNING, logger="gossipcomp.peer"):
+            for _ in range(MIN_SENDS + NOTICE_LEAD + 1):
+                gossip_round(silent)
+        assert {_rank(silent[a], b) for a, b in EDGES} == {ladder[-1]}  # the budget alone
+        said = [r.getMessage() for r in caplog.records if "not capped by the training" in r.message]
+        assert sorted(said) == sorted(
+            f"peer {r}: levels not capped by the training loss: none noted (a loop of one's "
+            "own calls Peer.note_training_loss after each round); the round budget alone sets "
+            "them"
+            for r in range(4)
+        )
+    finally:
+        helpers.close_all(silent)
 
 
 def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_when_it_recovers(
@@ -367,17 +415,21 @@ def test_edge_levels_refuse_a_notice_from_the_wrong_end_or_for_a_passed_round():
 # -- the command line ---------------------------------------------------------------------------
 
 
-def test_simulate_without_a_coordinator_reports_the_levels_the_peers_set(tmp_path):
+@pytest.mark.parametrize(("follow", "level"), [(False, "rank=256"), (True, "rank=1")])
+def test_simulate_without_a_coordinator_reports_the_levels_the_peers_set(tmp_path, follow, level):
     """`simulate --adaptive --no-coordinator` with a budget no link can exceed: every link goes
-    to the top rank at the same round at both ends, as the report's link_levels show."""
+    to one rank at the same round at both ends, as the report's link_levels show: the top
+    with `--no-follow-loss`, else the lowest (the loss has not fallen fourfold by round 12;
+    the trainer notes it to the peers)."""
     path = tmp_path / "report.json"
     argv = ["--topology", "ring4", "--adaptive", "--no-coordinator", "--round-budget", "100"]
+    argv += [] if follow else ["--no-follow-loss"]
     argv += ["--rounds", "12", "--workers", "1", "--eval-every", "0"]
     assert main(["simulate", "--quiet", "--report", str(path), *argv]) == 0
     report = json.loads(path.read_text())
     assert [c["link"] for c in report["link_levels"]] == [[0, 1], [0, 3], [1, 2], [2, 3]]
     assert {c["round"] for c in report["link_levels"]} == {MIN_SENDS + NOTICE_LEAD}
-    assert {c["level"] for c in report["link_levels"]} == {"rank=256"}
+    assert {c["level"] for c in report["link_levels"]} == {level}
     assert report["mismatched_epoch_exchanges"] == 0
     assert all(p["failed_exchanges"] == 0 for p in report["per_peer"])
 

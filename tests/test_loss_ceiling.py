@@ -20,8 +20,12 @@ from helpers import ladder_report
 
 from gossipcomp.cli import build_parser, main
 from gossipcomp.cli.coordinator import make_coordinator
+from gossipcomp.cli.peer import _peer_levels as peer_peer_levels
+from gossipcomp.cli.simulate import _peer_levels as simulate_peer_levels
 from gossipcomp.coordinator import Coordinator, ReportRefused
 from gossipcomp.experiment import TrainConfig
+from gossipcomp.experiment.simulation import PeerLevels
+from gossipcomp.levels.edges import LocalRateControl
 from gossipcomp.levels.progress import LossAllowance, LossWindow
 from gossipcomp.levels.rate import LevelCosts
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
@@ -227,9 +231,42 @@ def test_the_command_line_turns_the_ceiling_off_only_with_adaptive(capsys):
     assert not make_coordinator(off, RING4).follow_loss
     with pytest.raises(ValueError, match="--no-follow-loss: expected --adaptive"):
         make_coordinator(parse(["coordinator", "--topology", "ring4", "--no-follow-loss"]), RING4)
-    argv = ["simulate", "--adaptive", "--no-coordinator", "--no-follow-loss", "--rounds", "1"]
-    assert main(argv) == 2
-    assert "--no-follow-loss works through a coordinator" in capsys.readouterr().err
+    # levels set by the peers follow the loss too: the flag reaches them, and needs --adaptive
+    alone = ["--topology", "ring4", "--adaptive", "--no-coordinator"]
+    assert simulate_peer_levels(build_parser("simulate").parse_args(["simulate", *alone])) == (
+        PeerLevels(None, follow_loss=True)
+    )
+    unfollowed = build_parser("simulate").parse_args(["simulate", *alone, "--no-follow-loss"])
+    assert simulate_peer_levels(unfollowed) == PeerLevels(None, follow_loss=False)
+    peer = ["peer", "--topology", "ring4", "--rank", "0", "--no-follow-loss"]
+    assert not peer_peer_levels(build_parser("peer").parse_args([*peer, "--adaptive"])).follow_loss
+    assert main([*peer, "--rounds", "1"]) == 2
+    assert "--no-follow-loss: expected --adaptive with it" in capsys.readouterr().err
+
+
+def test_a_peer_deciding_levels_caps_them_at_its_own_losss_rung():
+    """Without a coordinator the deciding end caps its levels at the rung its own loss's fall
+    allows: none before a loss is noted (the budget alone), a rung per fourfold fall that only
+    grows, a level above the ceiling (the algorithm's own at the start) brought down to it,
+    and nothing with `follow_loss` off."""
+    sends = [[(1_000, 1e-4), (16_000, 1e-3)] * 4]  # every level fits a budget of 1 s
+    control = LocalRateControl(LADDER, 1.0)
+    assert control.ceiling() is None
+    assert control.choose((0, 1), None, sends, 1.0) == 16  # the first decision jumps to the top
+    control.note_loss(0.0, 1.0)  # not measured yet: nothing changes
+    assert control.ceiling() is None
+    control.note_loss(2.0, 2.0)
+    assert control.ceiling() == 1
+    assert control.choose((0, 1), 16, sends, 1.0) == 1  # a level above the ceiling comes down
+    control.note_loss(8.0, 1.0)  # 8x: still the first rung up
+    assert control.ceiling() == 2
+    control.note_loss(16.0, 1.0)
+    control.note_loss(16.0, 15.0)  # the loss rose again: the allowance does not fall
+    assert control.ceiling() == 4
+    off = LocalRateControl(LADDER, 1.0, follow_loss=False)
+    off.note_loss(8.0, 1.0)
+    assert off.ceiling() is None
+    assert off.choose((0, 1), None, sends, 1.0) == 16
 
 
 def test_simulate_reports_the_training_loss_and_no_link_rises_above_its_ceiling(tmp_path, caplog):

@@ -69,15 +69,7 @@ def add_coordinator_flags(group: argparse._ActionsContainer) -> None:
         "higher one while every change of the network costs the reaction time at it "
         "(docs/benchmarks.md); no --boost while held; 0 (default): no hold",
     )
-    group.add_argument(
-        "--no-follow-loss",
-        dest="follow_loss",
-        action="store_false",
-        help="with --adaptive: the bandwidth budget alone sets levels (default: no link above "
-        "what the fall of the peers' training loss allows, AdaComm's rule in ladder rungs: "
-        "rung k, from 0 at the lowest, once the peers' median loss fell 4^k-fold from their "
-        "first, so links start at the lowest level and rise as training comes to need them)",
-    )
+    add_no_follow_loss(group, "the peers' median loss (levels set by the peers: its own)")
     group.add_argument(
         "--boost",
         action="store_true",
@@ -105,6 +97,19 @@ def add_round_budget(group: argparse._ActionsContainer, default_help: str) -> No
         metavar="SECONDS",
         help="with --adaptive: seconds a round's transfers over one link may take (default: "
         f"{default_help})",
+    )
+
+
+def add_no_follow_loss(group: argparse._ActionsContainer, whose_loss: str) -> None:
+    """--no-follow-loss, which `peer` takes too; `whose_loss` says which loss the levels follow."""
+    group.add_argument(
+        "--no-follow-loss",
+        dest="follow_loss",
+        action="store_false",
+        help="with --adaptive: the bandwidth budget alone sets levels (default: no link above "
+        "what the fall of the training loss allows, AdaComm's rule in ladder rungs: rung k, "
+        f"from 0 at the lowest, once {whose_loss} fell 4^k-fold from its first, so links "
+        "start at the lowest level and rise as training comes to need them)",
     )
 
 

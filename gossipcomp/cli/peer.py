@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from gossipcomp.cli.common import add_tls_flags, tls_files
-from gossipcomp.cli.coordinator import add_report_every, add_round_budget
+from gossipcomp.cli.coordinator import add_no_follow_loss, add_report_every, add_round_budget
 from gossipcomp.cli.training_flags import add_training_flags
 from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
 from gossipcomp.inputs.text import quoted
@@ -96,6 +96,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "coordinator with --adaptive instead)",
     )
     add_round_budget(peer, "this peer's median compute time per round")
+    add_no_follow_loss(peer, "this peer's own loss (the deciding end's, for an edge)")
     peer.add_argument(
         "--key",
         type=Path,
@@ -170,8 +171,12 @@ def _check_membership(args: argparse.Namespace, topology: Topology) -> None:
 def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:
     """Link levels set by the peers themselves, without a coordinator (`--adaptive`, no
     --coordinator); ValueError for flags that contradict it."""
-    if args.round_budget is not None and not args.adaptive:
-        raise ValueError("--round-budget: expected --adaptive with it (it changes link levels)")
+    for flag, given in (
+        ("--round-budget", args.round_budget is not None),
+        ("--no-follow-loss", not args.follow_loss),
+    ):
+        if given and not args.adaptive:
+            raise ValueError(f"{flag}: expected --adaptive with it (it changes link levels)")
     if args.adaptive and args.coordinator:
         raise ValueError(
             "--adaptive with --coordinator: a coordinator started with --adaptive sets the "
@@ -179,7 +184,7 @@ def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:
         )
     from gossipcomp.experiment.simulation import PeerLevels
 
-    return PeerLevels(args.round_budget) if args.adaptive else None
+    return PeerLevels(args.round_budget, args.follow_loss) if args.adaptive else None
 
 
 def _launch(args: argparse.Namespace, topology: Topology) -> Launch:

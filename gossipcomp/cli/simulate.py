@@ -142,7 +142,6 @@ def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:
         ("--coordinator", args.coordinator),
         ("--boost", args.boost),
         ("--hold-lowest-until", args.hold_lowest_until > 0),
-        ("--no-follow-loss", not args.follow_loss),
     ):
         if given:
             raise ValueError(
@@ -150,7 +149,7 @@ def _peer_levels(args: argparse.Namespace) -> PeerLevels | None:
             )
     from gossipcomp.experiment.simulation import PeerLevels
 
-    return PeerLevels(args.round_budget)
+    return PeerLevels(args.round_budget, args.follow_loss)
 
 
 def _workers(text: str) -> str | int:

@@ -85,7 +85,7 @@ class PeerTrainer:
         self.config = config
         self.store = store
         self.checkpoint_every = checkpoint_every
-        self.losses = LossWindow()  # the training loss a coordinator hears (checkpointed)
+        self.losses = LossWindow()  # the training loss levels follow (checkpointed)
         self.coordinator: CoordinatorClient | None = None
         self.attach(coordinator)
         x, y = peer_examples(data, peer.topology, peer.rank, config)
@@ -246,6 +246,7 @@ class PeerTrainer:
         # itself overflowed to is caught after the next local steps
         _check_finite(peer, before + 1, "after the local steps")
         self.losses.end_round()
+        peer.note_training_loss(self.losses.initial, self.losses.recent)  # levels set by peers
         if self.coordinator is not None:
             self.coordinator.observe_gradients(peer.model)
         peer.gossip()

@@ -24,6 +24,10 @@ so it prices the link as if every second of its sends were bytes (no latency: le
 and a latency read from them could take a slow link for a fast one. This never overshoots;
 later decisions climb one level at a time as usual, with the latency the edge's sizes show.
 
+Levels follow the training loss here too, by default (levels/progress.py): the deciding end
+caps its proposals at the rung its own loss's fall allows (`note_loss`), its own word only, so
+nothing a neighbour sends moves it.
+
 `EdgeLevels` keeps one peer's levels and waiting notices; `LocalRateControl` makes the lower
 end's decisions. Pure bookkeeping: no clock, no networking.
 """
@@ -32,10 +36,11 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from gossipcomp.inputs.text import quoted
+from gossipcomp.levels.progress import LossAllowance
 from gossipcomp.levels.rate import DEFAULT_WINDOW, MAX_LEVEL, LevelCosts, RateController, link
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.schedule import MAX_ROUND
@@ -204,20 +209,37 @@ class LocalRateControl:
     docstring): decides from this peer's own sends, one edge at a time, never while a notice
     for that edge waits."""
 
-    def __init__(self, costs: LevelCosts, budget_s: float | None = None) -> None:
+    def __init__(
+        self, costs: LevelCosts, budget_s: float | None = None, *, follow_loss: bool = True
+    ) -> None:
         """`budget_s`: seconds a round's transfers over one link may take; None: this peer's
-        median compute time per round."""
+        median compute time per round. `follow_loss`: no level above what the fall of this
+        peer's training loss allows (`note_loss`; until a loss is noted, the budget alone)."""
         if budget_s is not None and not 0.0 < budget_s <= 86_400.0:
             raise ValueError(f"round budget: expected seconds in (0, 86400], got {budget_s}")
         self.costs = costs
         self.controller = RateController(costs)
         self.fixed_budget = budget_s
+        self.allowance: LossAllowance | None = LossAllowance() if follow_loss else None
         self._compute: deque[float] = deque(maxlen=COMPUTE_WINDOW)
 
     def note_compute(self, seconds: float) -> None:
         """One round's local computation took `seconds`."""
         if seconds > 0.0:
             self._compute.append(seconds)
+
+    def note_loss(self, initial: float, recent: float) -> None:
+        """This peer's training loss: the untrained model's and the recent rounds' mean
+        (levels/progress.py `LossWindow`); either 0 (not measured yet): nothing changes."""
+        if self.allowance is not None and initial > 0.0 and recent > 0.0:
+            self.allowance.update([(initial, recent)], 1)
+
+    def ceiling(self) -> int | None:
+        """The highest level the loss allows; None: no cap (not following it, or no loss
+        noted yet)."""
+        if self.allowance is None or not self.allowance.measured:
+            return None
+        return self.allowance.highest(self.costs)
 
     def budget(self) -> float | None:
         """The round budget in force (None while the default one is not yet measured)."""
@@ -226,6 +248,21 @@ class LocalRateControl:
         if len(self._compute) < MIN_COMPUTE_ROUNDS:
             return None
         return statistics.median(self._compute)
+
+    def choose(
+        self,
+        key: tuple[int, int],
+        current: int | None,
+        sends: Sequence[Sequence[tuple[int, float]]],
+        budget: float,
+    ) -> int | None:
+        """The level for link `key` at `current` (None: none yet) from its `sends` (each
+        direction's), no higher than the loss's ceiling (a level above it from before, the
+        algorithm's own at the start, comes down to it)."""
+        top = self.ceiling()
+        known = {key: current} if current is not None else {}
+        chosen = self.controller.update(known, {key: sends}, budget, top=top).get(key, current)
+        return chosen if top is None or chosen is None else min(chosen, top)
 
     def decide(
         self, levels: EdgeLevels, live: Collection[int], sends: TransferLog, round: int
@@ -242,10 +279,8 @@ class LocalRateControl:
             samples = sends.samples(j)
             if j < levels.rank or j in waiting or len(samples) < MIN_SENDS:
                 continue
-            key = link(levels.rank, j)
             current = levels.level(j)
-            known = {key: current} if current is not None else {}
-            chosen = self.controller.update(known, {key: [samples]}, budget).get(key, current)
-            if chosen != current:
+            chosen = self.choose(link(levels.rank, j), current, [samples], budget)
+            if chosen != current and chosen is not None:
                 notices[j] = levels.decide(j, chosen, round)
         return notices

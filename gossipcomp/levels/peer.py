@@ -122,6 +122,7 @@ class CompressionLevels:
         # coordinator's
         self.senders: SenderLevels | None = None
         self._own_rate: OwnLevelControl | None = None
+        self._loss_unheard = False  # said once: levels follow the loss, and none is noted
 
     @property
     def book(self) -> LevelBook | None:
@@ -132,7 +133,7 @@ class CompressionLevels:
         schedules = self._schedules()
         return (schedules.current, *schedules.staged)
 
-    def adapt(self, round_budget: float | None) -> dict[str, PayloadSpec]:
+    def adapt(self, round_budget: float | None, follow_loss: bool = True) -> dict[str, PayloadSpec]:
         """Set levels with the neighbours from now on (Peer.adapt_levels says how); returns
         the phases this adds to every schedule's, with what their envelopes hold."""
         if not isinstance(self.algorithm, LinkLeveled | PeerLeveled):
@@ -147,7 +148,7 @@ class CompressionLevels:
             )
         costs = self.algorithm.level_costs(self._params)
         if isinstance(self.algorithm, PeerLeveled):
-            self._own_rate = OwnLevelControl(costs, round_budget)
+            self._own_rate = OwnLevelControl(costs, round_budget, follow_loss=follow_loss)
             default = self.algorithm.default_level()
             self.senders = SenderLevels(self.rank, self._weights, default)
             for schedule in self._in_use():
@@ -160,7 +161,7 @@ class CompressionLevels:
             )
             self.transport.inbox.accept_notices(rules)
             return {LEVELS_PHASE: ()}
-        self._rate = LocalRateControl(costs, round_budget)
+        self._rate = LocalRateControl(costs, round_budget, follow_loss=follow_loss)
         self.edges = EdgeLevels(self.rank, self._weights)
         self.transport.inbox.accept_notices(NoticeRules(frozenset(costs.levels), MAX_NOTICE_LEAD))
         return {}
@@ -324,6 +325,28 @@ class CompressionLevels:
             if rate is not None:
                 rate.note_compute(seconds)
 
+    def note_loss(self, initial: float, recent: float) -> None:
+        """This peer's training loss, the untrained model's and the recent rounds' mean (the
+        ceiling levels set by the peers follow; levels/progress.py)."""
+        for rate in (self._rate, self._own_rate):
+            if rate is not None:
+                rate.note_loss(initial, recent)
+
+    def _say_if_loss_unheard(self) -> None:
+        """Warn once when levels should follow the training loss but none has been noted by
+        the time decisions begin: the budget alone sets them then."""
+        rate = self._own_rate.local if self._own_rate is not None else self._rate
+        if rate is None or rate.allowance is None or rate.allowance.measured:
+            return
+        if self._loss_unheard or rate.budget() is None:
+            return
+        self._loss_unheard = True
+        log.warning(
+            "peer %d: levels not capped by the training loss: none noted (a loop of one's own "
+            "calls Peer.note_training_loss after each round); the round budget alone sets them",
+            self.rank,
+        )
+
     def switch_due(self, round: int) -> None:
         """Put in force the levels set with the neighbours whose round has come."""
         if self.edges is not None:
@@ -409,6 +432,7 @@ class CompressionLevels:
         """The lower-ranked end's decisions for its live edges (a broadcasting peer's: its own
         level) from the last `sends`, and the notices this round's envelopes carry (each
         repeats until its round)."""
+        self._say_if_loss_unheard()
         if self._own_rate is not None and self.senders is not None:
             book = self.senders
             self._own_rate.decide(book, self.links.live(), sends, round)

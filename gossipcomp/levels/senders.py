@@ -144,14 +144,20 @@ class OwnLevelControl:
     per peer, so the controller's patience counts one proposal stream, not one per link.
     Never while its own notice waits."""
 
-    def __init__(self, costs: LevelCosts, budget_s: float | None = None) -> None:
+    def __init__(
+        self, costs: LevelCosts, budget_s: float | None = None, *, follow_loss: bool = True
+    ) -> None:
         """`budget_s`: seconds a round's transfers over one link may take; None: this peer's
-        median compute time per round (as LocalRateControl measures it)."""
-        self.local = LocalRateControl(costs, budget_s)  # the budget and the controller
+        median compute time per round (as LocalRateControl measures it). `follow_loss`: no
+        level above what the fall of this peer's training loss allows (as there)."""
+        self.local = LocalRateControl(costs, budget_s, follow_loss=follow_loss)
         self._decided = False  # the first decision jumps, as an edge's does (levels/edges.py)
 
     def note_compute(self, seconds: float) -> None:
         self.local.note_compute(seconds)
+
+    def note_loss(self, initial: float, recent: float) -> None:
+        self.local.note_loss(initial, recent)
 
     def decide(
         self, levels: SenderLevels, live: Collection[int], sends: TransferLog, round: int
@@ -170,7 +176,6 @@ class OwnLevelControl:
         # every link as one "direction" of the peer's own key: the slowest one counts; the
         # first decision jumps to the level that fits (no current level for the controller)
         key, current = link(levels.rank, levels.rank), levels.own
-        known = {key: current} if self._decided else {}
-        chosen = self.local.controller.update(known, {key: samples}, budget).get(key, current)
+        chosen = self.local.choose(key, current if self._decided else None, samples, budget)
         self._decided = True
-        return None if chosen == current else levels.decide(chosen, round)
+        return None if chosen is None or chosen == current else levels.decide(chosen, round)

@@ -311,7 +311,7 @@ class Peer:
         resume once both ends are in it). False when this peer already has its epoch."""
         return self._schedules.adopt(schedule, self.round)
 
-    def adapt_levels(self, round_budget: float | None = None) -> None:
+    def adapt_levels(self, round_budget: float | None = None, follow_loss: bool = True) -> None:
         """Set levels with the neighbours, without a coordinator. A link-leveled algorithm
         (PowerGossip, levels/edges.py): for each edge to a higher-ranked neighbour, this
         peer's rate controller picks the level from its own sends over it and announces it in
@@ -319,11 +319,20 @@ class Peer:
         one (Choco, DEF-ATC, levels/senders.py): this peer picks the level it sends at
         from its sends over all its links and announces it; each neighbour's notices set the
         level that neighbour is decoded at. `round_budget`: seconds a round's transfers over
-        one link may take (None: this peer's median compute time per round). Call before
+        one link may take (None: this peer's median compute time per round). `follow_loss`:
+        no level above what the fall of this peer's training loss allows (levels/progress.py;
+        `note_training_loss` tells it; False: the budget alone). Call before
         `start()` and before restoring a checkpoint; every peer of the network must (a peer
         that does not refuses notices). From then on schedules with link levels are refused:
         levels come from a coordinator or from the peers, never both."""
-        self._schedules.base_specs.update(self._levels.adapt(round_budget))
+        self._schedules.base_specs.update(self._levels.adapt(round_budget, follow_loss))
+
+    def note_training_loss(self, initial: float, recent: float) -> None:
+        """This peer's training loss after a round: the untrained model's (the mean of its
+        first local steps) and the recent rounds' mean, as levels/progress.py's `LossWindow`
+        keeps them (PeerTrainer calls this; a loop of one's own does, for levels set by the
+        peers to follow the loss). Nothing happens unless `adapt_levels` follows it."""
+        self._levels.note_loss(initial, recent)
 
     def apply(self, schedule: Schedule, *, late: bool = False) -> Schedule:
         """Stage `schedule` to take effect at its effective round (every peer switches then);

@@ -44,6 +44,7 @@ class PeerLevels:
     it broadcasts at (Choco, DEF-ATC), from its own sends, and announces it."""
 
     round_budget: float | None = None  # seconds per round and link; None: each peer's compute
+    follow_loss: bool = True  # no level above what the fall of the peer's own loss allows
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ class _Setup:
                 )
             )
             if self.peer_levels is not None:
-                into[-1].adapt_levels(self.peer_levels.round_budget)
+                into[-1].adapt_levels(self.peer_levels.round_budget, self.peer_levels.follow_loss)
 
     def clients(self, peers: Sequence[Peer]) -> list[CoordinatorClient]:
         if self.coordinator is None:

@@ -103,7 +103,7 @@ def run_peer(
         address_source=address_source,
     ) as peer:
         if peer_levels is not None:
-            peer.adapt_levels(peer_levels.round_budget)
+            peer.adapt_levels(peer_levels.round_budget, peer_levels.follow_loss)
         client = (
             None
             if coordinator is None
