@@ -263,6 +263,12 @@ def test_a_peer_deciding_levels_caps_them_at_its_own_losss_rung():
     control.note_loss(16.0, 1.0)
     control.note_loss(16.0, 15.0)  # the loss rose again: the allowance does not fall
     assert control.ceiling() == 4
+    for bad in (math.nan, math.inf, -1.0, 2e6):  # a loop of one's own passing a bad loss
+        with pytest.raises(ValueError, match="^initial loss: expected a finite number"):
+            control.note_loss(bad, 1.0)
+        with pytest.raises(ValueError, match="^recent loss: expected a finite number"):
+            control.note_loss(1.0, bad)
+    assert control.ceiling() == 4
     off = LocalRateControl(LADDER, 1.0, follow_loss=False)
     off.note_loss(8.0, 1.0)
     assert off.ceiling() is None

@@ -39,8 +39,9 @@ from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from gossipcomp.inputs.numbers import checked_number
 from gossipcomp.inputs.text import quoted
-from gossipcomp.levels.progress import LossAllowance
+from gossipcomp.levels.progress import MAX_LOSS, LossAllowance
 from gossipcomp.levels.rate import DEFAULT_WINDOW, MAX_LEVEL, LevelCosts, RateController, link
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.schedule import MAX_ROUND
@@ -230,7 +231,10 @@ class LocalRateControl:
 
     def note_loss(self, initial: float, recent: float) -> None:
         """This peer's training loss: the untrained model's and the recent rounds' mean
-        (levels/progress.py `LossWindow`); either 0 (not measured yet): nothing changes."""
+        (levels/progress.py `LossWindow`); either 0 (not measured yet): nothing changes.
+        ValueError naming the loss for one not finite or outside 0 to MAX_LOSS."""
+        initial = checked_number("initial loss", initial, 0.0, MAX_LOSS)
+        recent = checked_number("recent loss", recent, 0.0, MAX_LOSS)
         if self.allowance is not None and initial > 0.0 and recent > 0.0:
             self.allowance.update([(initial, recent)], 1)
 
