@@ -29,6 +29,7 @@ from gossipcomp.cli import main
 from gossipcomp.gossip import DPSGD, PowerGossip
 from gossipcomp.levels.edges import MIN_SENDS, NOTICE_LEAD, EdgeLevels
 from gossipcomp.levels.notices import MAX_NOTICE_LEAD
+from gossipcomp.levels.rate import DEFAULT_DROP_AT
 from gossipcomp.peer import Peer
 from gossipcomp.peer.links import LinkState
 from gossipcomp.schedule.costs import LinkCost
@@ -68,22 +69,25 @@ def test_a_very_high_budget_takes_links_to_the_top_and_a_very_low_one_to_the_low
     one_thread, transport, budget, expected
 ):
     """PowerGossip at rank 2 on a ring: within a few rounds every link is at the ladder's top
-    (no compression) or its lowest level (rank 1), both ends switching at the same round;
-    nothing fails and the network sum is kept."""
+    (no compression), or, for a budget below what any link takes, at most DEFAULT_DROP_AT
+    times the lowest level's bytes (rank 1; the budget is then the slowest link's time at the
+    lowest level, and a link that carries more in that time costs the round nothing), both
+    ends switching at the same round; nothing fails and the network sum is kept."""
     peers = build_network(
         RING4, helpers.mlp_models(4), lambda: PowerGossip(rank=2), transport=transport
     )
     try:
         for peer in peers:
             peer.adapt_levels(budget)
-        ladder = peers[0].algorithm.level_costs(peers[0].gossiped).levels
-        target = ladder[-1] if expected == "top" else ladder[0]
+        costs = peers[0].algorithm.level_costs(peers[0].gossiped)
+        ladder = costs.levels
+        cap = DEFAULT_DROP_AT * costs.bytes_per_round[ladder[0]]
         before = helpers.network_sum(peers)
         for _ in range(MIN_SENDS + NOTICE_LEAD + 4):
             gossip_round(peers)
             _assert_ends_agree(peers)
         for a, b in EDGES:
-            assert _rank(peers[a], b) == _rank(peers[b], a) == target
+            assert _rank(peers[a], b) == _rank(peers[b], a)
             ends = [
                 [
                     (c["round"], c["level"])
@@ -92,10 +96,14 @@ def test_a_very_high_budget_takes_links_to_the_top_and_a_very_low_one_to_the_low
                 ]
                 for r in (a, b)
             ]
+            assert ends[0] == ends[1], ends
+            if expected == "bottom":
+                assert costs.bytes_per_round[_rank(peers[a], b)] <= cap, ends
+                continue
             # the first decision as soon as MIN_SENDS sends are timed (a send whose timing
             # came too late over gRPC delays it by a round)
-            assert ends[0] == ends[1] and len(ends[0]) == 1, ends
-            assert ends[0][0][1] == f"rank={target}"
+            assert _rank(peers[a], b) == ladder[-1] and len(ends[0]) == 1, ends
+            assert ends[0][0][1] == f"rank={ladder[-1]}"
             assert MIN_SENDS + NOTICE_LEAD <= ends[0][0][0] <= MIN_SENDS + NOTICE_LEAD + 2
         helpers.assert_clean(peers)
         helpers.assert_sum_kept(before, peers, 1e-4)
@@ -148,6 +156,32 @@ def test_levels_set_by_peers_follow_each_deciding_ends_training_loss(one_thread,
         )
     finally:
         helpers.close_all(silent)
+
+
+def test_a_peers_fast_links_fill_the_time_its_slow_link_takes_at_the_lowest_level(one_thread):
+    """ring4 over the throttled transport, link 0-1 at 1.6 Mbit/s and the rest at 16, a budget
+    below any link's time: each deciding peer's budget is its slowest link's time at the
+    lowest level (a round waits for it), so link 0-1 stays at rank 1 while peers 0 and 1 raise
+    their fast edges (0-3, 1-2) into that time, never past DEFAULT_DROP_AT times rank 1's
+    bytes; ends agree, nothing fails, the sum is kept."""
+    rates = LinkRates(16, [RateChange(0, 1, 1.6, 0)])
+    peers = helpers.throttled_ring(
+        RING4, helpers.mlp_models(4, hidden=256), rates, lambda: PowerGossip(rank=1), 1e-9
+    )
+    try:
+        before = helpers.network_sum(peers)
+        run_in_threads([lambda p=p: [p.gossip() for _ in range(30)] for p in peers], 120)
+        costs = peers[0].algorithm.level_costs(peers[0].gossiped)
+        cap = DEFAULT_DROP_AT * costs.bytes_per_round[costs.levels[0]]
+        for a, b in EDGES:
+            assert _rank(peers[a], b) == _rank(peers[b], a), (a, b)
+            assert costs.bytes_per_round[_rank(peers[a], b)] <= cap, (a, b)
+        assert _rank(peers[0], 1) == costs.levels[0]
+        assert _rank(peers[0], 3) > costs.levels[0] and _rank(peers[1], 2) > costs.levels[0]
+        helpers.assert_clean(peers)
+        helpers.assert_sum_kept(before, peers, 1e-3)
+    finally:
+        helpers.close_all(peers)
 
 
 def test_a_link_that_slows_tenfold_is_lowered_within_a_few_rounds_and_raised_when_it_recovers(

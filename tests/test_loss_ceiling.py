@@ -252,12 +252,12 @@ def test_a_peer_deciding_levels_caps_them_at_its_own_losss_rung():
     sends = [[(1_000, 1e-4), (16_000, 1e-3)] * 4]  # every level fits a budget of 1 s
     control = LocalRateControl(LADDER, 1.0)
     assert control.ceiling() is None
-    assert control.choose((0, 1), None, sends, 1.0) == 16  # the first decision jumps to the top
+    assert control.choose_all({(0, 1): None}, {(0, 1): sends}, 1.0) == {(0, 1): 16}  # a jump
     control.note_loss(0.0, 1.0)  # not measured yet: nothing changes
     assert control.ceiling() is None
     control.note_loss(2.0, 2.0)
     assert control.ceiling() == 1
-    assert control.choose((0, 1), 16, sends, 1.0) == 1  # a level above the ceiling comes down
+    assert control.choose_all({(0, 1): 16}, {(0, 1): sends}, 1.0) == {(0, 1): 1}  # comes down
     control.note_loss(8.0, 1.0)  # 8x: still the first rung up
     assert control.ceiling() == 2
     control.note_loss(16.0, 1.0)
@@ -272,7 +272,7 @@ def test_a_peer_deciding_levels_caps_them_at_its_own_losss_rung():
     off = LocalRateControl(LADDER, 1.0, follow_loss=False)
     off.note_loss(8.0, 1.0)
     assert off.ceiling() is None
-    assert off.choose((0, 1), None, sends, 1.0) == 16
+    assert off.choose_all({(0, 1): None}, {(0, 1): sends}, 1.0) == {(0, 1): 16}
 
 
 def test_simulate_reports_the_training_loss_and_no_link_rises_above_its_ceiling(tmp_path, caplog):

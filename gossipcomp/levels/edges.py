@@ -3,7 +3,8 @@
 The lower-ranked end of each edge decides the edge's level: its own rate controller
 (levels/rate.py) estimates the link from this peer's sends over it and picks the highest
 level whose transfers fit the round budget (given, or this peer's median compute time per
-round). A decision becomes a notice (level, effective round `NOTICE_LEAD` rounds ahead) that
+round; or, when longer, the slowest of this peer's links at the lowest level: its round waits
+for that one, so the others may fill the time, as under a coordinator). A decision becomes a notice (level, effective round `NOTICE_LEAD` rounds ahead) that
 the lower end carries in every envelope it sends the other end until that round; both ends put
 the level in force at the top of that round. While a notice waits, that edge gets no new one.
 
@@ -42,7 +43,14 @@ from typing import Any
 from gossipcomp.inputs.numbers import checked_number
 from gossipcomp.inputs.text import quoted
 from gossipcomp.levels.progress import MAX_LOSS, LossAllowance
-from gossipcomp.levels.rate import DEFAULT_WINDOW, MAX_LEVEL, LevelCosts, RateController, link
+from gossipcomp.levels.rate import (
+    DEFAULT_WINDOW,
+    MAX_LEVEL,
+    LevelCosts,
+    Link,
+    RateController,
+    link,
+)
 from gossipcomp.schedule.costs import TransferLog
 from gossipcomp.schedule.schedule import MAX_ROUND
 from gossipcomp.transport.base import LevelNotice
@@ -253,20 +261,26 @@ class LocalRateControl:
             return None
         return statistics.median(self._compute)
 
-    def choose(
+    def choose_all(
         self,
-        key: tuple[int, int],
-        current: int | None,
-        sends: Sequence[Sequence[tuple[int, float]]],
+        current: Mapping[Link, int | None],
+        sends: Mapping[Link, Sequence[Sequence[tuple[int, float]]]],
         budget: float,
-    ) -> int | None:
-        """The level for link `key` at `current` (None: none yet) from its `sends` (each
-        direction's), no higher than the loss's ceiling (a level above it from before, the
-        algorithm's own at the start, comes down to it)."""
+    ) -> dict[Link, int]:
+        """The level of each link of `sends` at its `current` one (None: none yet) from its
+        sends (each direction's), no higher than the loss's ceiling (a level above it from
+        before, the algorithm's own at the start, comes down to it); a link the controller
+        cannot estimate yet is left out. All of a peer's links in one call: its round waits
+        for the slowest of them, so that one's time at the lowest level is the budget the
+        others fill (levels/rate.py `round_budget`), as a coordinator's is."""
         top = self.ceiling()
-        known = {key: current} if current is not None else {}
-        chosen = self.controller.update(known, {key: sends}, budget, top=top).get(key, current)
-        return chosen if top is None or chosen is None else min(chosen, top)
+        known = {key: level for key, level in current.items() if level is not None}
+        chosen = self.controller.update(known, sends, budget, top=top)
+        return {
+            key: level if top is None else min(level, top)
+            for key, level in chosen.items()
+            if key in sends
+        }
 
     def decide(
         self, levels: EdgeLevels, live: Collection[int], sends: TransferLog, round: int
@@ -277,14 +291,19 @@ class LocalRateControl:
         budget = self.budget()
         if budget is None:
             return {}
+        timed = {j: sends.samples(j) for j in sorted(live)}
+        timed = {j: samples for j, samples in timed.items() if len(samples) >= MIN_SENDS}
+        chosen = self.choose_all(
+            {link(levels.rank, j): levels.level(j) for j in timed},
+            {link(levels.rank, j): [samples] for j, samples in timed.items()},
+            budget,
+        )
         waiting = levels.waiting()
         notices = {}
-        for j in sorted(live):
-            samples = sends.samples(j)
-            if j < levels.rank or j in waiting or len(samples) < MIN_SENDS:
+        for j in timed:
+            if j < levels.rank or j in waiting:
                 continue
-            current = levels.level(j)
-            chosen = self.choose(link(levels.rank, j), current, [samples], budget)
-            if chosen != current and chosen is not None:
-                notices[j] = levels.decide(j, chosen, round)
+            level = chosen.get(link(levels.rank, j))
+            if level is not None and level != levels.level(j):
+                notices[j] = levels.decide(j, level, round)
         return notices

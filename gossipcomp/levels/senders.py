@@ -176,6 +176,7 @@ class OwnLevelControl:
         # every link as one "direction" of the peer's own key: the slowest one counts; the
         # first decision jumps to the level that fits (no current level for the controller)
         key, current = link(levels.rank, levels.rank), levels.own
-        chosen = self.local.choose(key, current if self._decided else None, samples, budget)
+        known = {key: current if self._decided else None}
+        chosen = self.local.choose_all(known, {key: samples}, budget).get(key)
         self._decided = True
         return None if chosen is None or chosen == current else levels.decide(chosen, round)
