@@ -90,6 +90,29 @@ def test_levels_do_not_flap_inside_the_dead_band_and_need_repeated_proposals():
     assert controller.update({(0, 1): 8}, crawl, budget) == {(0, 1): 1}
 
 
+def test_a_floor_only_link_sets_the_budget_and_counts_no_patience():
+    """A link in `floor_only` (a peer deciding alone: the edge its neighbour decides, or one
+    whose change still waits) is measured for the floor of the budget and nothing else: its
+    slow rounds let the other link fill their time, and however often it would have been
+    raised, no proposal or streak of it is kept, so when its level does change no stale
+    patience decides its next step."""
+    controller = RateController(LADDER, raise_after=3, lower_after=2)
+    fast = [(1_000, 0.0001), (8_000, 0.0008)]  # 1e-7 s a byte
+    slow = [(1_000, 0.01), (2_000, 0.02)]  # 1e-5 s a byte: level 1 takes 10 ms
+    sends = {(0, 1): [slow], (0, 2): [fast]}
+    level = 1
+    for _ in range(3):
+        chosen = controller.update({(0, 1): 1, (0, 2): level}, sends, 1e-9, floor_only={(0, 1)})
+        assert chosen[(0, 1)] == 1  # never decided here
+        level = chosen[(0, 2)]
+    assert controller.budget_s == pytest.approx(0.01, rel=0.05)  # the slow link's floor
+    assert level == 2  # the fast link rose into that time (to 3x level 1's bytes at most)
+    faster = {(0, 1): [fast], (0, 2): [fast]}
+    for _ in range(3):
+        controller.update({(0, 1): 1, (0, 2): level}, faster, 1e-9, floor_only={(0, 1)})
+    assert (0, 1) not in controller._streaks and (0, 1) not in controller._changes
+
+
 def test_a_link_is_as_slow_as_its_slower_direction():
     controller = RateController(LADDER)
     fast, slow = [(1_000, 0.0001), (8_000, 0.0008)], [(1_000, 0.001), (8_000, 0.008)]

@@ -271,6 +271,7 @@ def test_a_peer_deciding_levels_caps_them_at_its_own_losss_rung():
     assert control.ceiling() == 4
     off = LocalRateControl(LADDER, 1.0, follow_loss=False)
     off.note_loss(8.0, 1.0)
+    off.note_loss(math.nan, 1.0)  # not following the loss: nothing is read
     assert off.ceiling() is None
     assert off.choose_all({(0, 1): None}, {(0, 1): sends}, 1.0) == {(0, 1): 16}
 

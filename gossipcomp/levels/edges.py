@@ -215,8 +215,8 @@ def checked_level_rows(
 
 class LocalRateControl:
     """The rate controller of one peer for the edges where it is the lower-ranked end (module
-    docstring): decides from this peer's own sends, one edge at a time, never while a notice
-    for that edge waits."""
+    docstring): decides from this peer's own sends over all its live links at once (the
+    slowest sets the floor of the budget), never for an edge while a notice for it waits."""
 
     def __init__(
         self, costs: LevelCosts, budget_s: float | None = None, *, follow_loss: bool = True
@@ -240,10 +240,13 @@ class LocalRateControl:
     def note_loss(self, initial: float, recent: float) -> None:
         """This peer's training loss: the untrained model's and the recent rounds' mean
         (levels/progress.py `LossWindow`); either 0 (not measured yet): nothing changes.
-        ValueError naming the loss for one not finite or outside 0 to MAX_LOSS."""
+        Following the loss, ValueError naming the loss for one not finite or outside 0 to
+        MAX_LOSS; not following it, nothing is read."""
+        if self.allowance is None:
+            return
         initial = checked_number("initial loss", initial, 0.0, MAX_LOSS)
         recent = checked_number("recent loss", recent, 0.0, MAX_LOSS)
-        if self.allowance is not None and initial > 0.0 and recent > 0.0:
+        if initial > 0.0 and recent > 0.0:
             self.allowance.update([(initial, recent)], 1)
 
     def ceiling(self) -> int | None:
@@ -266,20 +269,22 @@ class LocalRateControl:
         current: Mapping[Link, int | None],
         sends: Mapping[Link, Sequence[Sequence[tuple[int, float]]]],
         budget: float,
+        floor_only: Collection[Link] = (),
     ) -> dict[Link, int]:
-        """The level of each link of `sends` at its `current` one (None: none yet) from its
-        sends (each direction's), no higher than the loss's ceiling (a level above it from
-        before, the algorithm's own at the start, comes down to it); a link the controller
-        cannot estimate yet is left out. All of a peer's links in one call: its round waits
-        for the slowest of them, so that one's time at the lowest level is the budget the
-        others fill (levels/rate.py `round_budget`), as a coordinator's is."""
+        """The level of each link of `sends` not in `floor_only`, from its `current` one
+        (None: none yet) and its sends (each direction's): no higher than the loss's ceiling
+        (a level above it from before, the algorithm's own at the start, comes down to it),
+        a link the controller cannot estimate keeping its current level (left out when it has
+        none). All of a peer's links in one call: its round waits for the slowest of them,
+        so that one's time at the lowest level is the budget the others fill (levels/rate.py
+        `round_budget`), as a coordinator's is; `floor_only` links count for that alone."""
         top = self.ceiling()
         known = {key: level for key, level in current.items() if level is not None}
-        chosen = self.controller.update(known, sends, budget, top=top)
+        chosen = self.controller.update(known, sends, budget, top=top, floor_only=floor_only)
         return {
             key: level if top is None else min(level, top)
             for key, level in chosen.items()
-            if key in sends
+            if key in sends and key not in floor_only
         }
 
     def decide(
@@ -293,15 +298,17 @@ class LocalRateControl:
             return {}
         timed = {j: sends.samples(j) for j in sorted(live)}
         timed = {j: samples for j, samples in timed.items() if len(samples) >= MIN_SENDS}
+        waiting = levels.waiting()
+        not_decided = {j for j in timed if j < levels.rank or j in waiting}
         chosen = self.choose_all(
             {link(levels.rank, j): levels.level(j) for j in timed},
             {link(levels.rank, j): [samples] for j, samples in timed.items()},
             budget,
+            floor_only={link(levels.rank, j) for j in not_decided},
         )
-        waiting = levels.waiting()
         notices = {}
         for j in timed:
-            if j < levels.rank or j in waiting:
+            if j in not_decided:
                 continue
             level = chosen.get(link(levels.rank, j))
             if level is not None and level != levels.level(j):

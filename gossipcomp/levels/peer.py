@@ -80,7 +80,8 @@ class CompressionLevels:
     - `adapt` once, before starting, when the peers set levels without a coordinator;
     - `schedule_specs` and `local_specs` whenever it checks a schedule, `expect` once it stages
       one, `switch_schedule` when one takes effect;
-    - each round, `note_compute`, then `switch_due` at the top, `before_resume` and
+    - each round, `note_compute` (and `note_loss`, from the trainer, on the same thread), then
+      `switch_due` at the top, `before_resume` and
       `after_resume` around the resume exchange, `decide` before the gossip, `hear` after it;
     - `state_dict`, `checked`, `load_algorithm` and `restore` for checkpoints.
 
@@ -338,6 +339,8 @@ class CompressionLevels:
         rate = self._own_rate.local if self._own_rate is not None else self._rate
         if rate is None or rate.allowance is None or rate.allowance.measured:
             return
+        if self._own_rate is None and not any(j > self.rank for j in self._weights):
+            return  # the higher end of every edge: it decides no level
         if self._loss_unheard or rate.budget() is None:
             return
         self._loss_unheard = True

@@ -93,7 +93,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from gossipcomp.inputs.numbers import checked_integer, checked_number
@@ -374,13 +374,17 @@ class RateController:
         sends: Mapping[Link, Sequence[Sequence[tuple[int, float]]]],
         budget_s: float,
         top: int | None = None,
+        floor_only: Collection[Link] = (),
     ) -> dict[Link, int]:
         """New levels for every link (those without sends to estimate from keep theirs).
         `sends[link]` holds each direction's sends, oldest first; a link is as slow as its
         slower direction. A link's first level (none yet, or one off the ladder) jumps to
         what fits with every second of its sends priced as bytes: it never overshoots. No
         link is proposed above `top` (None: the ladder's top), so no raise past it is counted
-        or taken (a caller's ceiling: coordinator's hold, the training loss's allowance)."""
+        or taken (a caller's ceiling: coordinator's hold, the training loss's allowance).
+        Links in `floor_only` count towards the round's floor (`round_budget`) and nothing
+        else: no proposal, no patience counted (a peer deciding alone: the edges the other
+        end decides, and those whose decided change still waits for its round)."""
         self._decisions += 1
         chosen = dict(current)
         estimated: dict[Link, tuple[LinkCost, LinkCost, LinkCost]] = {}
@@ -414,6 +418,8 @@ class RateController:
         }
         self.budget_s = self.round_budget(budget_s, floors)
         for key, (worst, settled, lenient) in estimated.items():
+            if key in floor_only:
+                continue
             chosen[key] = self._patient(
                 key, current.get(key), worst, settled, self.budget_s, lenient, top
             )

@@ -331,9 +331,9 @@ class Peer:
         """This peer's training loss after a round: the untrained model's (the mean of its
         first local steps) and the recent rounds' mean, as levels/progress.py's `LossWindow`
         keeps them (PeerTrainer calls this; a loop of one's own does, for levels set by the
-        peers to follow the loss). Nothing happens unless `adapt_levels` follows it; then a
-        loss not finite or outside 0 to 1e6 is a ValueError naming it, and 0 is "not measured
-        yet"."""
+        peers to follow the loss), from the thread that calls `gossip`. Nothing happens unless
+        `adapt_levels` follows it; then a loss not finite or outside 0 to 1e6 is a ValueError
+        naming it, and 0 is "not measured yet"."""
         self._levels.note_loss(initial, recent)
 
     def apply(self, schedule: Schedule, *, late: bool = False) -> Schedule:
