@@ -4,9 +4,10 @@ The lower-ranked end of each edge decides the edge's level: its own rate control
 (levels/rate.py) estimates the link from this peer's sends over it and picks the highest
 level whose transfers fit the round budget (given, or this peer's median compute time per
 round; or, when longer, the slowest of this peer's links at the lowest level: its round waits
-for that one, so the others may fill the time, as under a coordinator). A decision becomes a notice (level, effective round `NOTICE_LEAD` rounds ahead) that
-the lower end carries in every envelope it sends the other end until that round; both ends put
-the level in force at the top of that round. While a notice waits, that edge gets no new one.
+for that one, so the others may fill the time, as under a coordinator). A decision becomes a
+notice (level, effective round `NOTICE_LEAD` rounds ahead) that the lower end carries in every
+envelope it sends the other end until that round; both ends put the level in force at the top
+of that round. While a notice waits, that edge gets no new one.
 
 Why the lead suffices: the higher end takes a notice in after the exchange that brought it, and
 must have done so before the lower end's first envelope of the effective round R arrives (its
