@@ -45,6 +45,7 @@ from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.schedule.schedule import MAX_STAGED
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.base import PROTOCOL_VERSION
+from gossipcomp.transport.edge_stream import delivered_bytes
 
 RING3 = build_topology("ring", n=3)
 # INTERNAL/UNKNOWN: the server did not check what it got; DEADLINE_EXCEEDED: it hung
@@ -158,14 +159,17 @@ def _services() -> list[d.ServiceDescriptor]:
 
 
 def _call(channel: grpc.Channel, method: d.MethodDescriptor, request: Message) -> None:
-    """One call; raises grpc.RpcError on a refusal. A server stream is read for one message."""
+    """One call; raises grpc.RpcError on a refusal. A server stream is read for one message;
+    a refusal answered on a stream that stays open (Link's LinkReply.status) counts as one."""
     path = f"/{method.containing_service.full_name}/{method.name}"
     reply = GetMessageClass(method.output_type).FromString
     send = type(request).SerializeToString
     if method.client_streaming and method.server_streaming:
         stream = channel.stream_stream(path, send, reply)(iter([request]), timeout=CALL_TIMEOUT)
-        next(stream, None)
+        answer = next(stream, None)
         stream.cancel()
+        if method.output_type.full_name == "gossipcomp.v1.LinkReply" and answer is not None:
+            delivered_bytes(answer, 0)
     elif method.client_streaming:
         channel.stream_unary(path, send, reply)(iter([request]), timeout=CALL_TIMEOUT)
     elif method.server_streaming:
@@ -281,7 +285,7 @@ def _assert_peer_state_bounded(peer: Peer, round: int) -> None:
 def test_every_service_in_protos_has_a_server_here(servers):
     """A service added to protos/ without a server in this walk fails here first."""
     assert {s.full_name for s in _services()} <= set(servers.addresses)
-    assert {"Hello", "Push", "PushOne", "Schedules"} <= {
+    assert {"Hello", "Push", "PushOne", "Link", "Schedules"} <= {
         m.name for s in _services() if s.full_name == "gossipcomp.v1.Gossip" for m in s.methods
     }
 

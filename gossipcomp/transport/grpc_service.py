@@ -1,7 +1,8 @@
 """The gRPC transport's server side: the Gossip service every peer serves to its neighbours.
 
 Hello (handshake and rejoin requests), Push and PushOne (one envelope, streamed or in one
-message) and Schedules, each checked before anything is used: a signed caller's proof first
+message), Link (an edge's small envelopes, one message each, on a stream that stays open) and
+Schedules, each checked before anything is used: a signed caller's proof first
 (when peers authenticate), then the handshake's identity and ranges, or the envelope's header
 before its data and its values before the Inbox stores it. Apart from grpc_transport.py (the
 client side: channels, handshakes and pushes) because the two share only the Inbox and the
@@ -31,6 +32,7 @@ from gossipcomp.transport.base import (
     no_rejoin,
 )
 from gossipcomp.transport.buffers import BufferPool
+from gossipcomp.transport.edge_stream import refusal_reply
 from gossipcomp.transport.grpc_options import GrpcOptions
 from gossipcomp.transport.inbox import Inbox
 from gossipcomp.transport.schedules import SCHEDULE_CALLS_PER_CALLER, ScheduleSource
@@ -72,14 +74,20 @@ class GossipService:
         self.on_schedules: ScheduleSource = lambda sender, epoch: b""  # none until a peer says
         # Schedules answers in flight per caller (claimed sender on one connection)
         self._schedule_calls = CallerSlots(SCHEDULE_CALLS_PER_CALLER, "Schedules calls")
+        self._links: set[asyncio.Timeout] = set()  # the timers of the Link calls being served
+        self._ending = False  # the peer is closing: no new links
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, refused: EnvelopeRejected) -> None:
+    def _refusal(self, refused: EnvelopeRejected) -> tuple[grpc.StatusCode, str]:
+        """The status and details a caller is told for `refused`."""
         code, details = refused.code.value, str(refused)
         if not self._callers_verified:  # strangers learn nothing of our state
             details = refused.public
             if code == "ALREADY_EXISTS":  # would say which rounds arrived, hence ours
                 code = "FAILED_PRECONDITION"
-        await context.abort(_STATUS[code], details)
+        return _STATUS[code], details
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, refused: EnvelopeRejected) -> None:
+        await context.abort(*self._refusal(refused))
 
     async def Hello(
         self, request: pb.HelloRequest, context: grpc.aio.ServicerContext
@@ -238,12 +246,54 @@ class GossipService:
 
     async def PushOne(self, request: bytes, context: grpc.aio.ServicerContext) -> pb.PushReply:
         try:
-            reader = EnvelopeReader(request, self._check_header, self._check_content())
-            envelope, spec, wire_bytes = reader.finish()
-            self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
+            wire_bytes = self._accept_one(request)
         except EnvelopeRejected as refused:
             await self._refuse(context, refused)
         return pb.PushReply(received_bytes=wire_bytes)
+
+    def _accept_one(self, message: bytes) -> int:
+        """An envelope in one message, checked and stored (PushOne and Link); its bytes."""
+        reader = EnvelopeReader(message, self._check_header, self._check_content())
+        envelope, spec, wire_bytes = reader.finish()
+        self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
+        return wire_bytes
+
+    async def Link(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        """An edge's small envelopes, each checked as PushOne's and answered in order, the
+        link kept open after a refusal. A link that carries nothing, or whose caller reads no
+        answer, for `stream_timeout` seconds is ended (status OK), as every link is when the
+        peer closes (`end_links`)."""
+        if self._ending:
+            return
+        loop = asyncio.get_running_loop()
+        idle = self._options.stream_timeout
+        timer = asyncio.timeout(idle)  # one timer for the link, pushed on at every step
+        self._links.add(timer)
+        try:
+            async with timer:
+                while True:
+                    timer.reschedule(loop.time() + idle)
+                    message = await anext(requests, None)
+                    if message is None:
+                        return
+                    try:
+                        reply = pb.LinkReply(received_bytes=self._accept_one(message))
+                    except EnvelopeRejected as refused:
+                        reply = refusal_reply(*self._refusal(refused))
+                    timer.reschedule(loop.time() + idle)
+                    await context.write(reply)
+        except TimeoutError:
+            return  # idle, or the peer closes: the link ends with OK
+        finally:
+            self._links.discard(timer)
+
+    async def end_links(self) -> None:
+        """End every link being served, and refuse new ones (the peer closes: its server
+        need not sit out its grace period for links that would stay open)."""
+        self._ending = True
+        now = asyncio.get_running_loop().time()
+        for timer in self._links:  # each link waits in a read or a write: it ends there
+            timer.reschedule(now)
 
     def _check_content(self) -> ContentCheck | None:
         return self._auth.check_content if self._auth is not None else None
@@ -268,6 +318,13 @@ def handlers(service: GossipService, limits: ServingLimits) -> grpc.GenericRpcHa
             ),
             Method("Push", service.Push, pb.PushReply.SerializeToString, streaming_request=True),
             Method("PushOne", service.PushOne, pb.PushReply.SerializeToString),
+            Method(
+                "Link",
+                service.Link,
+                pb.LinkReply.SerializeToString,
+                streaming_request=True,
+                streaming_response=True,
+            ),
             Method(
                 "Schedules",
                 service.Schedules,

@@ -1,8 +1,10 @@
 """The real transport: one gRPC server per peer, envelopes client-streamed to each neighbour.
 
-Each peer serves `Gossip.Hello` (handshake) and `Gossip.Push` (receive one envelope) plus the
-standard gRPC health service (grpc_service.py, the server side), and pushes its own envelopes
-to its neighbours (this module, the client side: channels, handshakes, exchanges). Every call
+Each peer serves `Gossip.Hello` (handshake), `Gossip.Push` (receive one envelope) and
+`Gossip.Link` (an edge's small envelopes on one open stream) plus the standard gRPC health
+service (grpc_service.py, the server side), and pushes its own envelopes to its neighbours
+(this module, the client side: channels, handshakes, exchanges): an envelope of one chunk on
+the edge's link (edge_stream.py), a larger one as a stream of its own. Every call
 has a deadline; message size limits are set on both ends; every envelope is validated (header
 before data, values after) before it reaches the Inbox, so nothing invalid is ever handed to
 an algorithm. Options and their checks: grpc_options.py.
@@ -50,6 +52,7 @@ from gossipcomp.transport.base import (
     PeerUnreachableError,
     RejectCode,
 )
+from gossipcomp.transport.edge_stream import EdgeStream
 from gossipcomp.transport.grpc_options import (  # re-exported: the names' old home
     WHY_AUTHENTICATION_NEEDS_TLS,
     WHY_PLAINTEXT_STAYS_ON_LOOPBACK,
@@ -108,7 +111,7 @@ class _Pushes:
         while True:
             try:
                 return await push()
-            except grpc.aio.AioRpcError as error:
+            except grpc.RpcError as error:  # a call's status, or a refusal on a link
                 pause = next(pauses, None) if error.code() is grpc.StatusCode.ABORTED else None
                 if pause is None:
                     raise
@@ -198,7 +201,7 @@ class GrpcTransport:
         self._unnamed = set(self._neighbours) if address_source is not None else set()
         self._stubs: dict[int, pb_grpc.GossipStub] = {}
         self._pushers: dict[int, grpc.aio.StreamUnaryMultiCallable] = {}
-        self._push_ones: dict[int, grpc.aio.UnaryUnaryMultiCallable] = {}
+        self._links: dict[int, EdgeStream] = {}
         self._closed = False
 
     def set_hello_handler(self, handler: HelloHandler) -> None:
@@ -303,8 +306,11 @@ class GrpcTransport:
             self._pushers[j] = channel.stream_unary(  # chunks arrive serialised already
                 f"/{SERVICE_NAME}/Push", response_deserializer=pb.PushReply.FromString
             )
-            self._push_ones[j] = channel.unary_unary(
-                f"/{SERVICE_NAME}/PushOne", response_deserializer=pb.PushReply.FromString
+            self._links[j] = EdgeStream(
+                j,
+                channel.stream_stream(  # chunks arrive serialised already
+                    f"/{SERVICE_NAME}/Link", response_deserializer=pb.LinkReply.FromString
+                ),
             )
 
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -408,9 +414,7 @@ class GrpcTransport:
         return sent
 
     async def _push_one(self, neighbour: int, chunk: bytes, deadline: float) -> int:
-        timeout = max(0.001, deadline - time.monotonic())
-        await self._push_ones[neighbour](chunk, timeout=timeout)
-        return len(chunk)
+        return await self._links[neighbour].send(chunk, max(0.001, deadline - time.monotonic()))
 
     def exchange(
         self, round: int, phase: str, outgoing: Outgoing, timeout: float, schedule_epoch: int = 0
@@ -450,7 +454,7 @@ class GrpcTransport:
             elif notice is not None:
                 chunks = [with_header(chunks[0], header_of(envelope)), *chunks[1:]]
             sizes[j] = sum(len(c) for c in chunks)
-            if len(chunks) == 1:  # one unary call
+            if len(chunks) == 1:  # one message on the edge's link
                 pushes[j] = partial(self._push_one, j, chunks[0], deadline)
             else:
                 pushes[j] = partial(self._stream, j, chunks, deadline)
@@ -484,6 +488,7 @@ class GrpcTransport:
             return
         self._closed = True
         self.inbox.mailbox.shut()  # a thread waiting in exchange() goes on at once
+        self._server.run(self._service.end_links())  # open links would hold the grace period
         self._server.stop(grace=0.5)
         try:
             self._loop.run(_close_channels(list(self._channels.values())))

@@ -19,7 +19,9 @@ Each method is wrapped by `bounded_handler`:
 
 A method whose request is a stream (the peer's Push) bounds its own reads (its first chunk and its
 whole envelope have deadlines of their own, so it reads chunks without a timer each): it is
-served with the completion deadline only when `bound_streams` is set.
+served with the completion deadline only when `bound_streams` is set. A method whose answer is a
+stream too (the peer's Link, open for as long as its edge is busy) bounds each read and write
+by itself and is never given the completion deadline.
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ class Method:
 
     `request`: parses the request bytes (a protobuf message's FromString); None hands the
     behaviour the raw bytes (it parses them itself). `streaming_request`: the behaviour takes
-    an async iterator of requests and bounds its own reads (module docstring).
+    an async iterator of requests and bounds its own reads (module docstring);
+    `streaming_response` as well: it writes its answers with `context.write` and bounds them.
     """
 
     name: str
@@ -116,6 +119,11 @@ class Method:
     response: Callable[[Any], bytes]
     request: Callable[[bytes], Any] | None = None
     streaming_request: bool = False
+    streaming_response: bool = False
+
+    def __post_init__(self) -> None:
+        if self.streaming_response and not self.streaming_request:
+            raise ValueError(f"Method {self.name}: a streamed answer needs a streamed request")
 
 
 class CallerSlots:
@@ -166,7 +174,13 @@ def bounded_handler(
     slots = CallerSlots(limits.max_calls_per_caller, f"{service} calls")
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in methods:
-        if method.streaming_request:
+        if method.streaming_response:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                _per_connection(method.behavior, slots),
+                request_deserializer=method.request,
+                response_serializer=method.response,
+            )
+        elif method.streaming_request:
             behavior = method.behavior
             if bound_streams:
                 behavior = _with_call_deadline(behavior, limits)

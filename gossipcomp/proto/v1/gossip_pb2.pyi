@@ -79,6 +79,16 @@ class PushReply(_message.Message):
     received_bytes: int
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
+class LinkReply(_message.Message):
+    __slots__ = ("received_bytes", "status", "details")
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    status: int
+    details: str
+    def __init__(self, received_bytes: _Optional[int] = ..., status: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
 class HelloRequest(_message.Message):
     __slots__ = ("protocol_version", "sender", "topology_hash", "model_signature", "proof", "round", "proposed_resume_round", "alone", "schedule_epoch")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,11 @@ class GossipStub:
                 request_serializer=gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.SerializeToString,
                 response_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.Link = channel.stream_stream(
+                '/gossipcomp.v1.Gossip/Link',
+                request_serializer=gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.SerializeToString,
+                response_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.LinkReply.FromString,
+                _registered_method=True)
         self.Schedules = channel.unary_unary(
                 '/gossipcomp.v1.Gossip/Schedules',
                 request_serializer=gossipcomp_dot_v1_dot_gossip__pb2.HelloRequest.SerializeToString,
@@ -83,6 +88,16 @@ class GossipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Link(self, request_iterator, context):
+        """An edge's long-lived stream for envelopes that fit in one chunk: each message is what
+        PushOne takes, checked the same way, and answered in order by one LinkReply, so a round's
+        small envelopes pay no per-call setup. The receiver ends a link that has carried nothing
+        for the stream timeout (30 s by default); the sender opens a new one when it next sends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Schedules(self, request, context):
         """The schedules this peer holds that are newer than the request's schedule_epoch. A peer that
         learns from a handshake that a neighbour holds a newer epoch asks that neighbour, at its
@@ -110,6 +125,11 @@ def add_GossipServicer_to_server(servicer, server):
                     servicer.PushOne,
                     request_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.FromString,
                     response_serializer=gossipcomp_dot_v1_dot_gossip__pb2.PushReply.SerializeToString,
+            ),
+            'Link': grpc.stream_stream_rpc_method_handler(
+                    servicer.Link,
+                    request_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.FromString,
+                    response_serializer=gossipcomp_dot_v1_dot_gossip__pb2.LinkReply.SerializeToString,
             ),
             'Schedules': grpc.unary_unary_rpc_method_handler(
                     servicer.Schedules,
@@ -198,6 +218,33 @@ class Gossip:
             '/gossipcomp.v1.Gossip/PushOne',
             gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.SerializeToString,
             gossipcomp_dot_v1_dot_gossip__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Link(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gossipcomp.v1.Gossip/Link',
+            gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.SerializeToString,
+            gossipcomp_dot_v1_dot_gossip__pb2.LinkReply.FromString,
             options,
             channel_credentials,
             insecure,

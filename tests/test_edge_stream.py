@@ -1,0 +1,184 @@
+"""An edge's link (`Gossip.Link`): small envelopes on one open stream, each checked as PushOne's,
+refusals answered without closing it, idle links ended, and a neighbour's replies bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+from conftest import run_in_threads
+
+from gossipcomp.proto.v1 import gossip_pb2 as pb
+from gossipcomp.transport.base import Envelope, Identity
+from gossipcomp.transport.codec import encode_raw, tensor_spec
+from gossipcomp.transport.edge_stream import (
+    MAX_LINK_DETAILS,
+    EdgeStream,
+    LinkRefusal,
+    delivered_bytes,
+    refusal_reply,
+)
+from gossipcomp.transport.grpc_transport import SERVICE_NAME, GrpcOptions, GrpcTransport
+from gossipcomp.transport.wire import envelope_chunks
+
+
+def _link(channel: grpc.Channel) -> grpc.StreamStreamMultiCallable:
+    return channel.stream_stream(
+        f"/{SERVICE_NAME}/Link", response_deserializer=pb.LinkReply.FromString
+    )
+
+
+def _one_chunk(round: int, tensor: torch.Tensor) -> bytes:
+    (chunk,) = envelope_chunks(Envelope(0, round, "p", (encode_raw("w", tensor),)))
+    return chunk
+
+
+def test_a_refusal_on_a_link_leaves_it_open_and_tells_a_stranger_nothing_of_our_rounds(grpc_pair):
+    """Wrong shape: INVALID_ARGUMENT naming it; then a valid envelope on the same stream is
+    stored; the same envelope again is refused as FAILED_PRECONDITION, not ALREADY_EXISTS (a
+    caller without TLS must not learn which rounds arrived), and is not stored twice."""
+    _, b = grpc_pair()
+    b.inbox.expect("p", (tensor_spec("w", torch.zeros(4, 3)),))
+    good = _one_chunk(0, torch.ones(4, 3))
+    with grpc.insecure_channel(b.address) as channel:
+        replies = _link(channel)(iter([_one_chunk(0, torch.zeros(3, 4)), good, good]), timeout=10)
+        bad, accepted, again = list(replies)
+    assert bad.status == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "shape: expected (4, 3), got (3, 4)" in bad.details
+    assert (accepted.status, accepted.received_bytes) == (0, len(good))
+    assert again.status == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert b.inbox.mailbox.pending() == 1
+
+
+def test_an_idle_link_is_ended_and_the_sender_opens_another():
+    """With a stream timeout of 0.3 s: a link that carries nothing ends (status OK) within a
+    second; an exchange after the receiver ended its link goes through on a new one."""
+    options = GrpcOptions(stream_timeout=0.3, first_chunk_timeout=0.3)
+    a = GrpcTransport(Identity(0, "topo", "model"), [1], options=options)
+    b = GrpcTransport(Identity(1, "topo", "model"), [0], options=options)
+    try:
+        a.connect({1: b.address}, timeout=10)
+        b.connect({0: a.address}, timeout=10)
+        for transport in (a, b):
+            transport.inbox.expect("p", (tensor_spec("w", torch.zeros(2)),))
+        payload = (encode_raw("w", torch.ones(2)),)
+        with grpc.insecure_channel(b.address) as channel:
+            started = time.monotonic()
+            idle = _link(channel)(iter(()), timeout=5)  # half-closed at once: ends with OK
+            assert list(idle) == [] and idle.code() == grpc.StatusCode.OK
+            silent = _link(channel)(_never(), timeout=5)  # open, silent: the receiver ends it
+            assert list(silent) == [] and silent.code() == grpc.StatusCode.OK
+            assert time.monotonic() - started < 2.0
+        for round in range(3):
+            results = run_in_threads(
+                [
+                    lambda r=round: a.exchange(r, "p", {1: payload}, 10.0),
+                    lambda r=round: b.exchange(r, "p", {0: payload}, 10.0),
+                ]
+            )
+            assert [r.failed for r in results] == [{}, {}], results
+            assert [sorted(r.received) for r in results] == [[1], [0]]
+            time.sleep(0.6)  # both links end while idle
+    finally:
+        for transport in (a, b):
+            transport.close()
+
+
+def _never():
+    """A request iterator that sends nothing and never ends (until the call is cancelled)."""
+    time.sleep(2)
+    yield from ()
+
+
+def test_closing_a_peer_does_not_wait_for_its_neighbours_open_links(grpc_pair):
+    """Links stay open between rounds; closing must end them, not sit out the 0.5 s grace."""
+    a, b = grpc_pair()
+    for transport in (a, b):
+        transport.inbox.expect("p", (tensor_spec("w", torch.zeros(2)),))
+    payload = (encode_raw("w", torch.ones(2)),)
+    run_in_threads(
+        [
+            lambda: a.exchange(0, "p", {1: payload}, 10.0),
+            lambda: b.exchange(0, "p", {0: payload}, 10.0),
+        ]
+    )
+    assert len(b._service._links) == 1  # noqa: SLF001  a's link to b, still open
+    started = time.monotonic()
+    b.close()
+    assert time.monotonic() - started < 0.45
+    assert not b._service._links  # noqa: SLF001
+
+
+@pytest.mark.parametrize(
+    ("status", "details", "code"),
+    [
+        (99, "no such code", grpc.StatusCode.INTERNAL),
+        (3, "x" * (MAX_LINK_DETAILS + 1), grpc.StatusCode.INTERNAL),
+        (3, "x" * 1_000_000, grpc.StatusCode.INTERNAL),
+        (3, "shape: expected (4, 3)", grpc.StatusCode.INVALID_ARGUMENT),
+        (10, "not yet due", grpc.StatusCode.ABORTED),
+    ],
+)
+def test_a_neighbours_reply_is_believed_only_within_bounds(status, details, code):
+    """A reply's status must be a gRPC code and its details at most MAX_LINK_DETAILS
+    characters; what a refusal says is never echoed beyond a bounded length."""
+    with pytest.raises(LinkRefusal) as caught:
+        delivered_bytes(pb.LinkReply(status=status, details=details), 7)
+    assert caught.value.code() == code
+    assert len(str(caught.value)) < 2 * MAX_LINK_DETAILS
+    if code is grpc.StatusCode.INTERNAL:
+        assert "peer 7 answered on its link with status" in caught.value.details()
+    else:
+        assert caught.value.details() == details
+    assert delivered_bytes(pb.LinkReply(received_bytes=123), 7) == 123
+
+
+def test_a_refusal_is_cut_to_the_bound_before_it_is_sent():
+    reply = refusal_reply(grpc.StatusCode.INVALID_ARGUMENT, "y" * 5000)
+    assert len(reply.details) == MAX_LINK_DETAILS and reply.details.endswith("...")
+    with pytest.raises(LinkRefusal) as caught:
+        delivered_bytes(reply, 1)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+class _FakeCall:
+    """A stream whose read answers only when told to: for what a send does with a late reply."""
+
+    def __init__(self, answers: bool) -> None:
+        self.answers, self.written, self.cancelled = answers, [], False
+
+    def done(self) -> bool:
+        return self.cancelled
+
+    async def write(self, chunk: bytes) -> None:
+        self.written.append(chunk)
+
+    async def read(self) -> pb.LinkReply:
+        if not self.answers:
+            await asyncio.sleep(3600)
+        return pb.LinkReply(received_bytes=len(self.written[-1]))
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_send_not_answered_in_time_drops_its_link_so_a_late_reply_answers_nothing():
+    """The first link never answers: the send fails with DEADLINE_EXCEEDED and that link is
+    cancelled; the next send writes on a new link and is answered there."""
+    calls = [_FakeCall(answers=False), _FakeCall(answers=True)]
+    opened = iter(calls)
+    stream = EdgeStream(3, lambda: next(opened))
+
+    async def both() -> int:
+        with pytest.raises(LinkRefusal) as caught:
+            await stream.send(b"first", 0.05)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "peer 3" in caught.value.details()
+        return await stream.send(b"second", 1.0)
+
+    assert asyncio.run(both()) == len(b"second")
+    assert calls[0].cancelled and calls[0].written == [b"first"]
+    assert calls[1].written == [b"second"] and not calls[1].cancelled
