@@ -53,37 +53,83 @@ def test_a_refusal_on_a_link_leaves_it_open_and_tells_a_stranger_nothing_of_our_
     assert b.inbox.mailbox.pending() == 1
 
 
-def test_an_idle_link_is_ended_and_the_sender_opens_another():
-    """With a stream timeout of 0.3 s: a link that carries nothing ends (status OK) within a
-    second; an exchange after the receiver ended its link goes through on a new one."""
-    options = GrpcOptions(stream_timeout=0.3, first_chunk_timeout=0.3)
+def _pair(options: GrpcOptions) -> tuple[GrpcTransport, GrpcTransport]:
     a = GrpcTransport(Identity(0, "topo", "model"), [1], options=options)
     b = GrpcTransport(Identity(1, "topo", "model"), [0], options=options)
+    a.connect({1: b.address}, timeout=10)
+    b.connect({0: a.address}, timeout=10)
+    for transport in (a, b):
+        transport.inbox.expect("p", (tensor_spec("w", torch.zeros(2)),))
+    return a, b
+
+
+def _exchange_round(a: GrpcTransport, b: GrpcTransport, round: int) -> None:
+    payload = (encode_raw("w", torch.ones(2)),)
+    results = run_in_threads(
+        [
+            lambda: a.exchange(round, "p", {1: payload}, 10.0),
+            lambda: b.exchange(round, "p", {0: payload}, 10.0),
+        ]
+    )
+    assert [r.failed for r in results] == [{}, {}], results
+    assert [sorted(r.received) for r in results] == [[1], [0]]
+
+
+def test_a_link_whose_first_envelope_does_not_come_is_ended_by_the_header_deadline():
+    """first_chunk_timeout 0.3 s, stream_timeout 5 s: a link opened and left silent ends (OK)
+    within 2 s, as a Push whose header does not come would; one half-closed at once ends too."""
+    a, b = _pair(GrpcOptions(first_chunk_timeout=0.3, stream_timeout=5.0))
     try:
-        a.connect({1: b.address}, timeout=10)
-        b.connect({0: a.address}, timeout=10)
-        for transport in (a, b):
-            transport.inbox.expect("p", (tensor_spec("w", torch.zeros(2)),))
-        payload = (encode_raw("w", torch.ones(2)),)
         with grpc.insecure_channel(b.address) as channel:
             started = time.monotonic()
-            idle = _link(channel)(iter(()), timeout=5)  # half-closed at once: ends with OK
+            idle = _link(channel)(iter(()), timeout=5)
             assert list(idle) == [] and idle.code() == grpc.StatusCode.OK
-            silent = _link(channel)(_never(), timeout=5)  # open, silent: the receiver ends it
+            silent = _link(channel)(_never(), timeout=5)
             assert list(silent) == [] and silent.code() == grpc.StatusCode.OK
             assert time.monotonic() - started < 2.0
-        for round in range(3):
-            results = run_in_threads(
-                [
-                    lambda r=round: a.exchange(r, "p", {1: payload}, 10.0),
-                    lambda r=round: b.exchange(r, "p", {0: payload}, 10.0),
-                ]
-            )
-            assert [r.failed for r in results] == [{}, {}], results
-            assert [sorted(r.received) for r in results] == [[1], [0]]
-            time.sleep(0.6)  # both links end while idle
     finally:
         for transport in (a, b):
+            transport.close()
+
+
+def test_an_idle_link_is_ended_and_the_sender_opens_another():
+    """stream_timeout 0.3 s: after each exchange the receiver ends the idle link (none left
+    open); the next exchange goes through on a new one."""
+    a, b = _pair(GrpcOptions(stream_timeout=0.3, first_chunk_timeout=0.3))
+    try:
+        for round in range(3):
+            _exchange_round(a, b, round)
+            time.sleep(0.8)
+            assert not b._service._links and not a._service._links  # noqa: SLF001
+    finally:
+        for transport in (a, b):
+            transport.close()
+
+
+def test_a_hub_with_more_neighbours_in_this_process_than_a_connection_has_streams():
+    """Every channel has connections of its own: with 2 streams per connection, a hub's 3
+    spokes in this process each keep a link open to it and every round still goes through (on
+    one shared connection the third link waited for a stream until its deadline)."""
+    options = GrpcOptions(max_streams_per_connection=2)
+    hub = GrpcTransport(Identity(0, "t", "m"), [1, 2, 3], options=options)
+    spokes = [GrpcTransport(Identity(j, "t", "m"), [0], options=options) for j in (1, 2, 3)]
+    everyone = [hub, *spokes]
+    try:
+        hub.connect({s.rank: s.address for s in spokes}, timeout=10)
+        for spoke in spokes:
+            spoke.connect({0: hub.address}, timeout=10)
+        for transport in everyone:
+            transport.inbox.expect("p", (tensor_spec("w", torch.zeros(2)),))
+        payload = (encode_raw("w", torch.ones(2)),)
+        outgoing = {t.rank: {j: payload for j in t._neighbours} for t in everyone}  # noqa: SLF001
+        for round in range(3):
+            results = run_in_threads(
+                [lambda t=t, r=round: t.exchange(r, "p", outgoing[t.rank], 5.0) for t in everyone]
+            )
+            assert [r.failed for r in results] == [{}] * 4, results
+        assert len(hub._service._links) == 3  # noqa: SLF001
+    finally:
+        for transport in everyone:
             transport.close()
 
 
@@ -145,10 +191,10 @@ def test_a_refusal_is_cut_to_the_bound_before_it_is_sent():
 
 
 class _FakeCall:
-    """A stream whose read answers only when told to: for what a send does with a late reply."""
+    """A link that answers, never answers, or has ended (its read gives EOF) as told."""
 
-    def __init__(self, answers: bool) -> None:
-        self.answers, self.written, self.cancelled = answers, [], False
+    def __init__(self, answers: bool, ended: bool = False) -> None:
+        self.answers, self.ended, self.written, self.cancelled = answers, ended, [], False
 
     def done(self) -> bool:
         return self.cancelled
@@ -156,7 +202,9 @@ class _FakeCall:
     async def write(self, chunk: bytes) -> None:
         self.written.append(chunk)
 
-    async def read(self) -> pb.LinkReply:
+    async def read(self) -> object:
+        if self.ended:
+            return grpc.aio.EOF
         if not self.answers:
             await asyncio.sleep(3600)
         return pb.LinkReply(received_bytes=len(self.written[-1]))
@@ -182,3 +230,20 @@ def test_a_send_not_answered_in_time_drops_its_link_so_a_late_reply_answers_noth
     assert asyncio.run(both()) == len(b"second")
     assert calls[0].cancelled and calls[0].written == [b"first"]
     assert calls[1].written == [b"second"] and not calls[1].cancelled
+
+
+def test_a_link_the_receiver_ended_is_replaced_once_per_send():
+    """A link that gives EOF (the receiver ended it while idle; the envelope was not read):
+    the send goes once more on a new link. Two ended links in a row fail the send as
+    UNAVAILABLE, without a third try."""
+    calls = [_FakeCall(answers=True, ended=True), _FakeCall(answers=True)]
+    stream = EdgeStream(4, iter(calls).__next__)
+    assert asyncio.run(stream.send(b"chunk", 1.0)) == len(b"chunk")
+    assert [c.written for c in calls] == [[b"chunk"], [b"chunk"]]
+
+    ended = [_FakeCall(answers=True, ended=True) for _ in range(3)]
+    stream = EdgeStream(4, iter(ended).__next__)
+    with pytest.raises(LinkRefusal) as caught:
+        asyncio.run(stream.send(b"chunk", 1.0))
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert [len(c.written) for c in ended] == [1, 1, 0]

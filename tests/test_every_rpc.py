@@ -45,7 +45,7 @@ from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.schedule.schedule import MAX_STAGED
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.base import PROTOCOL_VERSION
-from gossipcomp.transport.edge_stream import delivered_bytes
+from gossipcomp.transport.edge_stream import LinkRefusal, delivered_bytes
 
 RING3 = build_topology("ring", n=3)
 # INTERNAL/UNKNOWN: the server did not check what it got; DEADLINE_EXCEEDED: it hung
@@ -168,7 +168,9 @@ def _call(channel: grpc.Channel, method: d.MethodDescriptor, request: Message) -
         stream = channel.stream_stream(path, send, reply)(iter([request]), timeout=CALL_TIMEOUT)
         answer = next(stream, None)
         stream.cancel()
-        if method.output_type.full_name == "gossipcomp.v1.LinkReply" and answer is not None:
+        if method.output_type.full_name == "gossipcomp.v1.LinkReply":
+            if answer is None:  # every envelope on a link is answered, refused or not
+                raise LinkRefusal(grpc.StatusCode.UNKNOWN, "link ended without an answer")
             delivered_bytes(answer, 0)
     elif method.client_streaming:
         channel.stream_unary(path, send, reply)(iter([request]), timeout=CALL_TIMEOUT)

@@ -304,7 +304,7 @@ def test_single_chunk_push_one_is_validated_like_a_stream(grpc_pair):
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "shape: expected (4, 3), got (3, 4)" in caught.value.details()
     assert b.inbox.mailbox.pending() == 0
-    # a valid single-chunk exchange goes through PushOne and counts the chunk's bytes
+    # a valid single-chunk exchange (sent on the edge's link) counts the chunk's bytes
     a.inbox.expect("p", (tensor_spec("w", torch.zeros(4, 3)),))
     good = (encode_raw("w", torch.ones(4, 3)),)
     ra, _ = _exchange_both(a, b, 0, "p", good, good)

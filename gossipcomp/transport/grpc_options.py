@@ -83,7 +83,12 @@ class GrpcOptions:
             )
 
     def channel_options(self) -> list[tuple[str, int]]:
+        """A channel's options. Each channel gets connections of its own (no sharing with the
+        process's other peers): every edge keeps a stream open on its connection (its Link),
+        and shared connections would give one server's neighbours in this process 64 streams
+        in all, for their links, pushes and handshakes together."""
         return [
+            ("grpc.use_local_subchannel_pool", 1),
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             *read_chunk_options(self.read_chunk_bytes),

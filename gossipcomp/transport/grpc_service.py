@@ -40,6 +40,9 @@ from gossipcomp.transport.serving import CallerSlots, Method, ServingLimits, bou
 from gossipcomp.transport.wire import ContentCheck, EnvelopeReader
 
 SERVICE_NAME = "gossipcomp.v1.Gossip"
+# seconds a Link call may last: it is ended after the answer that passes this (the sender opens
+# another), so no call, however busy, holds its connection's slot for good
+MAX_LINK_SECONDS = 600.0
 _STATUS = {code.name: code for code in grpc.StatusCode}
 
 
@@ -260,21 +263,23 @@ class GossipService:
 
     async def Link(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         """An edge's small envelopes, each checked as PushOne's and answered in order, the
-        link kept open after a refusal. A link that carries nothing, or whose caller reads no
-        answer, for `stream_timeout` seconds is ended (status OK), as every link is when the
-        peer closes (`end_links`)."""
+        link kept open after a refusal. Its first envelope must come within
+        `first_chunk_timeout`; a link that then carries nothing, or whose caller reads no
+        answer, for `stream_timeout` seconds is ended (status OK), as is one older than
+        MAX_LINK_SECONDS at its next answer, and every link when the peer closes
+        (`end_links`). The sender opens a new link when it next sends."""
         if self._ending:
             return
         loop = asyncio.get_running_loop()
         idle = self._options.stream_timeout
-        timer = asyncio.timeout(idle)  # one timer for the link, pushed on at every step
-        self._links.add(timer)
+        retire = loop.time() + MAX_LINK_SECONDS
+        timer = asyncio.timeout(min(self._options.first_chunk_timeout, idle))
+        self._links.add(timer)  # one timer for the link, pushed on at every step
         try:
             async with timer:
                 while True:
-                    timer.reschedule(loop.time() + idle)
                     message = await anext(requests, None)
-                    if message is None:
+                    if message is None or self._ending:
                         return
                     try:
                         reply = pb.LinkReply(received_bytes=self._accept_one(message))
@@ -282,6 +287,9 @@ class GossipService:
                         reply = refusal_reply(*self._refusal(refused))
                     timer.reschedule(loop.time() + idle)
                     await context.write(reply)
+                    if self._ending or loop.time() > retire:
+                        return
+                    timer.reschedule(loop.time() + idle)
         except TimeoutError:
             return  # idle, or the peer closes: the link ends with OK
         finally:
@@ -293,7 +301,8 @@ class GossipService:
         self._ending = True
         now = asyncio.get_running_loop().time()
         for timer in self._links:  # each link waits in a read or a write: it ends there
-            timer.reschedule(now)
+            if not timer.expired():  # one whose timer fired already is ending
+                timer.reschedule(now)
 
     def _check_content(self) -> ContentCheck | None:
         return self._auth.check_content if self._auth is not None else None
@@ -343,7 +352,7 @@ def serving_limits(options: GrpcOptions) -> ServingLimits:
         max_streams_per_connection=options.max_streams_per_connection,
         header_timeout=options.first_chunk_timeout,
         call_timeout=options.stream_timeout,
-        # every method together, per connection: in-process peers share one connection
+        # every method together, per connection (each channel has connections of its own)
         max_calls_per_caller=options.max_streams_per_connection,
         read_chunk_bytes=options.read_chunk_bytes,
     )

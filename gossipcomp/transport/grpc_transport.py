@@ -488,12 +488,14 @@ class GrpcTransport:
             return
         self._closed = True
         self.inbox.mailbox.shut()  # a thread waiting in exchange() goes on at once
-        self._server.run(self._service.end_links())  # open links would hold the grace period
-        self._server.stop(grace=0.5)
         try:
-            self._loop.run(_close_channels(list(self._channels.values())))
+            self._server.run(self._service.end_links())  # open links would hold the grace period
         finally:
-            self._loop.close()
+            self._server.stop(grace=0.5)
+            try:
+                self._loop.run(_close_channels(list(self._channels.values())))
+            finally:
+                self._loop.close()
 
     def __enter__(self) -> GrpcTransport:
         return self
