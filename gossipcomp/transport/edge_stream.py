@@ -5,8 +5,8 @@ A round of PowerGossip on a ring sends each neighbour two small envelopes. As un
 more than the checks and the data (docs/benchmarks.md, "Engine: a stream per edge"). On a link
 the envelope is one message of a stream that stays open, answered in order by one LinkReply.
 
-The sender's side is here; the receiver's (the same checks as PushOne, the idle bound) is in
-grpc_service.py. A reply is a neighbour's word: its status must be a gRPC code and its details
+The sender's side is here; the receiver's (the same checks as PushOne, the bounds on a link's
+time) is in grpc_service.py. A reply is a neighbour's word: its status must be a gRPC code and its details
 are cut to MAX_LINK_DETAILS characters before anyone shows them.
 """
 
@@ -125,7 +125,7 @@ class EdgeStream:
         return reply
 
     def drop(self) -> None:
-        """Cancel the open link, if any (the transport closes, or a send failed half-way)."""
+        """Cancel the open link, if any (a send failed half-way: its reply must not be read)."""
         call, self._call = self._call, None
         if call is not None:
             call.cancel()

@@ -91,8 +91,10 @@ class GossipServicer:
     def Link(self, request_iterator, context):
         """An edge's long-lived stream for envelopes that fit in one chunk: each message is what
         PushOne takes, checked the same way, and answered in order by one LinkReply, so a round's
-        small envelopes pay no per-call setup. The receiver ends a link that has carried nothing
-        for the stream timeout (30 s by default); the sender opens a new one when it next sends.
+        small envelopes pay no per-call setup. The receiver ends a link (status OK) whose first
+        envelope does not come within the header timeout (10 s by default), one that then carries
+        nothing or whose caller reads no answer for the stream timeout (30 s by default), and one
+        older than 10 minutes at its next answer; the sender opens a new one when it next sends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
