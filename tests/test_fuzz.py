@@ -117,6 +117,54 @@ def test_mutated_envelopes_are_refused_or_valid(
     _stored_envelopes_are_valid(receiver)
 
 
+def _flipped_valid_message(position_and_byte: tuple[int, int]) -> bytes:
+    """The single-chunk valid envelope with one byte set."""
+    position, byte = position_and_byte
+    (message,) = _valid_chunks()[1]
+    mutated = bytearray(message)
+    mutated[position % len(mutated)] = byte
+    return bytes(mutated)
+
+
+_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    messages=st.lists(
+        st.one_of(
+            st.binary(max_size=300),
+            st.tuples(st.integers(0, 10_000), st.integers(0, 255)).map(_flipped_valid_message),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_random_messages_on_one_link_are_each_answered_and_refused_cleanly(live_peer, messages):
+    """Any messages on one open link: each gets its own answer, in order (the link never goes
+    quiet or breaks), every refusal carries a documented code, and nothing stored breaks its
+    spec."""
+    from gossipcomp.proto.v1 import gossip_pb2 as pb
+    from gossipcomp.transport.edge_stream import MAX_LINK_DETAILS
+
+    receiver = live_peer[0]
+    with grpc.insecure_channel(receiver.address) as channel:
+        link = channel.stream_stream(
+            f"/{SERVICE_NAME}/Link", response_deserializer=pb.LinkReply.FromString
+        )
+        replies = list(link(iter(messages), timeout=10))
+    assert len(replies) == len(messages)
+    for reply in replies:
+        if reply.status:
+            assert _BY_NUMBER.get(reply.status) in REFUSALS, reply
+            assert len(reply.details) <= MAX_LINK_DETAILS
+        else:
+            assert reply.received_bytes > 0
+    _stored_envelopes_are_valid(receiver)
+
+
 def test_peer_still_serves_a_valid_neighbour_after_fuzzing(live_peer):
     receiver, sender, _, _ = live_peer
     for transport in (receiver, sender):  # a fresh round far from anything the fuzzing sent
