@@ -191,15 +191,30 @@ def test_a_refusal_is_cut_to_the_bound_before_it_is_sent():
 
 
 class _FakeCall:
-    """A link that answers, never answers, or has ended (its read gives EOF) as told."""
+    """A link that answers, never answers, has ended (its read gives EOF), refuses writes
+    (`write_fails` times) or answers bytes that do not parse (gRPC reads them as None)."""
 
-    def __init__(self, answers: bool, ended: bool = False) -> None:
-        self.answers, self.ended, self.written, self.cancelled = answers, ended, [], False
+    def __init__(
+        self, answers: bool, ended: bool = False, write_fails: int = 0, garbled: bool = False
+    ) -> None:
+        self.answers, self.ended, self.write_fails, self.garbled = (
+            answers,
+            ended,
+            write_fails,
+            garbled,
+        )
+        self.written: list[bytes] = []
+        self.cancelled = False
 
     def done(self) -> bool:
         return self.cancelled
 
     async def write(self, chunk: bytes) -> None:
+        if self.write_fails:
+            self.write_fails -= 1
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "ended"
+            )
         self.written.append(chunk)
 
     async def read(self) -> object:
@@ -207,6 +222,8 @@ class _FakeCall:
             return grpc.aio.EOF
         if not self.answers:
             await asyncio.sleep(3600)
+        if self.garbled:
+            return None
         return pb.LinkReply(received_bytes=len(self.written[-1]))
 
     def cancel(self) -> None:
@@ -247,3 +264,53 @@ def test_a_link_the_receiver_ended_is_replaced_once_per_send():
         asyncio.run(stream.send(b"chunk", 1.0))
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     assert [len(c.written) for c in ended] == [1, 1, 0]
+
+
+def test_a_write_refused_on_a_link_the_receiver_just_ended_goes_again_on_a_new_one():
+    """The receiver ends an idle link as the sender writes on it: gRPC refuses the write
+    (nothing was sent), so the envelope goes on a new link; a new link that refuses its
+    first write is a real failure and raises."""
+    reused, fresh = _FakeCall(answers=True, write_fails=1), _FakeCall(answers=True)
+    opened = iter([reused, fresh])
+    stream = EdgeStream(5, lambda: next(opened))
+
+    async def twice() -> list[int]:
+        reused.write_fails = 0
+        first = await stream.send(b"one", 1.0)  # opens `reused`, answered
+        reused.write_fails = 1  # the receiver ended it meanwhile
+        return [first, await stream.send(b"two", 1.0)]
+
+    assert asyncio.run(twice()) == [3, 3]
+    assert reused.written == [b"one"] and fresh.written == [b"two"]
+
+    broken = _FakeCall(answers=True, write_fails=1)
+    stream = EdgeStream(5, lambda: broken)
+    with pytest.raises(grpc.aio.AioRpcError):
+        asyncio.run(stream.send(b"one", 1.0))
+    assert broken.cancelled
+
+
+def test_an_answer_that_is_no_link_reply_fails_the_send_and_drops_the_link():
+    """A neighbour answering bytes that do not parse: INTERNAL naming it, the envelope sent
+    once, and the link cancelled (its next answer would not be trusted to pair)."""
+    garbled = _FakeCall(answers=True, garbled=True)
+    stream = EdgeStream(6, lambda: garbled)
+    with pytest.raises(LinkRefusal) as caught:
+        asyncio.run(stream.send(b"envelope", 1.0))
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert "peer 6" in caught.value.details() and "not a LinkReply" in caught.value.details()
+    assert garbled.written == [b"envelope"] and garbled.cancelled
+
+
+@pytest.mark.parametrize(
+    ("streams", "ranks", "groups"),
+    [(64, [0, 15, 16, 31, 63, 64], [0, 0, 1, 1, 3, 4]), (2, [0, 1, 2], [0, 1, 2])],
+)
+def test_peers_of_one_process_share_connections_in_groups_of_a_quarter_of_the_streams(
+    streams, ranks, groups
+):
+    """With 64 streams a connection, ranks 0-15 share one to each server (links take at most
+    16 of its streams), 16-31 the next; with 2, every peer has its own."""
+    options = GrpcOptions(max_streams_per_connection=streams)
+    assert [options.connection_group(rank) for rank in ranks] == groups
+    assert ("gossipcomp.connection_group", groups[-1]) in options.channel_options(ranks[-1])

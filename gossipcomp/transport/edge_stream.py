@@ -102,16 +102,19 @@ class EdgeStream:
 
     async def _answer(self, chunk: bytes) -> pb.LinkReply | None:
         """`chunk`'s reply on the open link (opened if need be); None when the receiver had
-        ended the link (the chunk was not read: ended links read nothing)."""
+        ended the link before reading it (ended links read nothing), so it may go again."""
         if self._call is not None and self._call.done():
             self._call = None
+        reused = self._call is not None
         call = self._call = self._call or self._open()
         finished = False
         try:
             try:
                 await call.write(chunk)
-            except asyncio.InvalidStateError:  # ended between the check above and the write
-                finished = True
+            except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+                if not reused:  # a link just opened that takes nothing: a real failure
+                    raise
+                finished = True  # the receiver ended it as we wrote: nothing was sent
                 self._call = None
                 return None
             reply = await call.read()
@@ -122,6 +125,13 @@ class EdgeStream:
         if reply is grpc.aio.EOF:
             self._call = None
             return None
+        if not isinstance(reply, pb.LinkReply):  # gRPC gives None for bytes that do not parse
+            self.drop()
+            raise LinkRefusal(
+                grpc.StatusCode.INTERNAL,
+                f"peer {self._neighbour} answered on its link with a message that is not a "
+                "LinkReply",
+            )
         return reply
 
     def drop(self) -> None:

@@ -82,17 +82,25 @@ class GrpcOptions:
                 f"GrpcOptions.receive_pool_bytes: expected >= 0, got {self.receive_pool_bytes}"
             )
 
-    def channel_options(self) -> list[tuple[str, int]]:
-        """A channel's options. Each channel gets connections of its own (no sharing with the
-        process's other peers): every edge keeps a stream open on its connection (its Link),
-        and shared connections would give one server's neighbours in this process 64 streams
-        in all, for their links, pushes and handshakes together."""
+    def channel_options(self, rank: int = 0) -> list[tuple[str, int]]:
+        """The options of a channel made by peer `rank`. Peers of one process share their
+        connections to a server in groups (`connection_group`): every edge keeps a stream open
+        on its connection (its Link), so one connection for all of them could run out of
+        streams at a hub, while one each would take a socket per edge (a dense graph of 64
+        peers in one process needed over 1,400 file descriptors)."""
         return [
-            ("grpc.use_local_subchannel_pool", 1),
+            ("gossipcomp.connection_group", self.connection_group(rank)),
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             *read_chunk_options(self.read_chunk_bytes),
         ]
+
+    def connection_group(self, rank: int) -> int:
+        """Which of its process's connections to a server peer `rank` uses: ranks in blocks of
+        a quarter of `max_streams_per_connection` (at least 1) share one, so the links on one
+        connection take at most a quarter of its streams, leaving the rest to pushes and
+        handshakes."""
+        return rank // max(1, self.max_streams_per_connection // 4)
 
 
 def is_loopback(bind: str) -> bool:

@@ -352,7 +352,7 @@ def serving_limits(options: GrpcOptions) -> ServingLimits:
         max_streams_per_connection=options.max_streams_per_connection,
         header_timeout=options.first_chunk_timeout,
         call_timeout=options.stream_timeout,
-        # every method together, per connection (each channel has connections of its own)
+        # every method together, per connection (up to 16 peers of one process share one)
         max_calls_per_caller=options.max_streams_per_connection,
         read_chunk_bytes=options.read_chunk_bytes,
     )

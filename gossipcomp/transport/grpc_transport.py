@@ -314,7 +314,7 @@ class GrpcTransport:
             )
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        options = self._options.channel_options()
+        options = self._options.channel_options(self.rank)
         if self._channel_credentials is None:
             return grpc.aio.insecure_channel(address, options=options)
         return grpc.aio.secure_channel(address, self._channel_credentials, options=options)
