@@ -51,8 +51,10 @@ ROOT = Path(__file__).resolve().parents[1]
 LEAVER = 2
 JOINER = 4
 # the network must outlast the joiner's admission and the leaver's removal (an 8 s member
-# timeout after the kill): on a fast machine 800 rounds ended first ("a process ended")
-ROUNDS = 2400
+# timeout after the kill): on a fast machine 800 rounds ended first ("a process ended"), and
+# 2400 once each edge's envelopes went on one open stream (the removal's round came after the
+# last round)
+ROUNDS = 4800
 WRAPPER = """\
 import os, subprocess, sys, time
 from pathlib import Path
