@@ -314,3 +314,22 @@ def test_peers_of_one_process_share_connections_in_groups_of_a_quarter_of_the_st
     options = GrpcOptions(max_streams_per_connection=streams)
     assert [options.connection_group(rank) for rank in ranks] == groups
     assert ("gossipcomp.connection_group", groups[-1]) in options.channel_options(ranks[-1])
+
+
+def test_a_link_past_its_age_ends_at_its_next_answer_and_the_sender_opens_another(monkeypatch):
+    """MAX_LINK_SECONDS of 0: every link ends right after its first answer; each exchange still
+    goes through (on a new link), and no link is left open on either server."""
+    from gossipcomp.transport import grpc_service
+
+    monkeypatch.setattr(grpc_service, "MAX_LINK_SECONDS", 0.0)
+    a, b = _pair(GrpcOptions())
+    try:
+        for round in range(3):
+            _exchange_round(a, b, round)
+        deadline = time.monotonic() + 2.0
+        while (b._service._links or a._service._links) and time.monotonic() < deadline:  # noqa: SLF001
+            time.sleep(0.05)
+        assert not b._service._links and not a._service._links  # noqa: SLF001
+    finally:
+        for transport in (a, b):
+            transport.close()
