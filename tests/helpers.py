@@ -213,7 +213,7 @@ def stranger_hello(
     """Call Hello over `channel` as a stranger outside any Peer claiming to be `sender` (with
     that topology and model; `fields` the rest of the request), and return the reply."""
     hello = pb.HelloRequest(
-        protocol_version=1,
+        protocol_version=PROTOCOL_VERSION,
         sender=sender,
         topology_hash=topology.hash,
         model_signature=model_signature(model),

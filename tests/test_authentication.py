@@ -87,7 +87,7 @@ def envelope(sender: int = 0, round: int = 0, value: float = 1.0) -> Envelope:
 
 
 EDITS = {
-    "protocol_version": lambda h: setattr(h, "protocol_version", 2),
+    "protocol_version": lambda h: setattr(h, "protocol_version", h.protocol_version + 1),
     "round": lambda h: setattr(h, "round", h.round + 1),
     "phase": lambda h: setattr(h, "phase", "q"),
     "schedule_epoch": lambda h: setattr(h, "schedule_epoch", 1),

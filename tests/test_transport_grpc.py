@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.proto.v1 import gossip_pb2_grpc as pb_grpc
 from gossipcomp.transport.base import (
+    PROTOCOL_VERSION,
     Envelope,
     HandshakeError,
     HelloAnswer,
@@ -111,6 +112,26 @@ def test_handshake_mismatch_is_refused_naming_the_field_but_not_the_servers_valu
         client.close()
 
 
+@pytest.mark.parametrize("old_end", ["caller", "server"])
+def test_a_peer_of_the_version_before_the_link_stream_is_refused_at_the_handshake(old_end):
+    """Version 1 peers do not serve Gossip.Link, which carries every envelope of one chunk. Let
+    through the handshake, such a peer would fail every small push to it with UNIMPLEMENTED,
+    round after round; the version names the change, so the mix is refused before any round,
+    whichever end is the old one."""
+    assert PROTOCOL_VERSION >= 2
+    old = Identity(0 if old_end == "caller" else 1, "topo", "model", PROTOCOL_VERSION - 1)
+    new = Identity(1 if old_end == "caller" else 0, "topo", "model")
+    caller, server = (old, new) if old_end == "caller" else (new, old)
+    serving = GrpcTransport(server, [caller.rank])
+    calling = GrpcTransport(caller, [server.rank])
+    try:
+        with pytest.raises(HandshakeError, match="protocol_version"):
+            calling.connect({server.rank: serving.address}, timeout=10)
+    finally:
+        serving.close()
+        calling.close()
+
+
 @pytest.mark.parametrize("value", [-7, 2**53, 2**63 - 1, -(2**63)])
 @pytest.mark.parametrize("field", ["round", "proposed_resume_round", "schedule_epoch"])
 def test_handshake_rounds_out_of_range_are_invalid_argument_naming_the_field(field, value):
@@ -122,7 +143,7 @@ def test_handshake_rounds_out_of_range_are_invalid_argument_naming_the_field(fie
     try:
         with grpc.insecure_channel(server.address) as channel:
             request = pb.HelloRequest(
-                protocol_version=1, sender=0, topology_hash="t", model_signature="m"
+                protocol_version=PROTOCOL_VERSION, sender=0, topology_hash="t", model_signature="m"
             )
             setattr(request, field, value)
             if field == "proposed_resume_round":
@@ -143,7 +164,10 @@ def test_handshake_status_is_failed_precondition():
             with pytest.raises(grpc.RpcError) as caught:
                 pb_grpc.GossipStub(channel).Hello(
                     pb.HelloRequest(
-                        protocol_version=1, sender=0, topology_hash="topo-B", model_signature="m"
+                        protocol_version=PROTOCOL_VERSION,
+                        sender=0,
+                        topology_hash="topo-B",
+                        model_signature="m",
                     ),
                     timeout=5,
                 )
