@@ -21,7 +21,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.f
 def _scan(values: torch.Tensor, pieces: int = 3) -> None:
     """Feed a tensor's bytes to a scanner in `pieces` uneven steps, as chunks arrive."""
     spec = (tensor_spec("x", values),)
-    scanner = FiniteScanner(spec, spec)
+    scanner = FiniteScanner(spec)
     buffer = memoryview(values.reshape(-1).view(torch.uint8).numpy())
     for step in range(1, pieces + 1):
         scanner.scan(buffer, len(buffer) * step // pieces)
@@ -49,7 +49,7 @@ def test_finite_values_whose_sum_overflows_are_accepted(dtype):
 def _scan_envelope(tensors: dict[str, torch.Tensor], pieces: int = 2) -> None:
     """Feed several tensors' bytes, back to back as in an envelope, to one scanner."""
     spec = tuple(tensor_spec(name, t) for name, t in tensors.items())
-    scanner = FiniteScanner(spec, spec)
+    scanner = FiniteScanner(spec)
     data = b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors.values())
     buffer = memoryview(data)
     for step in range(1, pieces + 1):

@@ -238,11 +238,11 @@ class FiniteScanner:
     value lies in is named only when one is found.
     """
 
-    def __init__(self, tensors: Iterable[TensorSpec], spec: PayloadSpec) -> None:
+    def __init__(self, spec: PayloadSpec) -> None:
         # spans: [dtype, start, end, checked up to, [(name, start, end), ...]]
         self._spans: list[list] = []
         offset = 0
-        for declared, want in zip(tensors, spec, strict=True):
+        for want in spec:
             if want.require_finite and want.codec == RAW_CODEC and want.dtype in _FLOAT_NAMES:
                 end = offset + want.nbytes
                 last = self._spans[-1] if self._spans else None
@@ -253,7 +253,7 @@ class FiniteScanner:
                     self._spans.append(
                         [want.dtype, offset, end, offset, [(want.name, offset, end)]]
                     )
-            offset += declared.nbytes
+            offset += want.nbytes
 
     def scan(self, buffer: memoryview, filled: int) -> None:
         for span in self._spans:

@@ -192,7 +192,8 @@ class EnvelopeReader:
     """Assembles one envelope chunk by chunk, validating the header before any data.
 
     Built from the first chunk (which must carry the header: `check_header` validates it and
-    returns the spec, so nothing is allocated for an envelope that is refused), then fed the
+    returns the spec, which must match the header's tensors field by field, as validate_header
+    checks, so nothing is allocated for an envelope that is refused), then fed the
     remaining chunks with `add`, and closed with `finish`. Raw float tensors are checked for
     NaN/Inf as their bytes arrive. With `check_content`, the data's SHA-256 is computed as it
     arrives and handed to it with the header at the end (it raises EnvelopeRejected when the
@@ -218,8 +219,10 @@ class EnvelopeReader:
         self.spec = check_header(header)
         self.header = header
         self._check_content = check_content
-        self._scanner = FiniteScanner(header.tensors, self.spec)
-        self._total = sum(t.nbytes for t in header.tensors)
+        # from here on the spec stands for the header's tensors: check_header matched them
+        # field by field, and a spec's plain attributes read faster than protobuf's
+        self._scanner = FiniteScanner(self.spec)
+        self._total = sum(t.nbytes for t in self.spec)
         # no memset: every byte is written before use
         self._buffer = (allocate or _fresh_buffer)(self._total)
         self._filled = 0
@@ -264,10 +267,10 @@ class EnvelopeReader:
             self._check_content(self.header, self._digest.digest())
         tensors: list[WireTensor] = []
         offset = 0
-        for t in self.header.tensors:
-            view = self._buffer[offset : offset + t.nbytes]
-            tensors.append(WireTensor(t.name, t.dtype, tuple(t.shape), t.codec, view))
-            offset += t.nbytes
+        for t in self.spec:
+            end = offset + t.nbytes
+            tensors.append(WireTensor(t.name, t.dtype, t.shape, t.codec, self._buffer[offset:end]))
+            offset = end
         header = self.header
         envelope = Envelope(
             sender=header.sender,
