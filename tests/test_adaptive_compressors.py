@@ -21,6 +21,7 @@ from conftest import build_network, gossip_round, run_in_threads
 from helpers import (
     assert_clean,
     assert_sum_kept,
+    benchmark,
     close_all,
     level_by_round,
     levels_schedule,
@@ -41,6 +42,7 @@ from gossipcomp.peer import Peer
 from gossipcomp.schedule.costs import LinkCost
 from gossipcomp.schedule.schedule import ScheduleRefused
 from gossipcomp.topology import build_topology
+from gossipcomp.topology.files import load_topology
 from gossipcomp.transport.base import Identity
 from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
 from gossipcomp.transport.throttled import LinkRates, RateChange
@@ -304,6 +306,57 @@ def test_a_very_high_budget_sends_uncompressed_and_a_very_low_one_a_low_level(
         _assert_ends_agree(peers)
     finally:
         close_all(peers)
+
+
+def test_a_public_copy_per_edge_trains_exactly_as_one_per_peer_when_every_link_has_one_level():
+    """benchmarks/peer_levels.py's training mode: with every link at the same level, a peer's
+    public copies for its neighbours all receive the same compressed differences, so a copy
+    per edge must train bit for bit as one copy per peer (the same rounds, the same accuracy,
+    the same bytes); a copy per edge that tracked the wrong neighbour's copy would not."""
+    peer_levels_benchmark = benchmark("peer_levels")
+    ring4 = load_topology("ring4")
+    levels = ("topk:ratio=0.05",) * 4
+    result = peer_levels_benchmark.train_all(ring4, levels, [1], rounds=20, target=0.3)
+    runs = result["runs"]
+    assert runs["floor"][0]["rounds_to_target"] is not None  # 0.3 is reached in 20 rounds
+    for name in ("per_peer", "per_edge", "top"):
+        for key in ("rounds_to_target", "final_accuracy", "bytes_per_round"):
+            assert runs[name][0][key] == runs["floor"][0][key], (name, key)
+    assert result["median_rounds_over_floor"] == dict.fromkeys(runs, 1.0)
+
+
+def test_the_peer_levels_training_mode_refuses_levels_that_do_not_match_the_ring():
+    peer_levels_benchmark = benchmark("peer_levels")
+    with pytest.raises(ValueError, match=r"--link-levels: expected 4 .* got 2"):
+        peer_levels_benchmark.train_all(
+            load_topology("ring4"), ["topk:ratio=0.02"] * 2, [0], rounds=2, target=0.9
+        )
+    with pytest.raises(ValueError, match="--train: expected a ring topology"):
+        peer_levels_benchmark.train_all(
+            load_topology("star6"), ["topk:ratio=0.02"] * 6, [0], rounds=2, target=0.9
+        )
+
+
+def test_the_peer_levels_training_mode_runs_from_its_command_line(tmp_path):
+    """The command docs/benchmarks.md quotes, in a tiny configuration: every arrangement is
+    run for every seed and compared with the floor of the same seed."""
+    out = tmp_path / "train.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/peer_levels.py", "--train", "--rounds", "6"]
+        + ["--seeds", "0", "1", "--target", "0", "--json", str(out)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"floor", "per_peer", "per_edge", "top"}
+    assert all(len(rows) == 2 for rows in result["runs"].values())
+    assert result["link_levels"]["0-1"] == "topk:ratio=0.02"
+    floor_bytes = result["runs"]["floor"][0]["bytes_per_round"]
+    assert result["runs"]["per_edge"][0]["bytes_per_round"] > floor_bytes  # links above it
+    assert result["rounds_over_floor"]["floor"] == [1.0, 1.0]
 
 
 def test_the_peer_levels_benchmark_runs_and_counts_what_each_option_keeps(tmp_path):
