@@ -2,7 +2,8 @@
 
 Run: python benchmarks/transport.py --json docs/transport.json
 The receiving peer lives in its own process, as real peers do (so the two sides do not share a
-GIL). Both paths are timed in the same run, interleaved trial by trial (this machine is noisy),
+GIL). Both paths are timed in the same run, interleaved trial by trial in an order
+drawn afresh for each trial (this machine is noisy, and a path's place in a trial moved it),
 and compared as a throughput ratio. The gRPC path is the real transport: chunking, streaming,
 header validation, reassembly, the finite-values check and the mailbox, timed until the receiver
 acknowledges, two ways: as a training round runs it (`exchange`: the receiver answers every round
@@ -19,12 +20,14 @@ import json
 import multiprocessing
 import os
 import platform
+import random
 import socket
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -164,7 +167,7 @@ def raw_grpc_trial(drain, data: memoryview, chunk: int) -> float:
     return time.perf_counter() - start
 
 
-def grpc_trial(sender: GrpcTransport, round_: int, payload: Payload) -> float:
+def grpc_trial(sender: GrpcTransport, round_: int, *, payload: Payload) -> float:
     """One round of the real exchange: push the envelope, collect the receiver's acknowledgement
     payload; raises if the receiver refused anything (the benchmark must not time failures)."""
     start = time.perf_counter()
@@ -175,7 +178,7 @@ def grpc_trial(sender: GrpcTransport, round_: int, payload: Payload) -> float:
     return elapsed
 
 
-def send_trial(sender: GrpcTransport, round_: int, payload: Payload) -> float:
+def send_trial(sender: GrpcTransport, round_: int, *, payload: Payload) -> float:
     """One envelope by `send`, timed until the receiver has stored it; the receiver's answering
     exchange opens its rounds and collects it (and its acknowledgement payload, arriving here
     within the mailbox's window of open rounds, is simply dropped later)."""
@@ -211,14 +214,19 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
     results: dict[str, list[float]] = {"socket": [], "grpc_raw_ceiling": []}
     results.update({path: [] for path in senders})
     try:
+        timed: dict[str, Callable[[int], float]] = {
+            "socket": lambda _: socket_trial(tuple(addresses["socket"]), data),
+            "grpc_raw_ceiling": lambda _: raw_grpc_trial(drain, data, default_chunk),
+        }
+        for path, sender in senders.items():
+            trial_of = send_trial if modes[path] == "send" else grpc_trial
+            timed[path] = partial(trial_of, sender, payload=(wire,))
+        order = list(timed)
         for trial in range(trials + 1):  # trial 0 warms up and is discarded
-            times = {
-                "socket": socket_trial(tuple(addresses["socket"]), data),
-                "grpc_raw_ceiling": raw_grpc_trial(drain, data, default_chunk),
-            }
-            for path, sender in senders.items():
-                trial_of = send_trial if modes[path] == "send" else grpc_trial
-                times[path] = trial_of(sender, trial, (wire,))
+            # a fresh order every trial: a path timed after another big transfer ran
+            # measurably faster or slower than one timed first, whichever path it was
+            random.Random(trial).shuffle(order)
+            times = {path: timed[path](trial) for path in order}
             if trial:
                 for key, elapsed in times.items():
                     results[key].append(elapsed)
