@@ -1,7 +1,8 @@
 """Choco-SGD with slow links: one level per peer against one public copy per edge.
 
 Run: python benchmarks/peer_levels.py --json docs/peer_levels.json
-     python benchmarks/peer_levels.py --train --seeds 0 1 2 3 4 --json docs/peer_levels_train.json
+     python benchmarks/peer_levels.py --train --seeds 0 1 2 3 4 5 6 7 8 9 \
+         --json docs/peer_levels_train.json
 
 Choco-SGD and DEF-ATC broadcast one compressed copy that every neighbour tracks, so a level per
 link needs one public copy per edge (each peer compresses x - xh_ij for every neighbour j at
@@ -67,6 +68,15 @@ from gossipcomp.workload.training import BatchStream, evaluate_accuracy, local_s
 
 Levels = dict[tuple[int, int], str]  # link -> compressor spec
 TRAIN_LEVELS = ("topk:ratio=0.02", "topk:ratio=0.05", "topk:ratio=0.2", "topk:ratio=0.2")
+# each mode's own options and their defaults (the other mode refuses them)
+CONSENSUS_ONLY = {
+    "d": 1 << 18,
+    "fast": "topk:ratio=0.05",
+    "slow": "topk:ratio=0.005",
+    "seed": 0,
+    "step": None,
+}
+TRAIN_ONLY = {"seeds": [0], "link_levels": list(TRAIN_LEVELS)}
 EVAL_EVERY = 2  # rounds between evaluations (benchmarks/adaptive.py's default)
 TARGET_WINDOW = 3  # evaluations averaged for the target (benchmarks/adaptive.py's default)
 
@@ -147,6 +157,8 @@ class ChocoNetwork:
         self.rounds += 1
 
     def state_floats_per_peer(self) -> float:
+        """Floats of Choco state a peer keeps: its public copies and its copies of its
+        neighbours'."""
         copies = sum(len(v) for v in self.public.values()) + sum(
             len(v) for v in self.tracked.values()
         )
@@ -154,6 +166,7 @@ class ChocoNetwork:
 
 
 def _zeros(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A copy that starts at 0 (Choco's public copies do), one tensor per group."""
     return [torch.zeros_like(t) for t in tensors]
 
 
@@ -286,20 +299,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train", action="store_true", help="the training mode (see above)")
     parser.add_argument("--topology", help="default ring8; with --train, ring4")
-    parser.add_argument("--d", type=int, default=1 << 18, help="elements per model")
+    parser.add_argument("--d", type=int, help="elements per model (default 2^18)")
     parser.add_argument("--rounds", type=int, help="default 100; with --train, 160")
-    parser.add_argument("--fast", default="topk:ratio=0.05", help="fast links' compressor")
-    parser.add_argument("--slow", default="topk:ratio=0.005", help="link 0-1's compressor")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="--train's seeds")
+    parser.add_argument("--fast", help="fast links' compressor (default topk:ratio=0.05)")
+    parser.add_argument("--slow", help="link 0-1's compressor (default topk:ratio=0.005)")
+    parser.add_argument("--seed", type=int, help="default 0")
+    parser.add_argument(
+        "--step", type=float, help="consensus step of every link (default: each level's own)"
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", help="--train's seeds (default 0)")
     parser.add_argument(
         "--link-levels",
         nargs="+",
-        default=list(TRAIN_LEVELS),
-        help="--train: each link's compressor, in ring order (0-1, 1-2, ...)",
-    )
-    parser.add_argument(
-        "--step", type=float, help="consensus step of every link (default: each level's own)"
+        help="--train: each link's compressor, in ring order (0-1, 1-2, ...; default "
+        f"{' '.join(TRAIN_LEVELS)})",
     )
     parser.add_argument(
         "--target",
@@ -309,12 +322,22 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    own, other = (TRAIN_ONLY, CONSENSUS_ONLY) if args.train else (CONSENSUS_ONLY, TRAIN_ONLY)
+    given = [f"--{name.replace('_', '-')}" for name in other if getattr(args, name) is not None]
+    if given:
+        mode = "the consensus mode" if args.train else "--train"
+        parser.error(f"{', '.join(given)}: only for {mode}; expected none of them here")
+    for name in other:
+        delattr(args, name)  # not in the JSON's config of a run that did not use it
+    for name, default in own.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     torch.set_num_threads(1)
     if args.train:
         report_training(args)
         return
     topology = resolve_topology(args.topology or "ring8")
-    args.rounds = args.rounds or 100
+    args.topology, args.rounds = topology.name, args.rounds or 100
     args.target = 0.01 if args.target is None else args.target
     edges = [link(a, b) for a, b in topology.graph.edges]
     one_slow = {e: (args.slow if e == (0, 1) else args.fast) for e in edges}

@@ -312,7 +312,9 @@ def test_a_public_copy_per_edge_trains_exactly_as_one_per_peer_when_every_link_h
     """benchmarks/peer_levels.py's training mode: with every link at the same level, a peer's
     public copies for its neighbours all receive the same compressed differences, so a copy
     per edge must train bit for bit as one copy per peer (the same rounds, the same accuracy,
-    the same bytes); a copy per edge that tracked the wrong neighbour's copy would not."""
+    the same bytes); a copy per edge whose difference reached every neighbour, not only its
+    own, would not. (Which copy a peer mixes against cannot show here, all being equal: the
+    test below checks that with levels that differ.)"""
     peer_levels_benchmark = benchmark("peer_levels")
     ring4 = load_topology("ring4")
     levels = ("topk:ratio=0.05",) * 4
@@ -323,6 +325,39 @@ def test_a_public_copy_per_edge_trains_exactly_as_one_per_peer_when_every_link_h
         for key in ("rounds_to_target", "final_accuracy", "bytes_per_round"):
             assert runs[name][0][key] == runs["floor"][0][key], (name, key)
     assert result["median_rounds_over_floor"] == dict.fromkeys(runs, 1.0)
+
+
+@pytest.mark.parametrize("per_edge", [True, False])
+def test_the_peer_levels_choco_network_keeps_both_ends_copies_equal_and_the_average(per_edge):
+    """benchmarks/peer_levels.py's Choco network with levels that differ by link: every copy a
+    peer tracks of a neighbour's public copy equals the one the neighbour keeps for it (per
+    edge: its copy for that peer; per peer: its one copy), and the network average of every
+    group is unchanged by gossip (each edge's step is the same at both ends)."""
+    peer_levels_benchmark = benchmark("peer_levels")
+    ring4 = load_topology("ring4")
+    levels = dict(
+        zip(
+            [(0, 1), (1, 2), (2, 3), (0, 3)],
+            ["topk:ratio=0.02", "topk:ratio=0.05", "topk:ratio=0.2", "topk:ratio=0.2"],
+            strict=True,
+        )
+    )
+    generator = torch.Generator().manual_seed(3)
+    groups = [[torch.randn(300, generator=generator), torch.randn(7, 5, generator=generator)]
+              for _ in range(4)]  # fmt: skip
+    means = [torch.stack([g[k] for g in groups]).mean(0) for k in range(2)]
+    network = peer_levels_benchmark.ChocoNetwork(ring4, levels, per_edge, groups, 0, None)
+    for r in range(6):
+        network.round(r)
+    for i in range(4):
+        for j in ring4.neighbors(i):
+            own = network.public[i][j if per_edge else -1]
+            for g in range(2):
+                assert torch.equal(network.tracked[j][i][g], own[g]), (i, j, g)
+    for k in range(2):
+        after = torch.stack([g[k] for g in groups]).mean(0)
+        assert torch.allclose(after, means[k], atol=1e-6)
+    assert any(not torch.equal(groups[0][0], g[0]) for g in groups[1:])  # not yet in consensus
 
 
 def test_the_peer_levels_training_mode_refuses_levels_that_do_not_match_the_ring():
@@ -357,6 +392,17 @@ def test_the_peer_levels_training_mode_runs_from_its_command_line(tmp_path):
     floor_bytes = result["runs"]["floor"][0]["bytes_per_round"]
     assert result["runs"]["per_edge"][0]["bytes_per_round"] > floor_bytes  # links above it
     assert result["rounds_over_floor"]["floor"] == [1.0, 1.0]
+    assert "d" not in result["config"] and result["config"]["topology"] == "ring4"
+    # an option of the other mode is refused, naming it, rather than ignored
+    refused = subprocess.run(
+        [sys.executable, "benchmarks/peer_levels.py", "--train", "--d", "512", "--step", "0.1"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2
+    assert "--d, --step: only for the consensus mode" in refused.stderr
 
 
 def test_the_peer_levels_benchmark_runs_and_counts_what_each_option_keeps(tmp_path):

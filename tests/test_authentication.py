@@ -27,7 +27,13 @@ from gossipcomp.security import (
     throwaway_certificates,
 )
 from gossipcomp.transport.authentication import Authenticator
-from gossipcomp.transport.base import Envelope, EnvelopeRejected, HandshakeError, Identity
+from gossipcomp.transport.base import (
+    PROTOCOL_VERSION,
+    Envelope,
+    EnvelopeRejected,
+    HandshakeError,
+    Identity,
+)
 from gossipcomp.transport.codec import decode_raw, encode_raw, tensor_spec
 from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
 from gossipcomp.transport.wire import content_sha256, envelope_chunks, header_of, with_header
@@ -142,7 +148,9 @@ HELLO_EDITS = {
 
 @pytest.mark.parametrize("field", sorted(HELLO_EDITS))
 def test_the_hello_signature_covers_every_field(field):
-    request = pb.HelloRequest(protocol_version=1, sender=0, topology_hash="t", model_signature="m")
+    request = pb.HelloRequest(
+        protocol_version=PROTOCOL_VERSION, sender=0, topology_hash="t", model_signature="m"
+    )
     Authenticator(0, keys(0)).prove_hello(request, 1)
     HELLO_EDITS[field](request)
     with pytest.raises(EnvelopeRejected, match="does not verify with peer 0's key"):
@@ -152,14 +160,15 @@ def test_the_hello_signature_covers_every_field(field):
 def test_a_hello_is_accepted_once_and_a_reply_only_for_its_own_request():
     greeter, answerer = Authenticator(0, keys(0)), Authenticator(1, keys(1))
     first, second = (
-        pb.HelloRequest(protocol_version=1, sender=0, topology_hash="t") for _ in range(2)
+        pb.HelloRequest(protocol_version=PROTOCOL_VERSION, sender=0, topology_hash="t")
+        for _ in range(2)
     )
     for request in (first, second):
         greeter.prove_hello(request, 1)
     answerer.check_hello(first)
     with pytest.raises(EnvelopeRejected, match="nonce: already used by peer 0"):
         answerer.check_hello(first)  # a replayed handshake
-    reply = pb.HelloReply(protocol_version=1, receiver=1, topology_hash="t", round=5)
+    reply = pb.HelloReply(protocol_version=PROTOCOL_VERSION, receiver=1, topology_hash="t", round=5)
     answerer.prove_reply(reply, first)
     greeter.check_reply(reply, first, 1)
     replayed = pb.HelloReply()

@@ -20,7 +20,7 @@ from gossipcomp.compress import parse_spec
 from gossipcomp.compress.base import CompressionContext
 from gossipcomp.gossip.grouping import to_wire
 from gossipcomp.gossip.merged import MergedCodec
-from gossipcomp.transport.base import Envelope, Identity
+from gossipcomp.transport.base import PROTOCOL_VERSION, Envelope, Identity
 from gossipcomp.transport.codec import decode_raw, encode_raw, tensor_spec
 from gossipcomp.transport.grpc_transport import SERVICE_NAME, GrpcTransport
 from gossipcomp.transport.wire import envelope_chunks, read_envelope
@@ -202,7 +202,7 @@ INT64 = st.integers(-(2**63), 2**63 - 1)
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
-    version=st.integers(0, 2**32 - 1),
+    version=st.one_of(st.just(PROTOCOL_VERSION), st.integers(0, 2**32 - 1)),
     sender=st.integers(-(2**31), 2**31 - 1),
     topology_hash=st.one_of(st.just("t"), st.text(max_size=50)),
     round=INT64,

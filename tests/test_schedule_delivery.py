@@ -10,6 +10,7 @@ round, oldest first, and the peer stages them in order."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -23,6 +24,7 @@ from torch import nn
 
 from gossipcomp.compress import parse_spec
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
+from gossipcomp.coordinator import client as client_module
 from gossipcomp.coordinator.client import CoordinatorClient
 from gossipcomp.coordinator.planning import KEPT_SCHEDULES
 from gossipcomp.gossip import Choco
@@ -32,6 +34,7 @@ from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.messages import schedule_to_proto
 from gossipcomp.schedule.schedule import MAX_STAGED, Schedule, ScheduleLate
 from gossipcomp.topology import build_topology
+from gossipcomp.transport.base import PROTOCOL_VERSION
 
 RING4 = build_topology("ring", n=4)
 LATE = 1  # the peer that does not report while the two schedules are published
@@ -286,3 +289,36 @@ def test_a_schedule_of_the_round_a_peer_runs_next_is_on_time_until_that_round_be
         _take(client, cpb.ReportReply(has_schedule=True, schedule=_schedule(2, 5)))
         assert [(s.epoch, s.effective_round) for s in peers[0].schedules.staged] == [(1, 5), (2, 6)]
         assert peers[0].schedules.taken_late == {2}
+
+
+def test_a_coordinator_that_refuses_the_reports_is_said_once_loudly_with_its_reason(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer of another protocol version than its coordinator's (one upgraded without the
+    other) is refused every report: that is said once, as an error naming the refusal and the
+    coordinator's reason, not as a coordinator "not answering" (which would come back)."""
+    peers = build_network(
+        RING4, _models(), lambda: Choco(parse_spec("sign"), consensus_step=0.4), "memory"
+    )
+    server = CoordinatorServer(Coordinator(RING4, planner="single", report_every=1), "127.0.0.1:0")
+    monkeypatch.setattr(client_module, "PROTOCOL_VERSION", PROTOCOL_VERSION - 1)
+    client = CoordinatorClient(server.address, peers[0], "sign", report_every=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger=client_module.log.name):
+            for _ in range(3):
+                _answered(client)
+        said = [r for r in caplog.records if r.name == client_module.log.name]
+        assert len(said) == 1, [r.getMessage() for r in said]
+        message = said[0].getMessage()
+        assert said[0].levelno == logging.ERROR
+        assert "refuses this peer's reports (FAILED_PRECONDITION" in message
+        assert (
+            f"protocol_version: expected {PROTOCOL_VERSION}, got {PROTOCOL_VERSION - 1}" in message
+        )
+        assert "not answering" not in message
+        assert peers[0].schedules.newest.epoch == 0  # nothing staged from a refusal
+    finally:
+        client.close()
+        server.stop()
+        for peer in peers:
+            peer.close()

@@ -32,6 +32,7 @@ import torch
 
 from gossipcomp.gossip.base import LinkLeveled, PeerLeveled
 from gossipcomp.inputs.numbers import checked_integer
+from gossipcomp.inputs.text import quoted
 from gossipcomp.levels.progress import LossWindow
 from gossipcomp.peer import Peer
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
@@ -52,6 +53,16 @@ MEASURED_SIZES = (1 << 10, 1 << 14, 1 << 17)  # buffer sizes timed for the compr
 # a coordinator that comes back is found within two seconds (gRPC's default backoff grows
 # to two minutes)
 RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+# a coordinator that answers a report with one of these refuses it for what the peer is (its
+# protocol version, topology, model, rank or key), which no retry changes
+REFUSED_REPORT = frozenset(
+    {
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNAUTHENTICATED,
+    }
+)
 
 
 class CoordinatorClient:
@@ -92,6 +103,7 @@ class CoordinatorClient:
         )
         self._pending: Future[cpb.ReportReply] | None = None
         self._unreachable = False
+        self._refused_report: grpc.StatusCode | None = None  # said once until it answers
         self.phase = CriticalPhase()  # reported: the coordinator may boost a critical peer
         # reported: an adaptive coordinator caps levels by them (a trainer hands in its own
         # window, kept in its checkpoints: PeerTrainer.attach)
@@ -135,15 +147,28 @@ class CoordinatorClient:
         try:
             reply = answered.result()
         except grpc.RpcError as error:
-            if not self._unreachable:
+            code = error.code()
+            if code in REFUSED_REPORT and code != self._refused_report:
+                # it answers, and will go on refusing: another version, topology or model
+                log.error(
+                    "peer %d: the coordinator refuses this peer's reports (%s: %s), so no "
+                    "schedule will reach it; training on with schedule epoch %d",
+                    self.peer.rank,
+                    code.name,
+                    quoted(error.details() or ""),
+                    self.peer.schedules.newest.epoch,
+                )
+                self._refused_report = code
+            elif code not in REFUSED_REPORT and not self._unreachable:
                 log.warning(
                     "peer %d: coordinator not answering (%s); training on with schedule epoch %d",
                     self.peer.rank,
-                    error.code().name,
+                    code.name,
                     self.peer.schedules.newest.epoch,
                 )
             self._unreachable = True
             return
+        self._refused_report = None
         if self._unreachable:
             log.warning("peer %d: coordinator answering again", self.peer.rank)
         self._unreachable = False
