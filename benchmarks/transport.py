@@ -213,6 +213,7 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
     default_chunk = GrpcOptions().chunk_bytes
     results: dict[str, list[float]] = {"socket": [], "grpc_raw_ceiling": []}
     results.update({path: [] for path in senders})
+    orders: list[list[str]] = []  # each timed trial's order of paths (the same every run)
     try:
         timed: dict[str, Callable[[int], float]] = {
             "socket": lambda _: socket_trial(tuple(addresses["socket"]), data),
@@ -228,6 +229,7 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
             random.Random(trial).shuffle(order)
             times = {path: timed[path](trial) for path in order}
             if trial:
+                orders.append(list(order))
                 for key, elapsed in times.items():
                     results[key].append(elapsed)
     finally:
@@ -254,6 +256,7 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
         # the default exchange over the same with gRPC's own socket read sizes
         "read_chunk_gain": throughput[default_key] / throughput[GRPC_OWN_READS],
         "default_chunk_bytes": default_chunk,
+        "trial_orders": orders,
     }
 
 

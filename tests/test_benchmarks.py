@@ -48,6 +48,9 @@ def test_transport_benchmark_times_a_real_exchange_against_a_socket(tmp_path: Pa
     assert report["default_chunk_bytes"] == 1 << 20 and len(report["load_average_1min"]) == 2
     paths = {"socket", "grpc_raw_ceiling", "grpc_1024KiB", "grpc_send_1024KiB", "grpc_own_reads"}
     assert set(report["median_seconds"]) == paths
+    # every timed trial times every path once, in an order of its own
+    assert len(report["trial_orders"]) == 2
+    assert all(sorted(order) == sorted(paths) for order in report["trial_orders"])
     for path in paths:
         seconds = report["median_seconds"][path]
         assert seconds > 0
