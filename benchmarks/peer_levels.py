@@ -55,6 +55,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import adaptive  # the sibling benchmark whose workload --train runs (benchmarks/ is no package)
 import torch
 
 from gossipcomp.cli import resolve_topology
@@ -62,8 +63,9 @@ from gossipcomp.compress import CompressionContext, parse_spec
 from gossipcomp.compress.base import Compressor
 from gossipcomp.levels.rate import link, peer_levels
 from gossipcomp.topology import Topology
+from gossipcomp.workload.catalog import DEFAULT_MOMENTUM
 from gossipcomp.workload.data import load_split, parse_partition, partition_indices
-from gossipcomp.workload.models import build_mlp
+from gossipcomp.workload.models import build_model
 from gossipcomp.workload.training import BatchStream, evaluate_accuracy, local_step, make_optimizer
 
 Levels = dict[tuple[int, int], str]  # link -> compressor spec
@@ -77,8 +79,7 @@ CONSENSUS_ONLY = {
     "step": None,
 }
 TRAIN_ONLY = {"seeds": [0], "link_levels": list(TRAIN_LEVELS)}
-EVAL_EVERY = 2  # rounds between evaluations (benchmarks/adaptive.py's default)
-TARGET_WINDOW = 3  # evaluations averaged for the target (benchmarks/adaptive.py's default)
+WORKLOAD = adaptive.Workload()  # what the training mode trains: the adaptive benchmark's
 
 
 def _step(compressor: Compressor, numel: int, given: float | None) -> tuple[float, float]:
@@ -120,7 +121,7 @@ class ChocoNetwork:
         self.keys = {i: topology.neighbors(i) if per_edge else [-1] for i in range(n)}
         self.public = {i: {k: _zeros(groups[i]) for k in self.keys[i]} for i in range(n)}
         self.tracked = {i: {j: _zeros(groups[i]) for j in topology.neighbors(i)} for i in range(n)}
-        self.nbytes, self.compress_s, self.rounds = 0, 0.0, 0
+        self.nbytes, self.compress_s = 0, 0.0
 
     def round(self, r: int) -> None:
         """One Choco step: every peer compresses x - xh for each of its public copies, its
@@ -154,7 +155,6 @@ class ChocoNetwork:
                     mine = self.public[i][j if j in self.public[i] else -1][g]
                     pull.add_(self.tracked[i][j][g] - mine, alpha=step * w)
                 x.add_(pull)
-        self.rounds += 1
 
     def state_floats_per_peer(self) -> float:
         """Floats of Choco state a peer keeps: its public copies and its copies of its
@@ -210,40 +210,36 @@ def run(
 def train(
     topology: Topology, levels: Levels, per_edge: bool, rounds: int, seed: int, target: float
 ) -> dict[str, float | int | None]:
-    """Choco-SGD training on digits with the link levels `levels`; see the module docstring."""
-    split = load_split("digits", seed)
-    parts = partition_indices(
-        split.y_train.numpy(), topology.n, parse_partition("dirichlet:0.5"), seed
-    )
-    models = [build_mlp(seed) for _ in range(topology.n)]
-    optimizers = [make_optimizer(m, lr=0.1, momentum=0.9) for m in models]
+    """Choco-SGD training with the link levels `levels` on benchmarks/adaptive.py's workload
+    (its data set, split, model, learning rate, batch size and target rule); see the module
+    docstring."""
+    w = WORKLOAD
+    split = load_split(w.dataset, seed)
+    parts = partition_indices(split.y_train.numpy(), topology.n, parse_partition(w.partition), seed)
+    models = [build_model(w.model, seed) for _ in range(topology.n)]
+    optimizers = [make_optimizer(m, lr=w.lr, momentum=DEFAULT_MOMENTUM) for m in models]
     batches = [
-        BatchStream(split.x_train[part], split.y_train[part], 32, seed, i)
+        BatchStream(split.x_train[part], split.y_train[part], w.batch_size, seed, i)
         for i, part in enumerate(parts)
     ]
-    groups = [[p.data for p in m.parameters()] for m in models]
-    network = ChocoNetwork(topology, levels, per_edge, groups, seed, None)
-    accuracies: list[float] = []
-    reached = None
+    network = ChocoNetwork(
+        topology, levels, per_edge, [[p.data for p in m.parameters()] for m in models], seed, None
+    )
+    points: list[tuple[int, float, float]] = []  # (round, mean test accuracy, unused seconds)
     for r in range(rounds):
         for model, optimizer, stream in zip(models, optimizers, batches, strict=True):
             local_step(model, optimizer, stream.next_batch())
         with torch.no_grad():
             network.round(r)
-        if (r + 1) % EVAL_EVERY == 0:
-            accuracies.append(
-                statistics.fmean(evaluate_accuracy(m, split.x_test, split.y_test) for m in models)
+        if (r + 1) % w.eval_every == 0:
+            accuracy = statistics.fmean(
+                evaluate_accuracy(m, split.x_test, split.y_test) for m in models
             )
-            window = accuracies[-TARGET_WINDOW:]
-            if (
-                reached is None
-                and len(window) == TARGET_WINDOW
-                and statistics.fmean(window) >= target
-            ):
-                reached = r + 1
+            points.append((r + 1, accuracy, 0.0))
+    reached = adaptive.reached_target(points, target, w.target_window)
     return {
-        "rounds_to_target": reached,
-        "final_accuracy": accuracies[-1] if accuracies else None,
+        "rounds_to_target": None if reached is None else reached[0],
+        "final_accuracy": points[-1][1] if points else None,
         "bytes_per_round": network.nbytes / rounds,
         "compress_seconds_per_round": network.compress_s / rounds,
     }
@@ -263,7 +259,7 @@ def train_all(
             f"--link-levels: expected {len(edges)} (one per edge of {topology.name!r} in ring "
             f"order), got {len(link_levels)}"
         )
-    size = sum(p.numel() for p in build_mlp(0).parameters())
+    size = sum(p.numel() for p in build_model(WORKLOAD.model, 0).parameters())
     by_bytes = sorted(set(link_levels), key=lambda s: parse_spec(s).wire_bytes(size))
     given = dict(zip(edges, link_levels, strict=True))
     arrangements = {
@@ -318,7 +314,7 @@ def main() -> None:
         "--target",
         type=float,
         help="relative consensus distance to reach (default 0.01); with --train, the mean "
-        "test accuracy (default 0.90)",
+        "test accuracy (default benchmarks/adaptive.py's Choco target, 0.90)",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -373,7 +369,7 @@ def report_training(args: argparse.Namespace) -> None:
     """The training mode: run, print a table, write the JSON."""
     topology = resolve_topology(args.topology or "ring4")
     args.topology, args.rounds = topology.name, args.rounds or 160
-    target = args.target = 0.90 if args.target is None else args.target
+    target = args.target = WORKLOAD.choco_target if args.target is None else args.target
     result = train_all(topology, args.link_levels, args.seeds, args.rounds, target)
     print(f"{topology.name}, links {result['link_levels']}, target {target}, seeds {args.seeds}")
     print(f"{'run':<9} {'rounds to target':>24} {'over floor':>24} {'final acc':>10}")

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 
+import grpc
 import pytest
 import torch
 from conftest import build_network, reporting_rounds
@@ -322,3 +323,32 @@ def test_a_coordinator_that_refuses_the_reports_is_said_once_loudly_with_its_rea
         server.stop()
         for peer in peers:
             peer.close()
+
+
+class _Refusal(grpc.RpcError):
+    """A refused call as grpc raises it: a status code and the server's details."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_a_coordinators_refusal_of_any_length_is_quoted_short(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The refusal's details come from the network: a coordinator answering with 100,000
+    characters gets a quote of a few hundred in the peer's log, not the whole text."""
+    with _peer_zero_client() as (_, client):
+        refused: Future[cpb.ReportReply] = Future()
+        refused.set_exception(_Refusal(grpc.StatusCode.PERMISSION_DENIED, "x" * 100_000))
+        with caplog.at_level(logging.ERROR, logger=client_module.log.name):
+            client._take(refused)  # noqa: SLF001
+        (record,) = [r for r in caplog.records if r.name == client_module.log.name]
+        assert "PERMISSION_DENIED" in record.getMessage()
+        assert "(100000 characters)" in record.getMessage()
+        assert len(record.getMessage()) < 500
