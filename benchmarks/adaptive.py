@@ -27,9 +27,11 @@ times (all configurations once, then again, so drifting load falls on all alike)
 - `adaptive-nc`: the same without a coordinator (`--adaptive` peers: each edge's lower end
   sets the edge's rank from its own sends, `--no-coordinator` in simulate);
 - `choco topk=X`: Choco-SGD with top-k at each ratio of `--choco-ratios`, and `choco adaptive`:
-  its level on the top-k ladder set per peer by the coordinator (what it sends fits its slowest
-  link); `choco adaptive-nc`: the same without a coordinator (each peer sets the level it
-  broadcasts at from its own sends and announces it to its neighbours, levels/senders.py).
+  its level on the top-k ladder set per link by the coordinator, each edge with its own pair of
+  public copies (`--choco-adaptive-algorithm choco-edge`, the default; `choco`: one public
+  copy and one level per peer, what it sends fitting its slowest link); `choco adaptive-nc`:
+  the same without a coordinator (each edge's lower end sets its level, levels/edges.py; for
+  `choco`, each peer the level it broadcasts at, levels/senders.py).
 
 Links (`--links`):
 - `shaped` (default; root on Linux): every peer is a real `gossipcomp peer` process in its own
@@ -217,8 +219,14 @@ ADAPTIVE = COORDINATED | {"no-coordinator", "choco-no-coordinator"}  # levels th
 
 
 def configurations(
-    families: Sequence[str], ranks: Sequence[int], choco_ratios: Sequence[float], choco: str
+    families: Sequence[str],
+    ranks: Sequence[int],
+    choco_ratios: Sequence[float],
+    choco: str,
+    choco_adaptive: str = "choco-edge",
 ) -> list[Configuration]:
+    """The configurations of `families`; `choco`: the adaptive Choco runs' compressor (their
+    level at the start), `choco_adaptive`: their algorithm (choco-edge or choco)."""
     pg = ("--algorithm", "powergossip")
     chosen = []
     if "dpsgd" in families:
@@ -238,10 +246,11 @@ def configurations(
         for x in choco_ratios:
             chosen.append(Configuration(f"choco topk={x:g}", (*flags, f"topk:ratio={x:g}"),
                                         "choco", ratio=x))  # fmt: skip
+    leveled = ("--algorithm", choco_adaptive, "--compressor", choco)
     if "choco-adaptive" in families:
-        chosen.append(Configuration("choco adaptive", (*flags, choco), "choco", adaptive=True))
+        chosen.append(Configuration("choco adaptive", leveled, "choco", adaptive=True))
     if "choco-no-coordinator" in families:
-        chosen.append(Configuration("choco adaptive-nc", (*flags, choco), "choco", adaptive=True,
+        chosen.append(Configuration("choco adaptive-nc", leveled, "choco", adaptive=True,
                                     coordinator=False))  # fmt: skip
     return chosen
 
@@ -987,6 +996,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="topk:ratio=0.05",
         help="Choco's compressor under --adaptive (its level at the start)",
     )
+    parser.add_argument("--choco-adaptive-algorithm", choices=("choco-edge", "choco"),
+                        default="choco-edge", help="the adaptive Choco runs' algorithm: a "
+                        "public copy and a level per edge, or one per peer")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peers", type=int, default=d.peers)
     parser.add_argument("--rounds", type=int, default=d.rounds)
@@ -1148,7 +1160,13 @@ def run_all(
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     w = workload_of(args)
-    chosen = configurations(args.configs, args.ranks, args.choco_ratios, args.choco_compressor)
+    chosen = configurations(
+        args.configs,
+        args.ranks,
+        args.choco_ratios,
+        args.choco_compressor,
+        args.choco_adaptive_algorithm,
+    )
     load_before = os.getloadavg()[0]
     began = time.perf_counter()
     try:

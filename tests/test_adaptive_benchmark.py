@@ -385,22 +385,29 @@ def test_reactions_of_broadcast_levels_come_from_either_end_of_an_edge() -> None
     assert first["rounds_until_level_moved"] == {"0-1": None, "1-2": 10, "2-3": 10}
 
 
-def test_choco_without_a_coordinator_runs_end_to_end_and_reports_its_peers_levels(
-    tmp_path: Path,
+@pytest.mark.parametrize("algorithm", ["choco", "choco-edge"])
+def test_choco_without_a_coordinator_runs_end_to_end_and_reports_its_levels(
+    tmp_path: Path, algorithm: str
 ) -> None:
-    """The tiny configuration of `choco adaptive-nc`: peers that set their own broadcast level
-    report it (`peer_levels`), and its reactions are read from them. Without D-PSGD the run is
-    refused as not shown network-bound (status 3), the configurations still written."""
+    """The tiny configuration of `choco adaptive-nc`: with one public copy per peer, peers that
+    set their own broadcast level report it (`peer_levels`); with one per edge (the default),
+    each edge's lower end its link's (`link_levels`); the reactions are read from them.
+    Without D-PSGD the run is refused as not shown network-bound (status 3), the
+    configurations still written."""
     report = _run(tmp_path, "--links", "throttled", "--peers", "3", "--rounds", "12",
                   "--changes", "2", "--rates", "2", "16", "--partition", "iid",
                   "--configs", "choco-fixed", "choco-no-coordinator", "--choco-ratios", "0.02",
-                  "--repeats", "1", "--eval-every", "2", "--settle-rounds", "1",
-                  timeout=300, status=adaptive.REFUSED)  # fmt: skip
+                  "--choco-adaptive-algorithm", algorithm, "--repeats", "1", "--eval-every",
+                  "2", "--settle-rounds", "1", timeout=300, status=adaptive.REFUSED)  # fmt: skip
     names = [r["name"] for r in report["configurations"]]
     assert names == ["choco topk=0.02", "choco adaptive-nc"]
     (run,) = report["configurations"][1]["repeats"]
     _check_run(run, 12, [4, 8], report["workload"]["target"])
     assert run["failed_exchanges"] == 0
-    assert set(run["peer_levels"]) <= {"0", "1", "2"} and run["link_levels"] == {}
+    if algorithm == "choco":
+        assert set(run["peer_levels"]) <= {"0", "1", "2"} and run["link_levels"] == {}
+    else:
+        assert set(run["link_levels"]) <= {"0-1", "1-2", "0-2"} and run["peer_levels"] == {}
+        assert run["level_changes_one_end_only"] == 0
     assert [r["change_round"] for r in run["reactions"]] == [4, 8]
     assert report["choco_no_coordinator"]["round_time_vs_budget"] is None  # refused: not shown

@@ -225,7 +225,7 @@ def test_algorithms_are_built_from_spec_strings(spec, kind, check):
 @pytest.mark.parametrize(
     "spec,message",
     [
-        ("gossip", "unknown algorithm 'gossip'; known: choco, def, dpsgd, powergossip"),
+        ("gossip", "unknown algorithm 'gossip'; known: choco, choco-edge, def, dpsgd, powergossip"),
         ("choco", "needs option 'compressor'"),
         ("choco:compressor=sign,steps=x", "steps: expected int"),
         ("choco:compressor=sign,steps=1000", r"steps must be in \[1, 100\]"),

@@ -91,7 +91,7 @@ PEER = ["peer", "--topology", "ring4", "--rank", "0", "--quiet"]
         (["--byzantine", "-1"], "--byzantine", ">= 0"),
         (["--schedule", "fastest"], "--schedule", "known: mergecomp, mgwfbp, per-tensor"),
         (["--model", "gpt"], "--model", "invalid choice"),
-        (["--algorithm", "gossip"], "--algorithm", "known: choco, def, dpsgd, powergossip"),
+        (["--algorithm", "gossip"], "--algorithm", "known: choco, choco-edge, def, dpsgd, powergossip"),
         (["--algorithm", "powergossip:colour=red"], "--algorithm", "its options: rank, steps"),
     ],
 )
@@ -118,7 +118,7 @@ def test_peer_flags_are_refused_before_any_server_starts(argv, fragments, capsys
 def test_groups_for_an_algorithm_without_compressed_groups_are_refused(capsys):
     assert cli.main([*SIMULATE, "--algorithm", "dpsgd", "--schedule", "single"]) == 2
     _assert_one_line_error(
-        capsys.readouterr().err, "schedule 'single'", "only choco, def, powergossip"
+        capsys.readouterr().err, "schedule 'single'", "only choco, choco-edge, def, powergossip"
     )
 
 

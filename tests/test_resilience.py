@@ -20,7 +20,7 @@ from torch import nn
 
 from gossipcomp.compress import parse_spec
 from gossipcomp.experiment import PeerTrainer, TrainConfig
-from gossipcomp.gossip import DEFATC, DPSGD, Choco, LinkStats, PowerGossip
+from gossipcomp.gossip import DEFATC, DPSGD, Choco, EdgeChoco, LinkStats, PowerGossip
 from gossipcomp.peer import Peer
 from gossipcomp.peer.links import Backoff, LinkState
 from gossipcomp.topology import Topology, load_topology
@@ -139,10 +139,11 @@ def _live_matrix(peers: list[Peer]) -> torch.Tensor:
 ALGORITHMS = {
     "dpsgd": lambda: DPSGD(consensus_step=1.0),
     "choco-sign": lambda: Choco(parse_spec("sign")),
+    "choco-edge-sign": lambda: EdgeChoco(parse_spec("sign")),
     "powergossip": lambda: PowerGossip(rank=2, consensus_step=1.0),
     "def-sign": lambda: DEFATC(parse_spec("sign")),
 }
-PRESERVES_SUM = {"dpsgd", "choco-sign", "powergossip"}
+PRESERVES_SUM = {"dpsgd", "choco-sign", "choco-edge-sign", "powergossip"}
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
@@ -309,6 +310,7 @@ def _state_of(trainer: PeerTrainer) -> list[torch.Tensor]:
         ("def", {"compressor": "ef+topk:ratio=0.1"}),  # error-feedback memories are saved
         ("powergossip", {}),
         ("def", {"compressor": "topk:ratio=0.1"}),
+        ("choco-edge", {"compressor": "qsgd:levels=4"}),  # a copy pair per edge is saved
     ],
 )
 def test_a_network_restored_from_checkpoints_continues_bit_for_bit(tmp_path, algorithm, extra):

@@ -40,8 +40,9 @@ def add_coordinator_flags(group: argparse._ActionsContainer) -> None:
     group.add_argument(
         "--adaptive",
         action="store_true",
-        help="bandwidth-adaptive compression (powergossip: a rank per link; choco, def: a "
-        "level of the compressor's ladder per peer, its slowest link's): measure every link "
+        help="bandwidth-adaptive compression (powergossip: a rank per link; choco-edge: a "
+        "level of the compressor's ladder per link; choco, def: one per peer, its slowest "
+        "link's): measure every link "
         "from the transfers training makes and set its level to the highest whose transfers "
         "fit the round budget; peers should report every round or two (--report-every)",
     )

@@ -90,7 +90,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--adaptive",
         action="store_true",
         help="bandwidth-adaptive compression without a coordinator: for each edge to a "
-        "higher-ranked neighbour this peer sets the rank from its own sends (powergossip), or "
+        "higher-ranked neighbour this peer sets the rank or level from its own sends "
+        "(powergossip, choco-edge), or "
         "the level it sends at from its sends over its slowest link (choco, def), and announces "
         "it in its envelopes; start every peer with it (with a coordinator, start the "
         "coordinator with --adaptive instead)",

@@ -66,14 +66,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--coordinator",
         action="store_true",
         help="run a coordinator in this process: peers report measurements to it and switch to "
-        "the schedules it plans (choco, def)",
+        "the schedules it plans (choco, choco-edge, def)",
     )
     add_coordinator_flags(coord)
     coord.add_argument(
         "--no-coordinator",
         action="store_true",
         help="with --adaptive: no coordinator; the lower-ranked end of each edge sets the "
-        "edge's rank from its own sends (powergossip), each peer the level it sends at from its "
+        "edge's rank or level from its own sends (powergossip, choco-edge), each peer the level "
+        "it sends at from its "
         "sends over its slowest link (choco, def), and announces it in its envelopes",
     )
     links = sim.add_argument_group("throttled links (in this process; real ones: benchmarks/)")

@@ -26,7 +26,7 @@ from gossipcomp.workload.models import MODELS
 from gossipcomp.workload.pairing import check_pairing
 
 # the algorithms whose payload follows tensor groups (PowerGossip merges its raw payload only)
-GROUPED_ALGORITHMS = ("choco", "def", "powergossip")
+GROUPED_ALGORITHMS = ("choco", "choco-edge", "def", "powergossip")
 
 
 @dataclass(frozen=True)

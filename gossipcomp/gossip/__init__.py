@@ -14,6 +14,7 @@ _EXPORTS = {
     "gossipcomp.gossip.byzantine": "ATTACKS Attack Byzantine make_attack",
     "gossipcomp.gossip.catalog": "ALGORITHM_NAMES ATTACK_NAMES",
     "gossipcomp.gossip.choco": "Choco",
+    "gossipcomp.gossip.choco_edge": "EdgeChoco",
     "gossipcomp.gossip.clipping": "CLIP_RULES ClipRadius parse_clip",
     "gossipcomp.gossip.def_atc": "DEFATC",
     "gossipcomp.gossip.dpsgd": "DPSGD",

@@ -84,24 +84,11 @@ class MergedCodec:
         each payload is decoded at receipt with the randomness of (sender,
         key_of_round(round), group)."""
         grouping = self.grouping if grouping is None else grouping
-
-        def decode(group: int, data: memoryview, sender: int, round: int) -> torch.Tensor:
-            wanted = grouping.groups[group]
-            compressed = Compressed(wanted.compressor.codec, (wanted.layout.numel,), data)
-            context = self.context(sender, key_of_round(round), group)
-            return wanted.compressor.decompress(compressed, context)
-
-        return grouping.spec(decode)
+        return decoding_spec(grouping, self.seed, BROADCAST, key_of_round)
 
     def decoded(self, envelope: Envelope, group: int) -> torch.Tensor:
         """A neighbour's buffer for `group`, as the transport decoded it at receipt."""
-        value = envelope.decoded[group] if len(envelope.decoded) > group else None
-        if not isinstance(value, torch.Tensor):
-            raise RuntimeError(
-                f"envelope from peer {envelope.sender} was not decoded at receipt (group "
-                f"{group}): the transport must check it against the spec first"
-            )
-        return value
+        return decoded_group(envelope, group)
 
     # --- error feedback ----------------------------------------------------------------------
 
@@ -112,3 +99,29 @@ class MergedCodec:
         if not isinstance(saved, Mapping):
             raise ValueError(f"feedback memories: expected a dict, got {type(saved).__name__}")
         self.grouping.load_feedback_memories(self.names, self.shapes, saved)
+
+
+def decoding_spec(
+    grouping: Grouping, seed: int, receiver: int, key_of_round: Callable[[int], int]
+) -> PayloadSpec:
+    """What a neighbour's envelope holds under `grouping`: each group decoded at receipt with
+    the randomness of (sender, `receiver`, key_of_round(round), group)."""
+
+    def decode(group: int, data: memoryview, sender: int, round: int) -> torch.Tensor:
+        wanted = grouping.groups[group]
+        compressed = Compressed(wanted.compressor.codec, (wanted.layout.numel,), data)
+        context = CompressionContext(seed, sender, receiver, key_of_round(round), group)
+        return wanted.compressor.decompress(compressed, context)
+
+    return grouping.spec(decode)
+
+
+def decoded_group(envelope: Envelope, group: int) -> torch.Tensor:
+    """A neighbour's buffer for `group`, as the transport decoded it at receipt."""
+    value = envelope.decoded[group] if len(envelope.decoded) > group else None
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(
+            f"envelope from peer {envelope.sender} was not decoded at receipt (group "
+            f"{group}): the transport must check it against the spec first"
+        )
+    return value

@@ -6,13 +6,14 @@ from __future__ import annotations
 from gossipcomp.gossip.base import GossipAlgorithm
 from gossipcomp.gossip.catalog import ALGORITHM_NAMES
 from gossipcomp.gossip.choco import Choco
+from gossipcomp.gossip.choco_edge import EdgeChoco
 from gossipcomp.gossip.def_atc import DEFATC
 from gossipcomp.gossip.dpsgd import DPSGD
 from gossipcomp.gossip.powergossip import PowerGossip
 from gossipcomp.gossip.specs import BuildContext, SpecBuilt, parse_options
 
 ALGORITHMS: dict[str, SpecBuilt] = dict(
-    zip(ALGORITHM_NAMES, (DPSGD, PowerGossip, Choco, DEFATC), strict=True)
+    zip(ALGORITHM_NAMES, (DPSGD, PowerGossip, Choco, EdgeChoco, DEFATC), strict=True)
 )
 
 

@@ -140,7 +140,7 @@ class CompressionLevels:
         if not isinstance(self.algorithm, LinkLeveled | PeerLeveled):
             raise ValueError(
                 f"levels set by peers: algorithm {self.algorithm.name!r} has no level per link "
-                "or per peer (powergossip, choco and def have)"
+                "or per peer (powergossip, choco-edge, choco and def have)"
             )
         if any(s.links for s in self._in_use()):
             raise ValueError(
