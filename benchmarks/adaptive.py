@@ -27,11 +27,11 @@ times (all configurations once, then again, so drifting load falls on all alike)
 - `adaptive-nc`: the same without a coordinator (`--adaptive` peers: each edge's lower end
   sets the edge's rank from its own sends, `--no-coordinator` in simulate);
 - `choco topk=X`: Choco-SGD with top-k at each ratio of `--choco-ratios`, and `choco adaptive`:
-  its level on the top-k ladder set per link by the coordinator, each edge with its own pair of
-  public copies (`--choco-adaptive-algorithm choco-edge`, the default; `choco`: one public
-  copy and one level per peer, what it sends fitting its slowest link); `choco adaptive-nc`:
-  the same without a coordinator (each edge's lower end sets its level, levels/edges.py; for
-  `choco`, each peer the level it broadcasts at, levels/senders.py).
+  its level on the top-k ladder set per peer by the coordinator (what it sends fits its slowest
+  link), or with `--choco-adaptive-algorithm choco-edge` per link, each edge with its own pair
+  of public copies; `choco adaptive-nc`: the same without a coordinator (each peer sets the
+  level it broadcasts at from its own sends and announces it to its neighbours,
+  levels/senders.py; with `choco-edge`, each edge's lower end its link's, levels/edges.py).
 
 Links (`--links`):
 - `shaped` (default; root on Linux): every peer is a real `gossipcomp peer` process in its own
@@ -58,8 +58,9 @@ has at the same wall time (the shortest run's); bytes; for the adaptive runs the
 over time, and for each change the rounds until the level of a link whose rate moved moved.
 
 The run is refused (exit status 3, the figures left null, the reason printed and written) when
-it is not network-bound: D-PSGD's and every fixed rank's from the ladder's middle up had
-communication under 2x compute per round (`network_bound`, `comm_over_compute`: the smallest
+it is not network-bound: D-PSGD's and every fixed level's from the ladder's middle up (the
+PowerGossip ranks' ladder and Choco's ratios', each that was run) had communication under 2x
+compute per round (`network_bound`, `comm_over_compute`: the smallest
 ratio). Figures (means over the repeats, their spread the range of the per-repeat ratios):
 `adaptive_vs_best_fixed` (time to target over the best fixed rank's, chosen in hindsight),
 `adaptive_vs_dpsgd`, `round_time_vs_budget` (the worst over the phases after each change, from
@@ -223,7 +224,7 @@ def configurations(
     ranks: Sequence[int],
     choco_ratios: Sequence[float],
     choco: str,
-    choco_adaptive: str = "choco-edge",
+    choco_adaptive: str = "choco",
 ) -> list[Configuration]:
     """The configurations of `families`; `choco`: the adaptive Choco runs' compressor (their
     level at the start), `choco_adaptive`: their algorithm (choco-edge or choco)."""
@@ -805,9 +806,13 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def ladder_middle_up(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The fixed PowerGossip ranks from the middle of the ladder run up."""
-    fixed = sorted((r for r in results if r["rank"] is not None), key=lambda r: r["rank"])
-    return fixed[(len(fixed) - 1) // 2 :]
+    """The fixed levels from the middle of each ladder run up: PowerGossip's ranks, then
+    Choco's top-k ratios (a run of Choco's configurations alone is checked on its own)."""
+    picked: list[dict[str, Any]] = []
+    for key in ("rank", "ratio"):
+        fixed = sorted((r for r in results if r[key] is not None), key=lambda r: r[key])
+        picked += fixed[(len(fixed) - 1) // 2 :]
+    return picked
 
 
 def bound_check(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -819,7 +824,7 @@ def bound_check(results: list[dict[str, Any]]) -> dict[str, Any]:
     ratios = {r["name"]: r["comm_over_compute_min"] for r in checked}
     why = []
     if "dpsgd" not in ratios or len(checked) < 2:
-        why.append("the check needs D-PSGD and at least one fixed rank in the run")
+        why.append("the check needs D-PSGD and at least one fixed level in the run")
     low = {n: v for n, v in ratios.items() if v is None or v < BOUND_FACTOR}
     if low:
         shown = ", ".join(f"{n}: {'n/a' if v is None else f'{v:.2f}'}" for n, v in low.items())
@@ -996,9 +1001,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="topk:ratio=0.05",
         help="Choco's compressor under --adaptive (its level at the start)",
     )
-    parser.add_argument("--choco-adaptive-algorithm", choices=("choco-edge", "choco"),
-                        default="choco-edge", help="the adaptive Choco runs' algorithm: a "
-                        "public copy and a level per edge, or one per peer")  # fmt: skip
+    parser.add_argument("--choco-adaptive-algorithm", choices=("choco", "choco-edge"),
+                        default="choco", help="the adaptive Choco runs' algorithm: a public "
+                        "copy and a level per peer, or per edge")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peers", type=int, default=d.peers)
     parser.add_argument("--rounds", type=int, default=d.rounds)
@@ -1042,6 +1047,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "KEEP/NAME-REPEAT (a new folder) instead of a temporary one")  # fmt: skip
     parser.add_argument("--config-timeout", type=float, default=1800.0,
                         help="seconds one configuration may take")  # fmt: skip
+    parser.add_argument("--figures-from", type=Path, metavar="REPORT",
+                        help="run nothing: the network-bound check and the figures again "
+                        "from REPORT's configurations (a report written before a change to "
+                        "either), written to --json")  # fmt: skip
     args = parser.parse_args(argv)
     problems = []
     if not 3 <= args.peers <= shaped_links.MAX_PEERS:
@@ -1157,8 +1166,29 @@ def run_all(
     return runs, skipped
 
 
+def refigure(source: Path, target: Path, argv: Sequence[str]) -> int:
+    """The network-bound check and the figures again from the configurations of the report
+    at `source`, written with it to `target`; REFUSED when the run is not network-bound."""
+    report = json.loads(source.read_text())
+    results = report["configurations"]
+    bound = bound_check(results)
+    report.update({**bound, **compare(results, bound["network_bound"])})
+    report["figures_command"] = " ".join(["python", "benchmarks/adaptive.py", *argv])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(report, indent=2) + "\n")
+    if not bound["network_bound"]:
+        print(f"adaptive.py: refused: {bound['not_network_bound_because']}", file=sys.stderr)
+        return REFUSED
+    for scope in ("powergossip", "no_coordinator", "choco", "choco_no_coordinator"):
+        found = report if scope == "powergossip" else report[scope]
+        print(scope, ", ".join(f"{key} {found[key]}" for key in GOALS))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.figures_from is not None:
+        return refigure(args.figures_from, args.json, sys.argv[1:] if argv is None else argv)
     w = workload_of(args)
     chosen = configurations(
         args.configs,

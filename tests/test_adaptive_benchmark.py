@@ -274,6 +274,44 @@ def test_figures_are_ratios_of_means_with_the_per_repeat_range() -> None:
     assert all(adaptive.compare(results, False)[key] is None for key in FIGURES)
 
 
+def test_a_choco_run_alone_is_checked_on_its_own_ladder_and_its_figures_come_again_from_its_report(
+    tmp_path: Path,
+) -> None:
+    """D-PSGD and Choco's fixed ratios from the ladder's middle up are what a run of Choco's
+    configurations alone is checked on (it was refused for lacking a PowerGossip rank);
+    `--figures-from` takes a written report's configurations and writes the check and the
+    figures again without running anything."""
+    results = [
+        _result("dpsgd", [100.0, 120.0], 50.0, time_to_choco_target=[80.0, 90.0]),
+        _result("choco topk=0.02", [None, None], 30.0, time_to_choco_target=[10.0, 12.0],
+                ratio=0.02),
+        _result("choco topk=0.05", [None, None], 40.0, time_to_choco_target=[20.0, 30.0],
+                ratio=0.05),
+        _result("choco topk=0.2", [None, None], 90.0, time_to_choco_target=[60.0, 70.0],
+                ratio=0.2),
+        _result("choco adaptive", [None, None], 30.0, time_to_choco_target=[9.0, 9.6],
+                adaptive=True),
+    ]  # fmt: skip
+    bound = adaptive.bound_check(results)
+    assert bound["network_bound"]
+    assert set(bound["comm_over_compute_checked"]) == {"dpsgd", "choco topk=0.05", "choco topk=0.2"}
+    source, target = tmp_path / "run.json", tmp_path / "figures.json"
+    source.write_text(json.dumps({"configurations": results, "network_bound": False}))
+    assert adaptive.main(["--figures-from", str(source), "--json", str(target)]) == 0
+    report = json.loads(target.read_text())
+    assert report["network_bound"] is True and report["configurations"] == results
+    assert report["choco"]["adaptive_vs_best_fixed"] == pytest.approx(9.3 / 11.0)
+    assert report["adaptive_vs_best_fixed"] is None  # no PowerGossip configuration
+    assert report["figures_command"].endswith(f"--json {target}")
+    results[2]["comm_over_compute_min"] = 1.5  # the ladder's middle bound by CPU
+    source.write_text(json.dumps({"configurations": results}))
+    status = adaptive.main(["--figures-from", str(source), "--json", str(target)])
+    assert status == adaptive.REFUSED
+    report = json.loads(target.read_text())
+    assert "choco topk=0.05: 1.50" in report["not_network_bound_because"]
+    assert report["choco"]["adaptive_vs_best_fixed"] is None
+
+
 # end to end ----------------------------------------------------------------------------------
 def test_throttled_network_bound_comparison_runs_end_to_end(tmp_path: Path) -> None:
     report = _run(tmp_path, "--links", "throttled", "--peers", "3", "--rounds", "12",

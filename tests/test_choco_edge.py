@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_network, gossip_round, run_in_threads
+from conftest import build_network, consensus_distance, gossip_round, run_in_threads
 from helpers import (
     assert_clean,
     assert_sum_kept,
@@ -26,6 +26,7 @@ from gossipcomp.gossip.registry import make_algorithm
 from gossipcomp.gossip.specs import BuildContext
 from gossipcomp.peer import Peer
 from gossipcomp.peer.links import LinkState
+from gossipcomp.peer.round_graphs import check_round_graphs
 from gossipcomp.schedule.schedule import ScheduleRefused
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.memory import Fault
@@ -296,5 +297,41 @@ def test_a_checkpoint_restores_every_edges_copies_and_refuses_other_neighbours()
         for j, flats in saved.items():  # nothing assigned
             for a, b in zip(algorithm.own[j], flats, strict=True):
                 assert torch.equal(a, b)
+    finally:
+        close_all(peers)
+
+
+def test_on_a_time_varying_graph_only_each_rounds_edges_move_and_the_sum_is_kept() -> None:
+    """One-peer exponential graphs on 8 peers: a round mixes over one edge per peer. Choco with
+    one public copy per peer is refused there (a neighbour outside the round would miss its
+    update); with a copy pair per edge, an edge outside the round keeps its copies at both
+    ends, so both ends still agree, the network sum is kept and consensus comes."""
+    topology = build_topology("one-peer-exponential", n=8)
+    with pytest.raises(ValueError, match="cannot run on the time-varying topology"):
+        check_round_graphs(topology, Choco(parse_spec("topk:ratio=0.2")))
+    peers = build_network(topology, mlp_models(8), lambda: EdgeChoco(parse_spec("topk:ratio=0.2")))
+    try:
+        before, distance = network_sum(peers), consensus_distance(peers)
+        for r in range(12):
+            copies = {
+                (p.rank, j): [t.clone() for t in p.algorithm.own[j]]
+                for p in peers
+                for j in topology.neighbors(p.rank)
+            }
+            gossip_round(peers)
+            for (i, j), saved in copies.items():
+                active = j in topology.round_weights(i, r)[0]
+                moved = any(
+                    not torch.equal(a, b)
+                    for a, b in zip(peers[i].algorithm.own[j], saved, strict=True)
+                )
+                assert moved == active, (r, i, j)
+                for x, y in zip(
+                    peers[i].algorithm.own[j], peers[j].algorithm.theirs[i], strict=True
+                ):
+                    assert torch.equal(x, y), (r, i, j)
+        assert_sum_kept(before, peers, 1e-4)
+        assert consensus_distance(peers) < 0.5 * distance
+        assert_clean(peers)
     finally:
         close_all(peers)

@@ -239,8 +239,9 @@ class PeerLeveled(Protocol):
     peer compresses at the lowest level among its links (levels/rate.py `peer_levels`, from
     a schedule's link table), and each neighbour, holding the same table and topology, decodes
     at that level. All switch at the round a schedule takes effect (without a coordinator, at
-    the round a peer's notice of its own level names: levels/senders.py). (A level per link would
-    need one public copy per edge: docs/design.md, "Bandwidth-adaptive levels".)"""
+    the round a peer's notice of its own level names: levels/senders.py). (A level per link
+    needs a public copy per edge: `choco-edge`, which is LinkLeveled; docs/design.md,
+    "Bandwidth-adaptive levels".)"""
 
     def level_costs(self, params: NamedParams) -> LevelCosts:
         """Its ladder of levels with the bytes one round sends each neighbour at each."""

@@ -2,7 +2,7 @@
 
 Levels come from one source, never both:
 - a coordinator's schedules: a level per link for a LinkLeveled algorithm (PowerGossip: the
-  rank), switched at the schedule's round; for a PeerLeveled one (Choco, DEF-ATC) each peer
+  rank; choco-edge: a rung of its compressor's ladder), switched at the schedule's round; for a PeerLeveled one (Choco, DEF-ATC) each peer
   broadcasts at its slowest link's level, which every neighbour computes from the schedule's
   link table (`peer_levels` in levels/rate.py);
 - the peers themselves (`Peer.adapt_levels`): the lower-ranked end of each edge decides that

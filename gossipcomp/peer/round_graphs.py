@@ -1,7 +1,8 @@
 """A peer's side of time-varying topologies: which algorithms can follow a graph per round.
 
 Every peer derives round t's graph from the topology itself (Topology.round_weights). An
-algorithm whose state lives per edge (D-PSGD has none; PowerGossip's warm-start vectors) keeps
+algorithm whose state lives per edge (D-PSGD has none; PowerGossip's warm-start vectors,
+choco-edge's pair of public copies) keeps
 an inactive edge's state for its next activation, so it runs on any graph sequence. A
 broadcasting algorithm (Choco-SGD, DEF-ATC) keeps one public copy per peer that every neighbour
 tracks from every round's message: a neighbour not in the round would miss an update and its
