@@ -18,7 +18,7 @@ from helpers import close_all, mlp_models, stranger_hello
 
 from gossipcomp.cli import main
 from gossipcomp.compress import parse_spec
-from gossipcomp.gossip import DPSGD, Choco, PowerGossip
+from gossipcomp.gossip import DPSGD, Choco, EdgeChoco, PowerGossip
 from gossipcomp.peer.links import LinkState
 from gossipcomp.proto.v1 import coordinator_pb2 as cpb
 from gossipcomp.schedule.messages import schedule_from_proto, schedule_to_proto
@@ -131,13 +131,18 @@ def test_broadcasting_algorithms_are_refused_on_a_live_topology():
         )
 
 
-@pytest.mark.parametrize("algorithm", [DPSGD, lambda: PowerGossip(rank=1)], ids=["dpsgd", "pg"])
+@pytest.mark.parametrize(
+    "algorithm",
+    [DPSGD, lambda: PowerGossip(rank=1), lambda: EdgeChoco(parse_spec("topk:ratio=0.2"))],
+    ids=["dpsgd", "pg", "choco-edge"],
+)
 def test_gossip_keeps_the_sum_across_a_change_of_members_and_mixes_the_new_graph(algorithm):
     """Ranks 0..3 of a live ring gossip (exact D-PSGD, or PowerGossip, no training); a schedule
     removes rank 3 from round 6: every round, across the change too, keeps the sum over the four
     peers (rank 3 keeps its own model once out), and from round 6 ranks 0, 1, 2 mix on the ring
     over them (weights 1/3: one round of D-PSGD averages them exactly; PowerGossip uses the
-    new edge 0-2 from its own per-edge state at both ends)."""
+    new edge 0-2 from its own per-edge state at both ends, and choco-edge from the edge's pair
+    of copies, at zero at both ends until then)."""
     topology = build_topology("ring", n=4, members=[0, 1, 2, 3])
     peers = grpc_network(topology, mlp_models(4), algorithm, round_timeout=10.0)
     try:
@@ -163,6 +168,11 @@ def test_gossip_keeps_the_sum_across_a_change_of_members_and_mixes_the_new_graph
         else:  # the new edge 0-2 carries gossip: both ends heard each other
             assert peers[0].stats.bytes_received.get(2, 0) > 0
             assert peers[2].stats.bytes_received.get(0, 0) > 0
+        if isinstance(peers[0].algorithm, EdgeChoco):  # the new edge's copies, alike at both ends
+            for i, j in ((0, 2), (2, 0)):
+                mine, theirs = peers[i].algorithm.own[j], peers[j].algorithm.theirs[i]
+                assert all(torch.equal(x, y) for x, y in zip(mine, theirs, strict=True))
+                assert any(float(x.abs().sum()) > 0 for x in mine)
         assert out is not None
         for p, q in zip(out, peers[3].model.parameters(), strict=True):
             assert torch.equal(p, q)  # rank 3 mixes with nobody

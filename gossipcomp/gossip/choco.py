@@ -72,14 +72,7 @@ class Choco(BroadcastGossip):
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], context: BuildContext) -> Choco:
-        gamma = options["gamma"]
-        return cls(
-            parse_spec(options["compressor"]),
-            consensus_step=None if gamma in (None, AUTO) else float(gamma),
-            seed=context.seed,
-            steps=check_steps(options["steps"]),
-            clipping=context.clipping,
-        )
+        return cls(**choco_arguments(options, context))
 
     def __init__(
         self,
@@ -89,11 +82,7 @@ class Choco(BroadcastGossip):
         steps: int = 1,
         clipping: ClipRadius | None = None,
     ):
-        step = compressor.consensus_step if consensus_step is None else consensus_step
-        if not 0.0 < step <= 1.0:
-            raise ValueError(f"consensus_step must lie in (0, 1] for choco, got {step}")
-        if steps < 1:
-            raise ValueError(f"steps must be >= 1, got {steps}")
+        step = checked_choco_steps(self.name, compressor, consensus_step, steps)
         super().__init__(compressor, seed, clipping)
         self.consensus_step = step
         self._given_step = consensus_step
@@ -173,3 +162,28 @@ class Choco(BroadcastGossip):
                     pull.add_(self.tracked[j][g], alpha=w)
                 pulls.append(pull.mul_(step))
             codec.add_into(params, pulls)
+
+
+def choco_arguments(options: Mapping[str, Any], context: BuildContext) -> dict[str, Any]:
+    """A Choco variant's constructor arguments from its spec's options (`OPTIONS`)."""
+    gamma = options["gamma"]
+    return {
+        "compressor": parse_spec(options["compressor"]),
+        "consensus_step": None if gamma in (None, AUTO) else float(gamma),
+        "seed": context.seed,
+        "steps": check_steps(options["steps"]),
+        "clipping": context.clipping,
+    }
+
+
+def checked_choco_steps(
+    name: str, compressor: Compressor, consensus_step: float | None, steps: int
+) -> float:
+    """The consensus step a Choco variant uses (the given one, or the compressor's own),
+    checked to lie in (0, 1], with `steps` >= 1; ValueError naming the algorithm."""
+    step = compressor.consensus_step if consensus_step is None else consensus_step
+    if not 0.0 < step <= 1.0:
+        raise ValueError(f"consensus_step must lie in (0, 1] for {name}, got {step}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    return step

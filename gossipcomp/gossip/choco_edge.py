@@ -32,14 +32,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from gossipcomp.compress import ErrorFeedback, parse_spec
+from gossipcomp.compress import ErrorFeedback
 from gossipcomp.compress.base import Compressed, CompressionContext, Compressor
 from gossipcomp.gossip.base import NamedParams, Neighbourhood
 from gossipcomp.gossip.broadcast import KeyOfRound
+from gossipcomp.gossip.choco import Choco, checked_choco_steps, choco_arguments
 from gossipcomp.gossip.clipping import ClipRadius, clipped_weights, difference_norm
 from gossipcomp.gossip.grouping import Grouping, to_wire
 from gossipcomp.gossip.merged import decoded_group, decoding_spec
-from gossipcomp.gossip.specs import AUTO, BuildContext, Option, check_steps
+from gossipcomp.gossip.specs import BuildContext, Option
 from gossipcomp.gossip.state import load_edge_tensors, require_keys, save_edge_tensors
 from gossipcomp.levels.codecs import BroadcastLevels
 from gossipcomp.levels.rate import LevelCosts
@@ -54,22 +55,11 @@ class EdgeChoco:
 
     name = "choco-edge"
     label = "Choco per edge"
-    OPTIONS: ClassVar[dict[str, Option]] = {
-        "compressor": Option(str, required=True, flag="compressor"),
-        "steps": Option(int, 1, flag="gossip_steps"),
-        "gamma": Option(float, None, auto=True, flag="consensus_step"),
-    }
+    OPTIONS: ClassVar[dict[str, Option]] = Choco.OPTIONS
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], context: BuildContext) -> EdgeChoco:
-        gamma = options["gamma"]
-        return cls(
-            parse_spec(options["compressor"]),
-            consensus_step=None if gamma in (None, AUTO) else float(gamma),
-            seed=context.seed,
-            steps=check_steps(options["steps"]),
-            clipping=context.clipping,
-        )
+        return cls(**choco_arguments(options, context))
 
     def __init__(
         self,
@@ -84,13 +74,8 @@ class EdgeChoco:
                 f"{self.label}: compressor {compressor.spec!r} keeps an error-feedback memory; "
                 "expected one without (the public copies already carry the error forward)"
             )
-        step = compressor.consensus_step if consensus_step is None else consensus_step
-        if not 0.0 < step <= 1.0:
-            raise ValueError(f"consensus_step must lie in (0, 1] for {self.name}, got {step}")
-        if steps < 1:
-            raise ValueError(f"steps must be >= 1, got {steps}")
         self.compressor = compressor
-        self.consensus_step = step
+        self.consensus_step = checked_choco_steps(self.name, compressor, consensus_step, steps)
         self._given_step = consensus_step
         self.steps = steps
         self.seed = seed

@@ -2,8 +2,9 @@
 
 Every peer derives round t's graph from the topology itself (Topology.round_weights). An
 algorithm whose state lives per edge (D-PSGD has none; PowerGossip's warm-start vectors,
-choco-edge's pair of public copies) keeps
-an inactive edge's state for its next activation, so it runs on any graph sequence. A
+choco-edge's pair of public copies) keeps an inactive edge's state for its next activation, so
+it runs on any graph sequence, and on a live topology an edge first used starts from the
+state both ends set up alike (tests/test_membership.py). A
 broadcasting algorithm (Choco-SGD, DEF-ATC) keeps one public copy per peer that every neighbour
 tracks from every round's message: a neighbour not in the round would miss an update and its
 copy would no longer match, so those are refused on a time-varying topology, before the start,
