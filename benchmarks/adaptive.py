@@ -680,6 +680,7 @@ def summarise(configuration: Configuration, run: Run, w: Workload) -> dict[str, 
     summary: dict[str, Any] = {
         "name": configuration.name,
         "family": configuration.family,
+        "algorithm_flags": list(configuration.algorithm_flags),
         "rank": configuration.rank,
         "ratio": configuration.ratio,
         "adaptive": configuration.adaptive,
@@ -783,7 +784,8 @@ def aggregate(repeats: list[dict[str, Any]], equal_seconds: float) -> dict[str, 
     """One configuration over its repeats: the means of MEAN_FIELDS, their ranges
     (`spread`), the accuracy at `equal_seconds` of wall time, and every repeat's summary."""
     first = repeats[0]
-    result = {k: first[k] for k in ("name", "family", "rank", "ratio", "adaptive", "coordinator")}
+    kept = ("name", "family", "algorithm_flags", "rank", "ratio", "adaptive", "coordinator")
+    result = {k: first.get(k) for k in kept}  # algorithm_flags: none in reports before run 17
     for key in MEAN_FIELDS:
         values = [r.get(key) for r in repeats]
         result[key] = _mean(values)
@@ -1048,11 +1050,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--config-timeout", type=float, default=1800.0,
                         help="seconds one configuration may take")  # fmt: skip
     parser.add_argument("--figures-from", type=Path, metavar="REPORT",
-                        help="run nothing: the network-bound check and the figures again "
-                        "from REPORT's configurations (a report written before a change to "
-                        "either), written to --json")  # fmt: skip
+                        help="run nothing: the network-bound check and the figures (not "
+                        "each configuration's aggregates) again from REPORT's configurations "
+                        "(a report written before a change to either), written with the rest "
+                        "of REPORT to --json; no other flag")  # fmt: skip
     args = parser.parse_args(argv)
     problems = []
+    given = sys.argv[1:] if argv is None else argv
+    if args.figures_from is not None:
+        others = sorted(
+            {a.split("=")[0] for a in given if a.startswith("--")} - {"--figures-from", "--json"}
+        )
+        if others:
+            problems.append(
+                f"--figures-from: recomputes the check and the figures of the report as it was "
+                f"run, taking only --json besides; got {', '.join(others)[:200]}"
+            )
     if not 3 <= args.peers <= shaped_links.MAX_PEERS:
         problems.append(f"--peers: expected 3 to {shaped_links.MAX_PEERS}, got {args.peers}")
     if not 1 <= args.repeats <= 20:

@@ -310,6 +310,9 @@ def test_a_choco_run_alone_is_checked_on_its_own_ladder_and_its_figures_come_aga
     report = json.loads(target.read_text())
     assert "choco topk=0.05: 1.50" in report["not_network_bound_because"]
     assert report["choco"]["adaptive_vs_best_fixed"] is None
+    # it recomputes what was run: a flag that would change a run is refused, not recorded
+    with pytest.raises(SystemExit):
+        adaptive.main(["--figures-from", str(source), "--json", str(target), "--choco-target=0.5"])
 
 
 # end to end ----------------------------------------------------------------------------------
@@ -427,8 +430,9 @@ def test_reactions_of_broadcast_levels_come_from_either_end_of_an_edge() -> None
 def test_choco_without_a_coordinator_runs_end_to_end_and_reports_its_levels(
     tmp_path: Path, algorithm: str
 ) -> None:
-    """The tiny configuration of `choco adaptive-nc`: with one public copy per peer, peers that
-    set their own broadcast level report it (`peer_levels`); with one per edge (the default),
+    """The tiny configuration of `choco adaptive-nc`: with one public copy per peer (the
+    default), peers that set their own broadcast level report it (`peer_levels`); with one per
+    edge (`choco-edge`),
     each edge's lower end its link's (`link_levels`); the reactions are read from them.
     Without D-PSGD the run is refused as not shown network-bound (status 3), the
     configurations still written."""
@@ -442,6 +446,7 @@ def test_choco_without_a_coordinator_runs_end_to_end_and_reports_its_levels(
     (run,) = report["configurations"][1]["repeats"]
     _check_run(run, 12, [4, 8], report["workload"]["target"])
     assert run["failed_exchanges"] == 0
+    assert report["configurations"][1]["algorithm_flags"][:2] == ["--algorithm", algorithm]
     if algorithm == "choco":
         assert set(run["peer_levels"]) <= {"0", "1", "2"} and run["link_levels"] == {}
     else:

@@ -20,14 +20,15 @@ from helpers import (
 from gossipcomp.compress import parse_spec
 from gossipcomp.coordinator import Coordinator, CoordinatorServer
 from gossipcomp.coordinator.client import CoordinatorClient
-from gossipcomp.gossip import Choco, EdgeChoco
+from gossipcomp.gossip import Choco, EdgeChoco, PowerGossip
 from gossipcomp.gossip.base import LinkLeveled, PeerLeveled
 from gossipcomp.gossip.registry import make_algorithm
 from gossipcomp.gossip.specs import BuildContext
 from gossipcomp.peer import Peer
 from gossipcomp.peer.links import LinkState
 from gossipcomp.peer.round_graphs import check_round_graphs
-from gossipcomp.schedule.schedule import ScheduleRefused
+from gossipcomp.schedule.groups import TensorGroup
+from gossipcomp.schedule.schedule import Schedule, ScheduleRefused
 from gossipcomp.topology import build_topology
 from gossipcomp.transport.memory import Fault
 from gossipcomp.transport.throttled import LinkRates, RateChange
@@ -294,6 +295,11 @@ def test_a_checkpoint_restores_every_edges_copies_and_refuses_other_neighbours()
         bad = {**state, "own_copies": {1: state["own_copies"][1], 2: state["own_copies"][3]}}
         with pytest.raises(ValueError, match="choco-edge own copies"):
             algorithm.load_state_dict(bad)
+        poisoned = [t.clone() for t in state["neighbour_copies"][3]]
+        poisoned[0][0] = float("nan")
+        bad = {**state, "neighbour_copies": {1: state["neighbour_copies"][1], 3: poisoned}}
+        with pytest.raises(ValueError, match=r"copies of 3\[0\]: expected finite values"):
+            algorithm.load_state_dict(bad)
         for j, flats in saved.items():  # nothing assigned
             for a, b in zip(algorithm.own[j], flats, strict=True):
                 assert torch.equal(a, b)
@@ -332,6 +338,82 @@ def test_on_a_time_varying_graph_only_each_rounds_edges_move_and_the_sum_is_kept
                     assert torch.equal(x, y), (r, i, j)
         assert_sum_kept(before, peers, 1e-4)
         assert consensus_distance(peers) < 0.5 * distance
+        assert_clean(peers)
+    finally:
+        close_all(peers)
+
+
+@pytest.mark.parametrize("kind", ["choco-edge", "powergossip"])
+def test_a_schedule_without_link_levels_puts_every_link_back_at_its_own_level(kind: str) -> None:
+    """A schedule of groups alone, staged while one with link levels is in force, takes the
+    links back to the algorithm's own level when it takes effect: its envelopes are expected
+    at that level (they were expected at the levels in force, and every edge failed at its
+    round)."""
+
+    def make() -> EdgeChoco | PowerGossip:
+        return EdgeChoco(parse_spec("topk:ratio=0.05")) if kind == "choco-edge" else PowerGossip(2)
+
+    peers = build_network(RING4, mlp_models(4), make, round_timeout=3.0)
+    try:
+        low = peers[0].algorithm.level_costs(peers[0].gossiped).levels[0]
+        leveled = levels_schedule(1, 2, dict.fromkeys(EDGES, low))
+        names = tuple(name for name, _ in peers[0].gossiped)
+        compressor = "topk:ratio=0.05" if kind == "choco-edge" else "identity"
+        grouped = Schedule(2, 6, groups=(TensorGroup(names, compressor),), planner="mgwfbp")
+        for peer in peers:
+            peer.apply(leveled)
+        for _ in range(4):
+            gossip_round(peers)
+        for peer in peers:
+            peer.apply(grouped)
+        for _ in range(3):
+            gossip_round(peers)
+        assert_clean(peers)
+        own = 2 if kind == "powergossip" else peers[0].algorithm._require_ladder().ladder.default
+        levels = peers[0].algorithm._link_levels if kind == "choco-edge" else None
+        ranks = peers[0].algorithm._link_ranks if kind == "powergossip" else None
+        assert (levels or ranks) == {1: own, 3: own}
+        assert own != low
+    finally:
+        close_all(peers)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_models_on_a_gpu_keep_their_copies_beside_them_and_both_ends_agree() -> None:
+    peers = build_network(
+        RING4,
+        [m.cuda() for m in mlp_models(4)],
+        lambda: EdgeChoco(parse_spec("randomk:ratio=0.1"), seed=2),
+    )
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(4):
+            with torch.no_grad():
+                for peer in peers:
+                    for p in peer.model.parameters():
+                        p.add_(torch.randn(p.shape, generator=generator).cuda(), alpha=0.01)
+            before = network_sum(peers)
+            gossip_round(peers)
+            assert_sum_kept(before, peers, 1e-4)
+        assert_clean(peers)
+        _assert_edges_agree(peers)
+        assert all(t.is_cuda for p in peers for copies in p.algorithm.own.values() for t in copies)
+    finally:
+        close_all(peers)
+
+
+def test_a_schedule_group_compressed_with_error_feedback_is_refused_naming_it() -> None:
+    """The algorithm's own compressor is checked when it is built; a schedule's group may name
+    another, and one with an error-feedback memory (neither saved per edge nor reset when an
+    edge resumes) is refused before anything changes."""
+    peers = build_network(RING4, mlp_models(4), lambda: EdgeChoco(parse_spec("topk:ratio=0.05")))
+    try:
+        names = tuple(name for name, _ in peers[0].gossiped)
+        grouped = Schedule(1, 5, groups=(TensorGroup(names, "ef+topk:ratio=0.1"),), planner="x")
+        with pytest.raises(ScheduleRefused, match=r"'ef\+topk:ratio=0.1', which keeps an error"):
+            peers[0].apply(grouped)
+        assert peers[0].schedules.newest.epoch == 0
+        gossip_round(peers)
         assert_clean(peers)
     finally:
         close_all(peers)

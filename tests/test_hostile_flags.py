@@ -91,7 +91,11 @@ PEER = ["peer", "--topology", "ring4", "--rank", "0", "--quiet"]
         (["--byzantine", "-1"], "--byzantine", ">= 0"),
         (["--schedule", "fastest"], "--schedule", "known: mergecomp, mgwfbp, per-tensor"),
         (["--model", "gpt"], "--model", "invalid choice"),
-        (["--algorithm", "gossip"], "--algorithm", "known: choco, choco-edge, def, dpsgd, powergossip"),
+        (
+            ["--algorithm", "gossip"],
+            "--algorithm",
+            "known: choco, choco-edge, def, dpsgd, powergossip",
+        ),
         (["--algorithm", "powergossip:colour=red"], "--algorithm", "its options: rank, steps"),
     ],
 )

@@ -125,8 +125,8 @@ def add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) 
         "--schedule",
         type=planner_spec,
         default=d.schedule,
-        help="choco, def, powergossip: how parameters are merged into groups: per-tensor, "
-        f"single, or a planner ({', '.join(sorted(PLANNER_NAMES))}) run on a reference cost model, "
+        help="choco, choco-edge, def, powergossip: how parameters are merged into groups: "
+        f"per-tensor, single, or a planner ({', '.join(sorted(PLANNER_NAMES))}) run on a reference cost model, "
         "the same plan on every peer",
     )
     g.add_argument(
@@ -140,9 +140,9 @@ def add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) 
         "--consensus-step",
         type=_consensus_step,
         default=d.consensus_step,
-        help="dpsgd, powergossip, choco: gossip step gamma in x += gamma (W x - x), in (0, 2) "
-        "(choco: (0, 1]); 'auto' (the default for dpsgd and powergossip) = 2/(2 - lambda_2 - "
-        "lambda_min) of W; choco's default depends on the compressor",
+        help="dpsgd, powergossip, choco, choco-edge: gossip step gamma in x += gamma (W x - x), in "
+        "(0, 2) (choco, choco-edge: (0, 1]); 'auto' (the default for dpsgd and powergossip) = 2/(2 - lambda_2 - "
+        "lambda_min) of W; choco's and choco-edge's depend on the compressor",
     )
     g.add_argument(
         "--low-rank",
@@ -156,7 +156,8 @@ def add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) 
     g.add_argument(
         "--compressor",
         default=d.compressor,
-        help="choco, def: compressor spec, e.g. sign, topk:ratio=0.01, qsgd:levels=16, ef+sign",
+        help="choco, choco-edge, def: compressor spec, e.g. sign, topk:ratio=0.01, qsgd:levels=16, "
+        "ef+sign (not for choco-edge)",
     )
     g.add_argument(
         "--zeta",
@@ -176,7 +177,7 @@ def add_training_flags(parser: argparse.ArgumentParser, rank_is_low_rank: bool) 
         dest="gossip_steps",
         type=integer("gossip steps", 1, MAX_GOSSIP_STEPS),
         default=d.gossip_steps,
-        help="powergossip, choco: exchanges per round (PowerGossip's power steps)",
+        help="powergossip, choco, choco-edge: exchanges per round (PowerGossip's power steps)",
     )
     g.add_argument(
         "--eval-every",

@@ -12,9 +12,10 @@ neighbour j heard:
 with C_ij the compressor of the edge's level, s_ij its 1 / (1 + beta) scale (1 for a
 contractive compressor: Choco's scaling of an unbiased one) and gamma_ij its consensus step
 (or the one given). Both ends use the same level, scale and step, and their pulls along an edge
-are equal and opposite, so a round keeps the network sum for any levels. With every link at
+are equal and opposite, so a round keeps the network sum for any levels (with a fixed clip
+radius or none: an adaptive radius is each peer's own, as in Choco). With every link at
 one level and a deterministic compressor (top-k), every xh_ij of a peer equals Choco's xh_i and
-the two algorithms agree bit for bit; a link costs what Choco's broadcast costs it, and a peer
+the two algorithms agree up to float rounding (their sums are ordered differently); a link costs what Choco's broadcast costs it, and a peer
 compresses once per neighbour rather than once.
 
 Levels are LinkLeveled, as PowerGossip's ranks: a coordinator's schedule sets each link's, or
@@ -42,6 +43,7 @@ from gossipcomp.gossip.grouping import Grouping, to_wire
 from gossipcomp.gossip.merged import decoded_group, decoding_spec
 from gossipcomp.gossip.specs import BuildContext, Option
 from gossipcomp.gossip.state import load_edge_tensors, require_keys, save_edge_tensors
+from gossipcomp.inputs.text import quoted
 from gossipcomp.levels.codecs import BroadcastLevels
 from gossipcomp.levels.rate import LevelCosts
 from gossipcomp.schedule.groups import TensorGroup
@@ -82,6 +84,7 @@ class EdgeChoco:
         self.clipping = clipping
         self._me = -1
         self._neighbours: list[int] = []
+        self._device = torch.device("cpu")  # the model's: the copies live beside it
         self._ladder: BroadcastLevels | None = None
         self._groups: tuple[TensorGroup, ...] | None = None  # the schedule's (None: default)
         self._layout: Grouping | None = None  # the buffers' groups at the default level
@@ -96,6 +99,7 @@ class EdgeChoco:
         self, params: NamedParams, rank: int, neighbours: Sequence[int]
     ) -> dict[str, PayloadSpec]:
         self._me, self._neighbours = rank, list(neighbours)
+        self._device = params[0][1].device if params else torch.device("cpu")
         self._ladder = BroadcastLevels(params, self.compressor, rank, neighbours)
         self._link_levels = dict.fromkeys(neighbours, self._ladder.ladder.default)
         self._use_groups(params, None)
@@ -108,12 +112,28 @@ class EdgeChoco:
         """Build the groupings of `groups` at every level a link may use."""
         ladder = self._require_ladder()
         levels = {*self.level_costs(params).levels, ladder.ladder.default}
-        self._by_level = {level: ladder.grouping(params, groups, level) for level in levels}
+        self._by_level = {level: self._grouping(params, groups, level) for level in levels}
         self._layout = self._by_level[ladder.ladder.default]
         self._groups = tuple(groups) if groups else None
 
+    def _grouping(
+        self, params: NamedParams, groups: Sequence[TensorGroup] | None, level: int
+    ) -> Grouping:
+        """`groups` at `level`; ValueError for a group whose compressor keeps an
+        error-feedback memory (a schedule's group may name one)."""
+        grouping = self._require_ladder().grouping(params, groups, level)
+        for group in grouping.groups:
+            if isinstance(group.compressor, ErrorFeedback):
+                raise ValueError(
+                    f"{self.label}: group {quoted(group.name)} is compressed with "
+                    f"{quoted(group.compressor.spec)}, which keeps an error-feedback memory; "
+                    "expected a compressor without"
+                )
+        return grouping
+
     def _zeros(self) -> list[torch.Tensor]:
-        return [torch.zeros(g.layout.numel) for g in self._require_layout().groups]
+        layout = self._require_layout()
+        return [torch.zeros(g.layout.numel, device=self._device) for g in layout.groups]
 
     def _checked_levels(self, params: NamedParams, levels: Mapping[int, int]) -> dict[int, int]:
         """Every neighbour's link level under `levels` (one not listed: the default);
@@ -150,7 +170,7 @@ class EdgeChoco:
         `levels`: one spec when every link has the same level."""
         chosen = self._checked_levels(params, levels)
         ladder = self._require_ladder()
-        by_level = {level: ladder.grouping(params, groups, level) for level in set(chosen.values())}
+        by_level = {level: self._grouping(params, groups, level) for level in set(chosen.values())}
         specs: dict[str, Mapping[int, PayloadSpec] | PayloadSpec] = {}
         for s in range(self.steps):
             key = self._key_of(s)
@@ -159,7 +179,7 @@ class EdgeChoco:
                 specs[f"{PHASE}{s}"] = next(iter(spec.values()))
             elif not spec:  # no neighbour: nothing will arrive
                 specs[f"{PHASE}{s}"] = self._spec(
-                    ladder.grouping(params, groups, ladder.ladder.default), key
+                    self._grouping(params, groups, ladder.ladder.default), key
                 )
             else:
                 specs[f"{PHASE}{s}"] = {j: spec[level] for j, level in chosen.items()}
@@ -247,9 +267,11 @@ class EdgeChoco:
         groups = self._by_level[self._link_levels[j]].groups
         for index, (g, compressed) in enumerate(zip(groups, sent, strict=True)):
             scale = 1.0 / (1.0 + g.compressor.variance_bound(g.layout.numel))
+            # both decoded from wire bytes on the host; the copies live beside the model
             mine = g.compressor.decompress(compressed, self._context(j, key, index))
-            self.own[j][index].add_(mine, alpha=scale)
-            self.theirs[j][index].add_(decoded_group(envelope, index), alpha=scale)
+            self.own[j][index].add_(mine.to(self._device), alpha=scale)
+            theirs = decoded_group(envelope, index)
+            self.theirs[j][index].add_(theirs.to(self._device), alpha=scale)
 
     def _step_of(self, j: int, group: int) -> float:
         """gamma of edge (this peer, j) for `group`: the given step, or its level's

@@ -39,7 +39,8 @@ def tensor_mismatch(expected: torch.Tensor, value: object) -> str | None:
 def checked_tensors(
     what: str, current: Sequence[torch.Tensor], saved: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """Copies of `saved` on the devices of `current`, after checking they match one for one."""
+    """Copies of `saved` on the devices of `current`, after checking they match one for one
+    and hold finite values (a NaN restored into a copy or a model shows only rounds later)."""
     if not isinstance(saved, Sequence) or len(saved) != len(current):
         count = len(saved) if isinstance(saved, Sequence) else type(saved).__name__
         raise ValueError(f"{what}: expected {len(current)} tensors, got {count}")
@@ -49,6 +50,8 @@ def checked_tensors(
             raise ValueError(
                 f"{what}[{index}]: expected {tuple(now.shape)} {now.dtype}, got {found}"
             )
+        if then.is_floating_point() and not bool(torch.isfinite(then).all()):
+            raise ValueError(f"{what}[{index}]: expected finite values, got NaN or infinity")
     return [then.detach().clone().to(now.device) for now, then in zip(current, saved, strict=True)]
 
 

@@ -171,9 +171,10 @@ class CompressionLevels:
         self, schedule: Schedule, book: LevelBook | None = None
     ) -> dict[str, Mapping[int, PayloadSpec] | PayloadSpec] | None:
         """Per phase, what neighbours' envelopes hold under `schedule` at its levels (always
-        for a broadcasting algorithm; for a link-leveled one when it lists links); None when
-        levels play no part in it. ScheduleRefused for link levels while the peers set levels
-        (in force in `book`, default this peer's), or levels that do not fit."""
+        for a broadcasting algorithm; for a link-leveled one unless the peers set the levels
+        and it lists no links); None when levels play no part in it. ScheduleRefused for link
+        levels while the peers set levels (in force in `book`, default this peer's), or
+        levels that do not fit."""
         book = book or self.book
         if book is not None and schedule.links:
             raise ScheduleRefused(
@@ -190,13 +191,18 @@ class CompressionLevels:
                 raise  # names its epoch already
             except ValueError as error:
                 raise ScheduleRefused(f"schedule epoch {schedule.epoch}: {error}") from None
-        if not schedule.links:
-            return None
         if not isinstance(self.algorithm, LinkLeveled):
+            if not schedule.links:
+                return None
             raise ScheduleRefused(
                 f"schedule epoch {schedule.epoch}: algorithm {self.algorithm.name!r} has no "
                 "per-link level; expected a schedule without links"
             )
+        if not schedule.links and book is not None:
+            return None  # levels set with the neighbours: `local_specs`
+        # a schedule without links puts every link back at the algorithm's own level when it
+        # takes effect (`switch_schedule`), so its envelopes hold that level's, whatever the
+        # schedule in force now sets
         try:
             return self.algorithm.link_specs(
                 self._params, schedule.groups or None, schedule.levels_of(self.rank)
