@@ -86,7 +86,6 @@ class EdgeChoco:
         self._neighbours: list[int] = []
         self._device = torch.device("cpu")  # the model's: the copies live beside it
         self._ladder: BroadcastLevels | None = None
-        self._groups: tuple[TensorGroup, ...] | None = None  # the schedule's (None: default)
         self._layout: Grouping | None = None  # the buffers' groups at the default level
         self._by_level: dict[int, Grouping] = {}  # every usable level's compressors
         self._link_levels: dict[int, int] = {}  # neighbour -> its edge's level
@@ -114,7 +113,6 @@ class EdgeChoco:
         levels = {*self.level_costs(params).levels, ladder.ladder.default}
         self._by_level = {level: self._grouping(params, groups, level) for level in levels}
         self._layout = self._by_level[ladder.ladder.default]
-        self._groups = tuple(groups) if groups else None
 
     def _grouping(
         self, params: NamedParams, groups: Sequence[TensorGroup] | None, level: int
