@@ -785,7 +785,7 @@ def aggregate(repeats: list[dict[str, Any]], equal_seconds: float) -> dict[str, 
     (`spread`), the accuracy at `equal_seconds` of wall time, and every repeat's summary."""
     first = repeats[0]
     kept = ("name", "family", "algorithm_flags", "rank", "ratio", "adaptive", "coordinator")
-    result = {k: first.get(k) for k in kept}  # algorithm_flags: none in reports before run 17
+    result = {k: first[k] for k in kept}
     for key in MEAN_FIELDS:
         values = [r.get(key) for r in repeats]
         result[key] = _mean(values)
@@ -1056,10 +1056,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "of REPORT to --json; no other flag")  # fmt: skip
     args = parser.parse_args(argv)
     problems = []
-    given = sys.argv[1:] if argv is None else argv
     if args.figures_from is not None:
         others = sorted(
-            {a.split("=")[0] for a in given if a.startswith("--")} - {"--figures-from", "--json"}
+            f"--{dest.replace('_', '-')}"
+            for dest, value in vars(args).items()
+            if dest not in ("figures_from", "json") and value != parser.get_default(dest)
         )
         if others:
             problems.append(

@@ -30,8 +30,10 @@ from gossipcomp.peer.round_graphs import check_round_graphs
 from gossipcomp.schedule.groups import TensorGroup
 from gossipcomp.schedule.schedule import Schedule, ScheduleRefused
 from gossipcomp.topology import build_topology
-from gossipcomp.transport.memory import Fault
+from gossipcomp.transport.base import Identity
+from gossipcomp.transport.memory import Fault, InMemoryHub, InMemoryTransport
 from gossipcomp.transport.throttled import LinkRates, RateChange
+from gossipcomp.workload.models import model_signature
 
 RING4 = build_topology("ring", n=4)
 EDGES = ((0, 1), (1, 2), (2, 3), (0, 3))
@@ -417,3 +419,37 @@ def test_a_schedule_group_compressed_with_error_feedback_is_refused_naming_it() 
         assert_clean(peers)
     finally:
         close_all(peers)
+
+
+class _Masked(torch.nn.Module):
+    """A linear layer beside a persistent causal mask of -inf (a constant buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("mask", torch.triu(torch.full((4, 4), float("-inf")), 1))
+
+
+def test_a_peer_checkpoint_with_a_constant_minus_infinity_buffer_restores() -> None:
+    """Restored tensors are checked finite for an algorithm's state (a NaN copy above), not
+    for a model's constant buffers: a causal mask of -inf is legitimate and not gossiped."""
+    peers = build_network(
+        RING4, [_Masked() for _ in range(4)], lambda: EdgeChoco(parse_spec("topk:ratio=0.5"))
+    )
+    try:
+        gossip_round(peers)
+        state = peers[0].state_dict()
+    finally:
+        close_all(peers)
+    model = _Masked()
+    identity = Identity(0, RING4.hash, model_signature(model))
+    transport = InMemoryTransport(identity, RING4.neighbors(0), InMemoryHub())
+    algorithm = EdgeChoco(parse_spec("topk:ratio=0.5"))
+    fresh = Peer(model, RING4, 0, algorithm, transport, ready=False)
+    try:
+        fresh.load_state_dict(state)
+        assert torch.equal(fresh.model.mask, peers[0].model.mask)
+        assert fresh.round == 1
+    finally:
+        fresh.close()

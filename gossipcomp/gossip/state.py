@@ -37,10 +37,15 @@ def tensor_mismatch(expected: torch.Tensor, value: object) -> str | None:
 
 
 def checked_tensors(
-    what: str, current: Sequence[torch.Tensor], saved: Sequence[torch.Tensor]
+    what: str,
+    current: Sequence[torch.Tensor],
+    saved: Sequence[torch.Tensor],
+    finite: bool = True,
 ) -> list[torch.Tensor]:
     """Copies of `saved` on the devices of `current`, after checking they match one for one
-    and hold finite values (a NaN restored into a copy or a model shows only rounds later)."""
+    and, with `finite`, hold finite values (a NaN restored into an algorithm's copy shows only
+    rounds later). A model's checkpoint passes finite=False: a constant buffer such as a
+    causal mask may hold -inf, and its gossiped tensors are checked by name elsewhere."""
     if not isinstance(saved, Sequence) or len(saved) != len(current):
         count = len(saved) if isinstance(saved, Sequence) else type(saved).__name__
         raise ValueError(f"{what}: expected {len(current)} tensors, got {count}")
@@ -50,7 +55,7 @@ def checked_tensors(
             raise ValueError(
                 f"{what}[{index}]: expected {tuple(now.shape)} {now.dtype}, got {found}"
             )
-        if then.is_floating_point() and not bool(torch.isfinite(then).all()):
+        if finite and then.is_floating_point() and not bool(torch.isfinite(then).all()):
             raise ValueError(f"{what}[{index}]: expected finite values, got NaN or infinity")
     return [then.detach().clone().to(now.device) for now, then in zip(current, saved, strict=True)]
 
