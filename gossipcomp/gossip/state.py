@@ -16,7 +16,7 @@ import torch
 
 from gossipcomp.gossip.base import NamedParams
 from gossipcomp.transport.base import Envelope, Payload, PayloadSpec
-from gossipcomp.transport.codec import decode_raw, encode_raw, tensor_spec
+from gossipcomp.transport.codec import all_finite, decode_raw, encode_raw, tensor_spec
 
 
 def require_keys(state: Mapping[str, Any], expected: set[str], algorithm: str) -> None:
@@ -55,8 +55,8 @@ def checked_tensors(
             raise ValueError(
                 f"{what}[{index}]: expected {tuple(now.shape)} {now.dtype}, got {found}"
             )
-        if finite and then.is_floating_point() and not bool(torch.isfinite(then).all()):
-            raise ValueError(f"{what}[{index}]: expected finite values, got NaN or infinity")
+        if finite and then.is_floating_point() and not all_finite(then):
+            raise ValueError(f"{what}[{index}]: holds NaN/Inf")
     return [then.detach().clone().to(now.device) for now, then in zip(current, saved, strict=True)]
 
 
