@@ -148,13 +148,15 @@ def in_memory_trainers(
     hub: InMemoryHub,
     directory: Any = None,
     every: int = 50,
+    make_model: Callable[[str, int], torch.nn.Module] = build_model,
 ) -> list[PeerTrainer]:
     """A PeerTrainer per rank over the in-memory hub (the training loop `simulate` runs, without
-    gRPC); with `directory`, each checkpoints there every `every` rounds."""
+    gRPC); with `directory`, each checkpoints there every `every` rounds; `make_model(name,
+    seed)` builds each peer's model (a registered one by default)."""
     data = load_digits_split(seed=config.seed)
     trainers = []
     for rank in range(topology.n):
-        model = build_model(config.model, config.seed)
+        model = make_model(config.model, config.seed)
         transport = InMemoryTransport(
             Identity(rank, topology.hash, model_signature(model)), topology.neighbors(rank), hub
         )

@@ -25,6 +25,7 @@ from gossipcomp.topology import load_topology
 from gossipcomp.transport.memory import InMemoryHub
 from gossipcomp.workload import checkpoint
 from gossipcomp.workload.checkpoint import MAGIC, VERSION, CheckpointError, CheckpointStore
+from gossipcomp.workload.models import build_model
 
 RING4 = load_topology("topologies/ring4.yaml")
 CONFIG = TrainConfig(algorithm="dpsgd", rounds=4, eval_every=2)
@@ -125,7 +126,7 @@ def test_a_file_bigger_than_the_model_allows_is_refused_before_any_read(
         (lambda state: state["peer"].update(round=3), "peer.round: expected 4"),
         (
             lambda state: state["peer"]["model"]["0.bias"].fill_(math.nan),
-            "peer.model: '0.bias' holds NaN/Inf",
+            "peer: peer checkpoint: model tensor '0.bias' holds NaN/Inf",
         ),
         (
             lambda state: state["peer"]["model"].update({"0.bias": torch.zeros(3)}),
@@ -145,7 +146,10 @@ def test_a_file_bigger_than_the_model_allows_is_refused_before_any_read(
             "stream: order: expected a permutation",
         ),
         (lambda state: state["stream"].update(cursor=True), "stream: cursor: expected an integer"),
-        (lambda state: state["history"][0].update(round="2"), "history: [0] round: expected an integer"),
+        (
+            lambda state: state["history"][0].update(round="2"),
+            "history: [0] round: expected an integer",
+        ),
         (lambda state: state["history"].append([]), "history: expected keys"),
         (
             lambda state: state["history"][0].update(test_accuracy=math.inf),
@@ -372,3 +376,42 @@ def test_every_rank_byzantine_is_refused() -> None:
     with pytest.raises(ValueError, match="no honest peer left to measure: --byzantine lists"):
         build_algorithm(config, RING4, 0)
     build_algorithm(TrainConfig(byzantine=(0, 1, 2)), RING4, 3)  # one honest peer is enough
+
+
+class _MaskedMlp(torch.nn.Module):
+    """A registered MLP beside a persistent causal mask of -inf: a constant buffer, not
+    gossiped, and legitimately not finite."""
+
+    def __init__(self, name: str, seed: int) -> None:
+        super().__init__()
+        self.body = build_model(name, seed)
+        self.register_buffer("mask", torch.triu(torch.full((4, 4), float("-inf")), 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_a_trainer_restores_a_model_whose_constant_buffer_holds_minus_infinity(
+    tmp_path: Path, one_thread: None
+) -> None:
+    """A trainer's checkpoint of a model with a constant -inf mask restores (the trainer once
+    refused any non-finite tensor of the saved model), while a NaN in a gossiped tensor of
+    the same model is still refused, naming it."""
+    trainers = in_memory_trainers(
+        RING4, CONFIG, InMemoryHub(), tmp_path, every=2, make_model=_MaskedMlp
+    )
+    assert "mask" not in {name for name, _ in trainers[0].peer.gossiped}
+    for t in trainers:
+        t.peer.start(5, {})
+    run_in_threads([t.run for t in trainers])
+    fresh = in_memory_trainers(
+        RING4, CONFIG, InMemoryHub(), tmp_path, every=2, make_model=_MaskedMlp
+    )[0]
+    assert fresh.restore() == NEWEST
+    assert torch.equal(fresh.peer.model.mask, trainers[0].peer.model.mask)
+    newest = CheckpointStore(tmp_path, 0).path_for(NEWEST)
+    tamper(newest, lambda state: state["peer"]["model"]["body.0.bias"].fill_(math.nan))
+    fresh = in_memory_trainers(
+        RING4, CONFIG, InMemoryHub(), tmp_path, every=2, make_model=_MaskedMlp
+    )[0]
+    assert fresh.restore() == OLDER  # the newest is skipped, naming the tensor

@@ -60,16 +60,6 @@ def _saved_config(value: Any) -> dict[str, Any]:
     return TrainConfig(**value).to_dict()
 
 
-def _require_finite(model: Any) -> None:
-    """Raise ValueError if a floating-point tensor of a saved model state holds NaN/Inf (the
-    peer never keeps such a model; its shapes are checked by Peer.load_state_dict)."""
-    if not isinstance(model, dict):
-        return  # Peer.load_state_dict names what is wrong with it
-    for name, value in model.items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and not all_finite(value):
-            raise ValueError(f"{quoted(name)} holds NaN/Inf")
-
-
 def _check_optimizer_state(
     saved: Any, scratch: torch.optim.Optimizer, model: torch.nn.Module
 ) -> None:

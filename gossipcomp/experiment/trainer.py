@@ -25,7 +25,6 @@ from gossipcomp.experiment.restore import (
     _history,
     _identity,
     _part,
-    _require_finite,
     _require_keys,
     _saved_config,
 )
@@ -183,8 +182,6 @@ class PeerTrainer:
             found = peer_state.get("round")
             if type(found) is not int or found != loaded.round:
                 raise ValueError(f"expected {loaded.round} (the file's round), got {quoted(found)}")
-        with _part(path, "peer.model"):
-            _require_finite(peer_state.get("model"))
         scratch = make_optimizer(self.peer.model, self.config.lr, self.config.momentum)
         with _part(path, "optimizer"):
             _check_optimizer_state(state["optimizer"], scratch, self.peer.model)

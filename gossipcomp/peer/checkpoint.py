@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from gossipcomp.peer.deadlines import MAX_ROUND_TIMEOUT, MIN_ROUND_SECONDS
 from gossipcomp.peer.links import LinkMonitor
 from gossipcomp.schedule.schedule import ScheduleBook
 from gossipcomp.transport.base import MAX_WIRE_ROUND
+from gossipcomp.transport.codec import all_finite
 
 EXPECTED_KEYS = frozenset(
     {"round", "model", "algorithm", "bytes_sent", "bytes_received", "failures", "down"}
@@ -44,9 +46,16 @@ class CheckedState:
     down: list[int]
 
 
-def check_state(state: Any, current: dict[str, torch.Tensor], neighbours: set[int]) -> CheckedState:
-    """Check a peer checkpoint against the model's `current` state dict and the peer's
-    `neighbours`; ValueError naming what is wrong and what was expected."""
+def check_state(
+    state: Any,
+    current: dict[str, torch.Tensor],
+    neighbours: set[int],
+    gossiped: Collection[str],
+) -> CheckedState:
+    """Check a peer checkpoint against the model's `current` state dict, the peer's
+    `neighbours` and the names of its `gossiped` tensors (which must be finite: every
+    neighbour refuses NaN/Inf; the model's other tensors may hold any value, a causal mask
+    of -inf for one); ValueError naming what is wrong and what was expected."""
     expected, optional = set(EXPECTED_KEYS), set(OPTIONAL_KEYS)
     if not isinstance(state, dict) or not expected <= set(state) <= expected | optional:
         keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
@@ -72,8 +81,14 @@ def check_state(state: Any, current: dict[str, torch.Tensor], neighbours: set[in
             f"peer checkpoint: model has parameters {sorted(saved)}, "
             f"this model has {sorted(current)}"
         )
-    model = [saved[k] for k in current]  # its gossiped tensors' values: checked by name later
+    model = [saved[k] for k in current]
     checked_tensors("peer checkpoint model", list(current.values()), model, finite=False)
+    for name in gossiped:
+        if saved[name].is_floating_point() and not all_finite(saved[name]):
+            raise ValueError(
+                f"peer checkpoint: model tensor {quoted(name)} holds NaN/Inf (it is gossiped, "
+                "and every neighbour refuses non-finite values); expected finite values"
+            )
     counters = {key: _neighbour_counts(state[key], neighbours, key) for key in COUNTERS}
     down = state["down"]
     if not isinstance(down, list) or not set(down) <= neighbours:

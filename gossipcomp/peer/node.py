@@ -594,7 +594,9 @@ class Peer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint before `start()`: every part is checked against this peer's
         model and algorithm first, so a mismatch raises ValueError and changes nothing."""
-        checked = check_state(state, self.model.state_dict(), set(self._weights))
+        checked = check_state(
+            state, self.model.state_dict(), set(self._weights), [n for n, _ in self._params]
+        )
         round = checked.round
         schedules = self._schedules.checked_book(state, round)
         levels = self._levels.checked(state.get("link_levels"), state.get("broadcast_levels"))
