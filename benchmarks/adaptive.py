@@ -1183,10 +1183,18 @@ def run_all(
 def refigure(source: Path, target: Path, argv: Sequence[str]) -> int:
     """The network-bound check and the figures again from the configurations of the report
     at `source`, written with it to `target`; REFUSED when the run is not network-bound."""
-    report = json.loads(source.read_text())
-    results = report["configurations"]
-    bound = bound_check(results)
-    report.update({**bound, **compare(results, bound["network_bound"])})
+    try:
+        report = json.loads(source.read_text())
+        results = report["configurations"]
+        bound = bound_check(results)
+        report.update({**bound, **compare(results, bound["network_bound"])})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as error:
+        text = str(error)  # the file's own words: cut, never echoed whole
+        what = f"{type(error).__name__}: {text if len(text) <= 200 else text[:197] + '...'}"
+        print(f"adaptive.py: --figures-from {source}: not a report this script wrote with "
+              f"--json (expected its 'configurations', each with the keys a run records); "
+              f"{what}", file=sys.stderr)  # fmt: skip
+        return 1
     report["figures_command"] = " ".join(["python", "benchmarks/adaptive.py", *argv])
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(report, indent=2) + "\n")

@@ -315,6 +315,32 @@ def test_a_choco_run_alone_is_checked_on_its_own_ladder_and_its_figures_come_aga
         adaptive.main(["--figures-from", str(source), "--json", str(target), "--choco-target=0.5"])
 
 
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("{not json", "JSONDecodeError"),
+        ('{"network_bound": true}', "KeyError: 'configurations'"),
+        ('{"configurations": [{"name": "dpsgd"}]}', "KeyError"),
+        ('{"configurations": 7}', "TypeError"),
+        ('{"configurations": [{"name": "' + "x" * 5000 + '", "repeats": 1}]}', "Error"),
+    ],
+)
+def test_figures_from_a_report_it_did_not_write_says_so_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, named: str
+) -> None:
+    """A malformed report is refused with exit status 1, naming the file and the fault in
+    at most a bounded echo of the file's words; nothing is written."""
+    source, target = tmp_path / "run.json", tmp_path / "figures.json"
+    source.write_text(text)
+    assert adaptive.main(["--figures-from", str(source), "--json", str(target)]) == 1
+    err = capsys.readouterr().err
+    assert f"--figures-from {source}: not a report" in err and named in err, err
+    assert len(err) < 800 and not target.exists()
+    missing = tmp_path / "absent.json"
+    assert adaptive.main(["--figures-from", str(missing), "--json", str(target)]) == 1
+    assert "FileNotFoundError" in capsys.readouterr().err
+
+
 # end to end ----------------------------------------------------------------------------------
 def test_throttled_network_bound_comparison_runs_end_to_end(tmp_path: Path) -> None:
     report = _run(tmp_path, "--links", "throttled", "--peers", "3", "--rounds", "12",
