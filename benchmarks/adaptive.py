@@ -96,11 +96,15 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shaped_links  # noqa: E402  (the sibling module: benchmarks/ is no package)
 
+from gossipcomp.inputs.atomic_files import write_atomically  # noqa: E402
+from gossipcomp.inputs.files import FileRefused, load_json_file  # noqa: E402
+
 PEER_PORT = 50100
 COORDINATOR_PORT = 50099
 POLL_SECONDS = 0.05
 BOUND_FACTOR = 2.0  # communication per round at least this x compute: network-bound
 REFUSED = 3  # exit status of a run that is not network-bound
+MAX_REPORT_BYTES = 256 << 20  # a report --figures-from reads (a long run's is a few MB)
 GOALS = {"adaptive_vs_best_fixed": 0.8, "adaptive_vs_dpsgd": 0.2, "round_time_vs_budget": 1.25}
 Edge = tuple[int, int]
 Graph = Literal["ring", "complete"]
@@ -1183,21 +1187,26 @@ def run_all(
 def refigure(source: Path, target: Path, argv: Sequence[str]) -> int:
     """The network-bound check and the figures again from the configurations of the report
     at `source`, written with it to `target`; REFUSED when the run is not network-bound."""
+    expected = "a report this script wrote with --json"
     try:
-        report = json.loads(source.read_text())
+        report = load_json_file(source, "--figures-from", expected, MAX_REPORT_BYTES)
+    except (OSError, FileRefused) as error:
+        print(f"adaptive.py: {error}", file=sys.stderr)  # names the file and the fault
+        return 1
+    try:
         results = report["configurations"]
         bound = bound_check(results)
         report.update({**bound, **compare(results, bound["network_bound"])})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as error:
+    except (ValueError, ArithmeticError, KeyError, TypeError, AttributeError, IndexError) as error:
         text = str(error)  # the file's own words: cut, never echoed whole
         what = f"{type(error).__name__}: {text if len(text) <= 200 else text[:197] + '...'}"
-        print(f"adaptive.py: --figures-from {source}: not a report this script wrote with "
-              f"--json (expected its 'configurations', each with the keys a run records); "
-              f"{what}", file=sys.stderr)  # fmt: skip
+        print(f"adaptive.py: --figures-from {source}: not {expected} (expected its "
+              f"'configurations', each with the keys a run records); {what}",
+              file=sys.stderr)  # fmt: skip
         return 1
     report["figures_command"] = " ".join(["python", "benchmarks/adaptive.py", *argv])
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(report, indent=2) + "\n")
+    write_atomically(target, ".figures-", (json.dumps(report, indent=2) + "\n").encode())
     if not bound["network_bound"]:
         print(f"adaptive.py: refused: {bound['not_network_bound_because']}", file=sys.stderr)
         return REFUSED

@@ -6,6 +6,7 @@ the peer or make it read or expand more than its model can need."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
 import logging
@@ -379,39 +380,103 @@ def test_every_rank_byzantine_is_refused() -> None:
 
 
 class _MaskedMlp(torch.nn.Module):
-    """A registered MLP beside a persistent causal mask of -inf: a constant buffer, not
-    gossiped, and legitimately not finite."""
+    """A registered MLP beside a persistent causal mask of -inf (a constant buffer, not
+    gossiped, legitimately not finite) and a head tied to a layer of the body (a tensor with
+    two names in the state dict)."""
 
     def __init__(self, name: str, seed: int) -> None:
         super().__init__()
         self.body = build_model(name, seed)
         self.register_buffer("mask", torch.triu(torch.full((4, 4), float("-inf")), 1))
+        self.tied = self.body[0]  # the same Linear: its weight is body.0.weight and tied.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
 
 
-def test_a_trainer_restores_a_model_whose_constant_buffer_holds_minus_infinity(
-    tmp_path: Path, one_thread: None
+def _masked_trainers(directory: Path, make_model: Any = _MaskedMlp) -> list[PeerTrainer]:
+    return in_memory_trainers(
+        RING4, CONFIG, InMemoryHub(), directory, every=2, make_model=make_model
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (
+            lambda model: model["body.0.bias"].fill_(math.nan),
+            "model tensor 'body.0.bias' holds NaN/Inf",
+        ),
+        (  # the second name of a tied tensor loads last: it would overwrite the first
+            lambda model: model["tied.weight"].fill_(math.nan),
+            "model tensor 'tied.weight' holds NaN/Inf",
+        ),
+        (
+            lambda model: model["mask"].fill_(0.0),
+            "constant buffer 'mask' differs from this model's",
+        ),
+    ],
+)
+def test_a_trainer_restores_a_constant_minus_infinity_mask_and_refuses_nan_under_any_name(
+    tmp_path: Path, one_thread: None, caplog: pytest.LogCaptureFixture, change: Any, field: str
 ) -> None:
     """A trainer's checkpoint of a model with a constant -inf mask restores (the trainer once
-    refused any non-finite tensor of the saved model), while a NaN in a gossiped tensor of
-    the same model is still refused, naming it."""
-    trainers = in_memory_trainers(
-        RING4, CONFIG, InMemoryHub(), tmp_path, every=2, make_model=_MaskedMlp
-    )
+    refused any non-finite tensor of the saved model, so such a model could never resume),
+    and the restored peer starts; a NaN under either name of a tied tensor, or a changed
+    constant, is refused at restore, naming it, and the previous checkpoint is used."""
+    trainers = _masked_trainers(tmp_path)
     assert "mask" not in {name for name, _ in trainers[0].peer.gossiped}
     for t in trainers:
         t.peer.start(5, {})
     run_in_threads([t.run for t in trainers])
-    fresh = in_memory_trainers(
-        RING4, CONFIG, InMemoryHub(), tmp_path, every=2, make_model=_MaskedMlp
-    )[0]
+    fresh = _masked_trainers(tmp_path)[0]
     assert fresh.restore() == NEWEST
     assert torch.equal(fresh.peer.model.mask, trainers[0].peer.model.mask)
-    newest = CheckpointStore(tmp_path, 0).path_for(NEWEST)
-    tamper(newest, lambda state: state["peer"]["model"]["body.0.bias"].fill_(math.nan))
-    fresh = in_memory_trainers(
-        RING4, CONFIG, InMemoryHub(), tmp_path, every=2, make_model=_MaskedMlp
-    )[0]
-    assert fresh.restore() == OLDER  # the newest is skipped, naming the tensor
+    fresh.peer.start(5, {})  # the guard's own checks at start pass too
+    fresh.peer.close()
+    tamper(
+        CheckpointStore(tmp_path, 0).path_for(NEWEST),
+        lambda state: change(state["peer"]["model"]),
+    )
+    with caplog.at_level(logging.WARNING):
+        assert _masked_trainers(tmp_path)[0].restore() == OLDER
+    assert any(field in r.getMessage() for r in caplog.records), caplog.text
+
+
+class _UnguardedMask(_MaskedMlp):
+    """The same model whose peers take no buffer as constant (Peer(gossip_buffers=False))."""
+
+
+def test_a_non_finite_tensor_is_allowed_only_where_the_model_itself_holds_one(
+    tmp_path: Path,
+) -> None:
+    """Without constant buffers (gossip_buffers=False) a mask is checked like any tensor: it
+    restores holding -inf because the model's own does, while a NaN in a tensor the model
+    holds finite is refused before anything is applied."""
+    from gossipcomp.gossip import DPSGD
+    from gossipcomp.peer import Peer
+    from gossipcomp.transport.base import Identity
+    from gossipcomp.transport.memory import InMemoryTransport
+    from gossipcomp.workload.models import model_signature
+
+    def peer_of(model: torch.nn.Module) -> Peer:
+        identity = Identity(0, RING4.hash, model_signature(model, False))
+        transport = InMemoryTransport(identity, RING4.neighbors(0), InMemoryHub())
+        return Peer(model, RING4, 0, DPSGD(), transport, gossip_buffers=False, ready=False)
+
+    source = peer_of(_UnguardedMask("mlp", 0))
+    state = source.state_dict()
+    source.close()
+    fresh = peer_of(_UnguardedMask("mlp", 1))
+    try:
+        fresh.load_state_dict(copy.deepcopy(state))
+        assert torch.equal(fresh.model.mask, source.model.mask)
+        assert torch.equal(fresh.model.body[0].bias, source.model.body[0].bias)
+        broken = copy.deepcopy(state)
+        broken["model"]["body.0.bias"][0] = math.inf
+        before = fresh.model.body[0].bias.detach().clone()
+        with pytest.raises(ValueError, match="model tensor 'body.0.bias' holds NaN/Inf"):
+            fresh.load_state_dict(broken)
+        assert torch.equal(fresh.model.body[0].bias, before)
+    finally:
+        fresh.close()

@@ -45,8 +45,7 @@ def checked_tensors(
     """Copies of `saved` on the devices of `current`, after checking they match one for one
     and, with `finite`, hold finite values (a NaN restored into an algorithm's copy shows only
     rounds later). A model's checkpoint passes finite=False: a constant buffer such as a
-    causal mask may hold -inf, and its gossiped tensors are checked by name
-    (peer/checkpoint.py)."""
+    causal mask may hold -inf (peer/checkpoint.py checks a model's tensors by its own rule)."""
     if not isinstance(saved, Sequence) or len(saved) != len(current):
         count = len(saved) if isinstance(saved, Sequence) else type(saved).__name__
         raise ValueError(f"{what}: expected {len(current)} tensors, got {count}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,12 +50,15 @@ def check_state(
     state: Any,
     current: dict[str, torch.Tensor],
     neighbours: set[int],
-    gossiped: Collection[str],
+    constants: Mapping[str, torch.Tensor],
 ) -> CheckedState:
     """Check a peer checkpoint against the model's `current` state dict, the peer's
-    `neighbours` and the names of its `gossiped` tensors (which must be finite: every
-    neighbour refuses NaN/Inf; the model's other tensors may hold any value, a causal mask
-    of -inf for one); ValueError naming what is wrong and what was expected."""
+    `neighbours` and the model's `constants` (its constant buffers' values, by state-dict
+    key: ModelGuard); ValueError naming what is wrong and what was expected. A constant must
+    hold its value; every other floating-point tensor, under each of its names (a tied
+    parameter has two), must be finite unless this model's own is not (a causal mask of -inf
+    on a model that takes no buffer as constant): a neighbour refuses NaN/Inf, and a NaN
+    statistic that is not gossiped would spoil every evaluation."""
     expected, optional = set(EXPECTED_KEYS), set(OPTIONAL_KEYS)
     if not isinstance(state, dict) or not expected <= set(state) <= expected | optional:
         keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
@@ -83,11 +86,17 @@ def check_state(
         )
     model = [saved[k] for k in current]
     checked_tensors("peer checkpoint model", list(current.values()), model, finite=False)
-    for name in gossiped:
-        if saved[name].is_floating_point() and not all_finite(saved[name]):
+    for name, value in saved.items():
+        if name in constants:
+            if not torch.equal(value.to(constants[name].device), constants[name]):
+                raise ValueError(
+                    f"peer checkpoint: constant buffer {quoted(name)} differs from this "
+                    "model's; expected its own value (a constant never changes in training)"
+                )
+        elif value.is_floating_point() and not all_finite(value) and all_finite(current[name]):
             raise ValueError(
-                f"peer checkpoint: model tensor {quoted(name)} holds NaN/Inf (it is gossiped, "
-                "and every neighbour refuses non-finite values); expected finite values"
+                f"peer checkpoint: model tensor {quoted(name)} holds NaN/Inf; expected finite "
+                "values, as this model's own"
             )
     counters = {key: _neighbour_counts(state[key], neighbours, key) for key in COUNTERS}
     down = state["down"]

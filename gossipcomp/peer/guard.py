@@ -70,6 +70,11 @@ class ModelGuard:
                 "initialisation, or the checkpoint it was restored from)"
             )
 
+    def constant_values(self) -> dict[str, torch.Tensor]:
+        """The constant buffers' values taken when the peer was made, by state-dict key (a
+        restored checkpoint must hold the same)."""
+        return {name: value for name, _, value in self.constants}
+
     def check_constants(self, when: str) -> None:
         """Raise ValueError naming a constant buffer (not gossiped: see Peer) whose value is no
         longer what it was when the peer was made."""

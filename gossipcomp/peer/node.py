@@ -595,7 +595,7 @@ class Peer:
         """Restore a checkpoint before `start()`: every part is checked against this peer's
         model and algorithm first, so a mismatch raises ValueError and changes nothing."""
         checked = check_state(
-            state, self.model.state_dict(), set(self._weights), [n for n, _ in self._params]
+            state, self.model.state_dict(), set(self._weights), self._guard.constant_values()
         )
         round = checked.round
         schedules = self._schedules.checked_book(state, round)
