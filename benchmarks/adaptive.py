@@ -26,12 +26,13 @@ times (all configurations once, then again, so drifting load falls on all alike)
   --adaptive`, every peer reporting every round) within the round budget;
 - `adaptive-nc`: the same without a coordinator (`--adaptive` peers: each edge's lower end
   sets the edge's rank from its own sends, `--no-coordinator` in simulate);
-- `choco topk=X`: Choco-SGD with top-k at each ratio of `--choco-ratios`, and `choco adaptive`:
-  its level on the top-k ladder set per peer by the coordinator (what it sends fits its slowest
-  link), or with `--choco-adaptive-algorithm choco-edge` per link, each edge with its own pair
-  of public copies; `choco adaptive-nc`: the same without a coordinator (each peer sets the
-  level it broadcasts at from its own sends and announces it to its neighbours,
-  levels/senders.py; with `choco-edge`, each edge's lower end its link's, levels/edges.py).
+- `choco topk=X`: Choco-SGD with top-k at each ratio of `--choco-ratios` (0.005, 0.01, 0.02),
+  and `choco adaptive`: `choco-edge` (each edge with its own pair of public copies) whose level
+  per link on the top-k ladder the coordinator sets, starting from `--choco-compressor` (top-k
+  0.01) with the floor at a third of its bytes (0.005); with `--choco-adaptive-algorithm choco`
+  one level per peer (what it sends fits its slowest link); `choco adaptive-nc`: the same
+  without a coordinator (each edge's lower end sets its link's level, levels/edges.py; with
+  `choco`, each peer the level it broadcasts at, levels/senders.py).
 
 Links (`--links`):
 - `shaped` (default; root on Linux): every peer is a real `gossipcomp peer` process in its own
@@ -1000,16 +1001,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16],
                         help="PowerGossip's fixed ranks (32 and 64 take minutes a run over "
                         "the 1 Mbit/s link and were never the best)")  # fmt: skip
-    parser.add_argument("--choco-ratios", type=float, nargs="+", default=[0.02, 0.05, 0.2],
-                        help="Choco's fixed top-k ratios")  # fmt: skip
+    parser.add_argument("--choco-ratios", type=float, nargs="+", default=[0.005, 0.01, 0.02],
+                        help="Choco's fixed top-k ratios (the lowest is the adaptive runs' "
+                        "floor: a third of --choco-compressor's bytes, levels/codecs.py)")  # fmt: skip
     parser.add_argument(
         "--choco-compressor",
-        default="topk:ratio=0.05",
+        default="topk:ratio=0.01",
         help="Choco's compressor under --adaptive (its level at the start)",
     )
     parser.add_argument("--choco-adaptive-algorithm", choices=("choco", "choco-edge"),
-                        default="choco", help="the adaptive Choco runs' algorithm: a public "
-                        "copy and a level per peer, or per edge")  # fmt: skip
+                        default="choco-edge", help="the adaptive Choco runs' algorithm: a public "
+                        "copy and a level per peer, or a pair of copies and a level per edge "
+                        "(the default: a peer's level is its slowest link's, and with the slow "
+                        "link's two ends at the floor no per-peer level pays, "
+                        "docs/benchmarks.md)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peers", type=int, default=d.peers)
     parser.add_argument("--rounds", type=int, default=d.rounds)
