@@ -934,7 +934,7 @@ def plot(results: list[dict[str, Any]], w: Workload, path: Path, note: str) -> N
     import matplotlib.pyplot as plt
     import numpy as np
 
-    leveled = [r for r in results if r["adaptive"] and r["family"] == "powergossip"]
+    leveled = [r for r in results if r["adaptive"] and r["repeats"][0].get("link_levels")]
     figure, axes = plt.subplots(1 + max(1, len(leveled)), 1, figsize=(10, 4 + 3.2 * len(leveled)))
     accuracy = axes[0]
     for result in results:
@@ -959,18 +959,23 @@ def plot(results: list[dict[str, Any]], w: Workload, path: Path, note: str) -> N
         axes[1].set_axis_off()
     for levels, result in zip(axes[1:], leveled, strict=False):
         links = result["repeats"][0].get("link_levels") or {}
+        seen: set[float] = set()
         for link, changes in links.items():
             a, b = (int(x) for x in link.split("-"))
             xs = [r for r, _ in changes] + [w.rounds]
             ys = [_level_number(level) for _, level in changes]
             ys.append(ys[-1])
+            seen.update(y for y in ys if not math.isnan(y))
             mbit = "/".join(f"{w.phase_rates(p)[(a, b)]:g}" for p in range(w.changes + 1))
             levels.step(xs, ys, where="post", label=f"link {link} ({mbit} Mbit/s)")
         for change in w.change_rounds:
             levels.axvline(change, color="grey", linestyle=":")
+        rank = result["family"] == "powergossip"
         levels.set_yscale("log", base=2)
-        levels.set(xlabel="round", ylabel="PowerGossip rank", xlim=(0, w.rounds),
-                   title=f"{result['name']}: rank per link (first repeat)")  # fmt: skip
+        levels.set_yticks(sorted(seen), [f"{y:g}" for y in sorted(seen)])  # the levels used
+        levels.set(xlabel="round", ylabel="PowerGossip rank" if rank else "top-k ratio",
+                   xlim=(0, w.rounds), title=f"{result['name']}: "
+                   f"{'rank' if rank else 'level'} per link (first repeat)")  # fmt: skip
         levels.legend(fontsize=7, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
