@@ -22,11 +22,14 @@ import torch
 from conftest import in_memory_trainers, run_in_threads
 
 from gossipcomp.experiment import PeerTrainer, TrainConfig, build_algorithm
+from gossipcomp.gossip import DPSGD
+from gossipcomp.peer import Peer
 from gossipcomp.topology import load_topology
-from gossipcomp.transport.memory import InMemoryHub
+from gossipcomp.transport.base import Identity
+from gossipcomp.transport.memory import InMemoryHub, InMemoryTransport
 from gossipcomp.workload import checkpoint
 from gossipcomp.workload.checkpoint import MAGIC, VERSION, CheckpointError, CheckpointStore
-from gossipcomp.workload.models import build_model
+from gossipcomp.workload.models import build_model, model_signature
 
 RING4 = load_topology("topologies/ring4.yaml")
 CONFIG = TrainConfig(algorithm="dpsgd", rounds=4, eval_every=2)
@@ -447,27 +450,47 @@ class _UnguardedMask(_MaskedMlp):
     """The same model whose peers take no buffer as constant (Peer(gossip_buffers=False))."""
 
 
+def _unguarded_peer(model: torch.nn.Module) -> Peer:
+    """Rank 0 of RING4 over an in-memory hub, its buffers neither gossiped nor constant."""
+    identity = Identity(0, RING4.hash, model_signature(model, False))
+    transport = InMemoryTransport(identity, RING4.neighbors(0), InMemoryHub())
+    return Peer(model, RING4, 0, DPSGD(), transport, gossip_buffers=False, ready=False)
+
+
+@pytest.mark.parametrize(
+    ("model", "found"),
+    [
+        ([1, 2], "list"),
+        ({"body.0.weight": torch.zeros(1), 7: torch.zeros(1)}, "['7', 'body.0.weight']"),
+        ({f"x{i}": 0 for i in range(10_000)}, "characters)"),  # cut, not echoed whole
+    ],
+)
+def test_a_checkpoint_model_of_the_wrong_kind_is_refused_naming_it_in_bounded_words(
+    model: Any, found: str
+) -> None:
+    """A saved model that is not a dict, has keys of mixed types, or has thousands of keys is
+    refused with a ValueError (a TypeError escaped before) whose echo of the keys is cut."""
+    peer = _unguarded_peer(_UnguardedMask("mlp", 0))
+    try:
+        state = peer.state_dict()
+        state["model"] = model
+        with pytest.raises(ValueError, match="peer checkpoint: model has parameters") as error:
+            peer.load_state_dict(state)
+        assert found in str(error.value) and len(str(error.value)) < 2000
+    finally:
+        peer.close()
+
+
 def test_a_non_finite_tensor_is_allowed_only_where_the_model_itself_holds_one(
     tmp_path: Path,
 ) -> None:
     """Without constant buffers (gossip_buffers=False) a mask is checked like any tensor: it
     restores holding -inf because the model's own does, while a NaN in a tensor the model
     holds finite is refused before anything is applied."""
-    from gossipcomp.gossip import DPSGD
-    from gossipcomp.peer import Peer
-    from gossipcomp.transport.base import Identity
-    from gossipcomp.transport.memory import InMemoryTransport
-    from gossipcomp.workload.models import model_signature
-
-    def peer_of(model: torch.nn.Module) -> Peer:
-        identity = Identity(0, RING4.hash, model_signature(model, False))
-        transport = InMemoryTransport(identity, RING4.neighbors(0), InMemoryHub())
-        return Peer(model, RING4, 0, DPSGD(), transport, gossip_buffers=False, ready=False)
-
-    source = peer_of(_UnguardedMask("mlp", 0))
+    source = _unguarded_peer(_UnguardedMask("mlp", 0))
     state = source.state_dict()
     source.close()
-    fresh = peer_of(_UnguardedMask("mlp", 1))
+    fresh = _unguarded_peer(_UnguardedMask("mlp", 1))
     try:
         fresh.load_state_dict(copy.deepcopy(state))
         assert torch.equal(fresh.model.mask, source.model.mask)

@@ -79,9 +79,10 @@ def check_state(
         MAX_ROUND_TIMEOUT,
     )
     saved = state["model"]
-    if set(saved) != set(current):
+    if not isinstance(saved, dict) or set(saved) != set(current):
+        found = sorted(map(str, saved)) if isinstance(saved, dict) else type(saved).__name__
         raise ValueError(
-            f"peer checkpoint: model has parameters {sorted(saved)}, "
+            f"peer checkpoint: model has parameters {quoted(found)}, "
             f"this model has {sorted(current)}"
         )
     model = [saved[k] for k in current]
