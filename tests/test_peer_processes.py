@@ -69,16 +69,19 @@ def test_a_peer_killed_mid_run_is_left_out_and_the_others_finish(tmp_path):
     peers, _, _ = _four_peers_with_peer_2_killed(tmp_path)
     for rank in (0, 1, 3):
         _finish(peers[rank])
+    failed = {}
     for rank in (0, 1, 3):
         report = _report(tmp_path, rank)
         assert report["rounds"] == ROUNDS
         assert report["final_test_accuracy"] >= 0.85
-        failed = report["per_peer"][0]["failed_exchanges"]
-        # peer 2's neighbours fail the exchange it died in, and then leave it out (probing it)
-        # instead of failing once per remaining round. They spent that round's whole deadline
-        # waiting for it, and peer 0 waits for them as long: on busy cores its own deadline can
-        # run out once too, but no more
-        assert (1 <= failed <= 2) if rank in (1, 3) else failed <= 1, (rank, failed)
+        failed[rank] = report["per_peer"][0]["failed_exchanges"]
+    # peer 2's neighbours fail the exchange it died in, and then leave it out (probing it)
+    # instead of failing once per remaining round. They spend each such round's whole deadline
+    # waiting for it, and peer 0 waits for them as long: on busy cores its own deadline can run
+    # out in those rounds too (twice in one clean-clone run), but only as their knock-on: at
+    # most once per exchange its neighbours failed, never once per remaining round
+    assert all(1 <= failed[rank] <= 2 for rank in (1, 3)), failed
+    assert failed[0] <= failed[1] + failed[3], failed
 
 
 def test_a_killed_peer_restarts_from_its_checkpoint_catches_up_and_rejoins(tmp_path):
