@@ -347,6 +347,28 @@ def test_figures_from_a_report_it_did_not_write_says_so_without_a_traceback(
     assert str(missing) in capsys.readouterr().err
 
 
+def test_the_plot_draws_choco_levels_per_link(tmp_path: Path) -> None:
+    """An adaptive Choco run's level per link (top-k ratios, not ranks) gets its own panel."""
+    history = [[2, 0.5, 1.0], [4, 0.9, 2.0]]
+    levels = {
+        "0-1": [[3, "topk:ratio=0.005"]],
+        "1-2": [[3, "topk:ratio=0.005"], [5, "topk:ratio=0.01"]],
+    }
+    results = [
+        {"name": "choco adaptive", "family": "choco", "adaptive": True,
+         "repeats": [{"history": history, "link_levels": levels}]},
+        {"name": "choco topk=0.01", "family": "choco", "adaptive": False,
+         "repeats": [{"history": history}]},
+    ]  # fmt: skip
+    w = adaptive.Workload(peers=3, rounds=8, changes=2)
+    path = tmp_path / "levels.png"
+    adaptive.plot(results, w, path, "")
+    assert path.stat().st_size > 10_000
+    from PIL import Image
+
+    assert Image.open(path).size[1] > 500  # two panels: accuracy and the Choco run's levels
+
+
 # end to end ----------------------------------------------------------------------------------
 def test_throttled_network_bound_comparison_runs_end_to_end(tmp_path: Path) -> None:
     report = _run(tmp_path, "--links", "throttled", "--peers", "3", "--rounds", "12",

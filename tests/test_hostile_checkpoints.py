@@ -446,10 +446,6 @@ def test_a_trainer_restores_a_constant_minus_infinity_mask_and_refuses_nan_under
     assert any(field in r.getMessage() for r in caplog.records), caplog.text
 
 
-class _UnguardedMask(_MaskedMlp):
-    """The same model whose peers take no buffer as constant (Peer(gossip_buffers=False))."""
-
-
 def _unguarded_peer(model: torch.nn.Module) -> Peer:
     """Rank 0 of RING4 over an in-memory hub, its buffers neither gossiped nor constant."""
     identity = Identity(0, RING4.hash, model_signature(model, False))
@@ -470,7 +466,7 @@ def test_a_checkpoint_model_of_the_wrong_kind_is_refused_naming_it_in_bounded_wo
 ) -> None:
     """A saved model that is not a dict, has keys of mixed types, or has thousands of keys is
     refused with a ValueError (a TypeError escaped before) whose echo of the keys is cut."""
-    peer = _unguarded_peer(_UnguardedMask("mlp", 0))
+    peer = _unguarded_peer(_MaskedMlp("mlp", 0))
     try:
         state = peer.state_dict()
         state["model"] = model
@@ -487,10 +483,10 @@ def test_a_non_finite_tensor_is_allowed_only_where_the_model_itself_holds_one(
     """Without constant buffers (gossip_buffers=False) a mask is checked like any tensor: it
     restores holding -inf because the model's own does, while a NaN in a tensor the model
     holds finite is refused before anything is applied."""
-    source = _unguarded_peer(_UnguardedMask("mlp", 0))
+    source = _unguarded_peer(_MaskedMlp("mlp", 0))
     state = source.state_dict()
     source.close()
-    fresh = _unguarded_peer(_UnguardedMask("mlp", 1))
+    fresh = _unguarded_peer(_MaskedMlp("mlp", 1))
     try:
         fresh.load_state_dict(copy.deepcopy(state))
         assert torch.equal(fresh.model.mask, source.model.mask)
