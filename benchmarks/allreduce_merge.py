@@ -21,10 +21,11 @@ planner (mgwfbp, mergecomp, strategy) beside per-tensor and single, with and wit
 compression (identity, sign, top-1%), and sets X per compressor so that one step's
 communication is `--comm-over-backward` (default 2) times the backward pass: X is computed
 from the bytes a step puts on a rank's link and the fewest CPU seconds of 20 one-thread
-backward passes here before the ranks start (`--batch-size` sets how long that backward is
-against a collective's fixed cost: 512 by default on shaped links, where at the all-reduce's
-own 32 a backward of 5-7 ms was barely two collectives' fixed cost and the planners' plans
-beat one group by 0.94-1.06; the loopback default stays 32). The run then measures, per compressor,
+backward passes here before the ranks start, at the examples a rank's step holds
+(`--batch-size` sets how long that backward is against communication's fixed and CPU costs:
+1024 by default on shaped links, so each step is a rank's whole shard of digits; at the
+all-reduce's own 32 a backward of 5-7 ms was barely two collectives' fixed cost, at 512 steps of
+512 and 206 examples alternated; the loopback default stays 32). The run then measures, per compressor,
 comm_over_backward = the communication a step of the single group waits for / the backward
 pass timed inside the ranks; network_bound is true
 only when that is at least 1 for every compressor, and the script exits 1 (after writing the
@@ -53,6 +54,7 @@ from gossipcomp.allreduce.launch import Session, spawn
 from gossipcomp.allreduce.settings import parse_gather_pieces
 from gossipcomp.allreduce.train import MODELS, AllreduceConfig
 from gossipcomp.compress import parse_spec
+from gossipcomp.workload.data import load_split, parse_partition, partition_indices
 
 COMPRESSORS = ("sign", "topk:ratio=0.01")
 SHAPED_COMPRESSORS = ("identity", "sign", "topk:ratio=0.01")
@@ -60,7 +62,10 @@ GROUPINGS = ("per-tensor", "single", "planned")
 PLANNERS = ("mgwfbp", "mergecomp", "strategy")
 TCP_EFFICIENCY = 0.9  # goodput over the tbf rate: headers, acks, slow start after idle
 BACKWARD_REPEATS = 20
-SHAPED_BATCH_SIZE = 512  # shaped links: a backward of about 40 ms, 15-30 collectives' fixed cost
+# shaped links: every step a rank's whole shard (digits: 718-719 examples each of 2 ranks), a
+# backward of about 80 ms, the same length every step (at 512 steps of 512 and 206 examples
+# alternated, and overlap's gain sat within their spread: docs/benchmarks.md)
+SHAPED_BATCH_SIZE = 1024
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,6 +250,16 @@ def backward_seconds(
     return min(runs[2:]) if fastest else statistics.median(runs[2:])
 
 
+def rank_batch(config: AllreduceConfig, nproc: int) -> int:
+    """Examples in a rank's step: the batch size, or the smallest rank's whole shard where the
+    batch is larger (BatchStream cuts each epoch of a shard into batches)."""
+    split = load_split(config.dataset, config.seed)
+    parts = partition_indices(
+        split.y_train.numpy(), nproc, parse_partition(config.partition), config.seed
+    )
+    return min(config.batch_size, *(len(part) for part in parts))
+
+
 def link_bytes_per_step(spec: str, numel: int, nproc: int) -> float:
     """Bytes one rank sends a step for one group of `numel` elements under `spec` (ring
     all-reduce: 2 (N - 1) / N of the payload; all-gather: N - 1 times it)."""
@@ -264,7 +279,8 @@ def _shaped_worker(
     """This rank's backward time (the same batch size as the configurations), then every
     configuration `repeats` times."""
     first = next(iter(configs.values()))
-    backward_s = backward_seconds(first.model, first.batch_size, seed=session.rank)
+    batch = rank_batch(first, session.world)
+    backward_s = backward_seconds(first.model, batch, seed=session.rank)
     rows = run_configs(session, configs, repeats)
     return {"backward_ms": 1e3 * backward_s, "rows": rows}
 
@@ -272,7 +288,8 @@ def _shaped_worker(
 def _shaped(args: argparse.Namespace, nproc: int, compressors: tuple[str, ...]) -> int:
     numel = sum(p.numel() for p in MODELS[args.model](0).parameters())
     groupings = {"per-tensor": "per-tensor", "single": "single", **{p: p for p in PLANNERS}}
-    backward_s = backward_seconds(args.model, args.batch_size, fastest=True)
+    base = next(iter(_configs(compressors[:1], {"single": "single"}, args).values()))
+    backward_s = backward_seconds(args.model, rank_batch(base, nproc), fastest=True)
     rates = {
         spec: args.mbit
         or rate_mbit(link_bytes_per_step(spec, numel, nproc), backward_s, args.comm_over_backward)

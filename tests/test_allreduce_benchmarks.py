@@ -21,6 +21,7 @@ from gossipcomp.allreduce.pieces import PIECE_CANDIDATES
 from gossipcomp.allreduce.train import AllreduceConfig
 from gossipcomp.compress import parse_spec
 from gossipcomp.schedule.costs import MAX_CONTENTION
+from gossipcomp.workload.data import load_split
 from gossipcomp.workload.models import build_resmlp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,6 +140,18 @@ def test_allreduce_merge_defaults_to_a_long_backward_on_shaped_links(monkeypatch
     seen.clear()
     allreduce_merge.main(["--links", "shaped"])
     assert seen == {"shaped": allreduce_merge.SHAPED_BATCH_SIZE} and seen["shaped"] > 32
+
+
+def test_the_shaped_default_batch_is_a_ranks_whole_shard() -> None:
+    train = len(load_split("digits", 0).y_train)
+    whole = AllreduceConfig(sync="merged", batch_size=allreduce_merge.SHAPED_BATCH_SIZE)
+    shard = allreduce_merge.rank_batch(whole, 2)
+    # every step the same examples: no short last batch of an epoch to make steps uneven
+    assert train // 2 <= shard < allreduce_merge.SHAPED_BATCH_SIZE
+    assert allreduce_merge.rank_batch(whole, 3) == min(
+        allreduce_merge.SHAPED_BATCH_SIZE, train // 3
+    )
+    assert allreduce_merge.rank_batch(AllreduceConfig(sync="merged", batch_size=48), 2) == 48
 
 
 def test_allreduce_merge_trains_every_configuration_at_the_batch_size_asked() -> None:
