@@ -276,8 +276,8 @@ def rate_mbit(nbytes: float, backward_s: float, comm_over_backward: float) -> fl
 def _shaped_worker(
     session: Session, configs: dict[str, AllreduceConfig], repeats: int
 ) -> dict[str, Any]:
-    """This rank's backward time (the same batch size as the configurations), then every
-    configuration `repeats` times."""
+    """This rank's backward time (on as many examples as a step of the configurations holds),
+    then every configuration `repeats` times."""
     first = next(iter(configs.values()))
     batch = rank_batch(first, session.world)
     backward_s = backward_seconds(first.model, batch, seed=session.rank)

@@ -1,10 +1,10 @@
 """gloo ranks behind rate-limited NICs: one network namespace per rank, a bridge in a hub
 namespace, and `tc` (tbf) on both ends of each rank's veth to the bridge.
 
-Every rank has one interface, `hub` (GLOO_SOCKET_IFNAME names it), addressed 10.81.0.<r+1>/24,
-whose egress (what the rank sends) and whose bridge port's egress (what it receives) are each
-limited to `mbit`: a NIC of `mbit` Mbit/s in each direction, as on a machine whose network card
-(not the path between two machines) is what binds. The rendezvous store is rank 0's, over the
+Every rank has one interface, `hub` (GLOO_SOCKET_IFNAME names it; jumbo frames, MTU_BYTES),
+addressed 10.81.0.<r+1>/24, whose egress (what the rank sends) and whose bridge port's egress
+(what it receives) are each limited to `mbit`: a NIC of `mbit` Mbit/s in each direction, as on
+a machine whose network card (not the path between two machines) is what binds. The rendezvous store is rank 0's, over the
 same shaped links (heartbeats are a few bytes a second). Namespaces are named
 `gch<pid>n<serial>p<rank>` and `...h` for the hub; leaving (or SIGTERM, Ctrl-C, interpreter
 exit) deletes them with every process inside, and a network of this kind whose process is gone
@@ -57,6 +57,12 @@ MAX_RANKS = 16
 # and retransmits stalled whole steps: one configuration's median step 391 ms in one repeat,
 # 156-172 ms in the others (benchmarks/allreduce_merge.py, top-1%, docs/benchmarks.md)
 NIC_QUEUE_BYTES = 8 << 20
+# jumbo frames, as on the cluster networks where communication is what binds: the ranks share
+# the machine's cores, and at 1500 bytes a frame the kernel's per-packet work for identity's
+# 366 Mbit/s ran on the backward's core (planned groups over one: 1.02 at 1500, 1.10 at 9000,
+# docs/benchmarks.md)
+MTU_BYTES = 9000
+FRAME_BYTES = MTU_BYTES + 1024  # what tbf must let through whole: a frame and its headers
 CLONE_NEWNET = 0x40000000
 POLL_S = 0.2
 
@@ -94,15 +100,18 @@ class ShapedHub(Namespaces):
             _ip("link", "add", DEVICE, "netns", name, "type", "veth", "peer", "name", port,
                 "netns", self.hub)  # fmt: skip
             _ip("-n", name, "addr", "add", f"{self.address(rank)}/24", "dev", DEVICE)
+            _ip("-n", name, "link", "set", DEVICE, "mtu", str(MTU_BYTES))
+            _ip("-n", self.hub, "link", "set", port, "mtu", str(MTU_BYTES))
             _ip("-n", name, "link", "set", DEVICE, "up")
             _ip("-n", self.hub, "link", "set", port, "master", BRIDGE)
             _ip("-n", self.hub, "link", "set", port, "up")
             self._tc(name, "add", DEVICE, self.mbit)
             self._tc(self.hub, "add", port, self.mbit)
+        _ip("-n", self.hub, "link", "set", BRIDGE, "mtu", str(MTU_BYTES))
 
     def _tc(self, namespace: str, verb: str, device: str, mbit: float) -> None:
         _command(["ip", "netns", "exec", namespace, "tc", "qdisc", verb, "dev", device, "root",
-                  *_tbf(mbit, NIC_QUEUE_BYTES)])  # fmt: skip
+                  *_tbf(mbit, NIC_QUEUE_BYTES, FRAME_BYTES)])  # fmt: skip
 
     def set_rate(self, mbit: float) -> None:
         """Every rank's NIC to `mbit` Mbit/s each way, now (`tc qdisc change`)."""

@@ -161,16 +161,17 @@ def identity_address(rank: int) -> str:
     return str(IDENTITY_NET.network_address + rank + 1)
 
 
-def burst_bytes(mbit: float) -> int:
-    """The bytes a shaped link lets through at line rate after a pause: 1 ms at `mbit` (at
-    least 4 KiB, so a full-size frame always fits)."""
-    return max(4096, int(mbit * 1e6 / 8 / 1000))
+def burst_bytes(mbit: float, frame_bytes: int = 4096) -> int:
+    """The bytes a shaped link lets through at line rate after a pause: 1 ms at `mbit`, and at
+    least `frame_bytes` (tbf drops a frame larger than its burst; 4 KiB holds a full-size
+    Ethernet frame)."""
+    return max(frame_bytes, int(mbit * 1e6 / 8 / 1000))
 
 
-def _tbf(mbit: float, queue_bytes: int | None = None) -> list[str]:
+def _tbf(mbit: float, queue_bytes: int | None = None, frame_bytes: int = 4096) -> list[str]:
     """tbf parameters for `mbit`: a burst of `burst_bytes` and a queue of QUEUE_LATENCY_MS, or
     of `queue_bytes` when given."""
-    burst = burst_bytes(mbit)
+    burst = burst_bytes(mbit, frame_bytes)
     queue = (
         ["latency", f"{QUEUE_LATENCY_MS}ms"] if queue_bytes is None else ["limit", str(queue_bytes)]
     )

@@ -121,6 +121,8 @@ def test_a_shaped_nic_queues_what_its_host_sends_rather_than_dropping_it(monkeyp
         assert tbf[tbf.index("rate") + 1] == "20mbit"
         assert tbf[tbf.index("limit") + 1] == str(shaped_hub.NIC_QUEUE_BYTES)
         assert "latency" not in tbf
+        # tbf drops a frame larger than its burst: the hub's jumbo frames must pass whole
+        assert int(tbf[tbf.index("burst") + 1]) > shaped_hub.MTU_BYTES
     assert "latency" in shaped_links._tbf(20.0)  # noqa: SLF001 (gossip's links keep theirs)
 
 
@@ -216,15 +218,17 @@ def test_collective_skew_times_each_collective_against_its_wire_time(tmp_path: P
     the shaped NIC, of its bytes beyond the link's burst (the link limits it), and the figures
     are consistent."""
     out = tmp_path / "skew.json"
-    _run("collective_skew.py", "--mbit", "20", "--kib", "16", "--steps", "3", "--gap-ms", "5",
-         "--piece-kib", "4", "--json", str(out))  # fmt: skip
+    _run("collective_skew.py", "--mbit", "20", "--kib", "32", "--steps", "3", "--gap-ms", "5",
+         "--piece-kib", "8", "--json", str(out))  # fmt: skip
     result = json.loads(out.read_text())
     assert set(result["kinds"]) == {"all_reduce", "all_gather", "all_gather_pieces", "exchange"}
-    # after each step's pause the link's burst passes at line rate and the rest takes the wire
-    # (bounded by the whole payload's wire time, 16 KiB with a 4 KiB burst failed 3 runs in 12)
-    beyond_burst_ms = ((16 << 10) - shaped_links.burst_bytes(20)) * 8 / 20e6 * 1e3
+    # after each step's pause the link's burst (a jumbo frame's) passes at line rate and the
+    # rest takes the wire (bounded by the whole payload's wire time, 16 KiB with a 4 KiB burst
+    # failed 3 runs in 12)
+    burst = shaped_links.burst_bytes(20, shaped_hub.FRAME_BYTES)
+    beyond_burst_ms = ((32 << 10) - burst) * 8 / 20e6 * 1e3
     for figures in result["kinds"].values():
-        assert figures["wire_ms"] == pytest.approx((16 << 10) * 8 / 20e6 * 1e3)
+        assert figures["wire_ms"] == pytest.approx((32 << 10) * 8 / 20e6 * 1e3)
         assert figures["duration_ms"] >= 0.9 * beyond_burst_ms
         assert figures["duration_over_wire"] == pytest.approx(
             figures["duration_ms"] / figures["wire_ms"]
