@@ -24,11 +24,11 @@ from the bytes a step puts on a rank's link and the fewest CPU seconds of 20 one
 backward passes here before the ranks start, at the examples a rank's step holds
 (`--batch-size` sets how long that backward is against communication's fixed and CPU costs:
 1024 by default on shaped links, so each step is a rank's whole shard of digits; at the
-all-reduce's own 32 a backward of 5-7 ms was barely two collectives' fixed cost, at 512 steps of
-512 and 206 examples alternated; the loopback default stays 32). The run then measures, per compressor,
-comm_over_backward = the communication a step of the single group waits for / the backward
-pass timed inside the ranks; network_bound is true
-only when that is at least 1 for every compressor, and the script exits 1 (after writing the
+all-reduce's own 32 a backward of 5-7 ms was barely two collectives' fixed cost, at 512 steps
+of 512 and 206 examples alternated; the loopback default stays 32). The run then measures, per
+compressor, comm_over_backward = the communication a step of the single group waits for / the
+backward pass timed inside the ranks; network_bound is true only when that is at least 1 for
+every compressor, and the script exits 1 (after writing the
 JSON) when it is not: a run that does not bind proves nothing about overlap. Per compressor it
 writes planned_vs_single, planned_groups and predicted_over_measured (the planner's predicted
 step time over the measured one) for `--planner` and, under "planners", for each planner.
@@ -63,7 +63,7 @@ PLANNERS = ("mgwfbp", "mergecomp", "strategy")
 TCP_EFFICIENCY = 0.9  # goodput over the tbf rate: headers, acks, slow start after idle
 BACKWARD_REPEATS = 20
 # shaped links: every step a rank's whole shard (digits: 718-719 examples each of 2 ranks), a
-# backward of about 80 ms, the same length every step (at 512 steps of 512 and 206 examples
+# backward of about 55 ms, the same length every step (at 512 steps of 512 and 206 examples
 # alternated, and overlap's gain sat within their spread: docs/benchmarks.md)
 SHAPED_BATCH_SIZE = 1024
 

@@ -4,11 +4,12 @@ namespace, and `tc` (tbf) on both ends of each rank's veth to the bridge.
 Every rank has one interface, `hub` (GLOO_SOCKET_IFNAME names it; jumbo frames, MTU_BYTES),
 addressed 10.81.0.<r+1>/24, whose egress (what the rank sends) and whose bridge port's egress
 (what it receives) are each limited to `mbit`: a NIC of `mbit` Mbit/s in each direction, as on
-a machine whose network card (not the path between two machines) is what binds. The rendezvous store is rank 0's, over the
-same shaped links (heartbeats are a few bytes a second). Namespaces are named
-`gch<pid>n<serial>p<rank>` and `...h` for the hub; leaving (or SIGTERM, Ctrl-C, interpreter
-exit) deletes them with every process inside, and a network of this kind whose process is gone
-(SIGKILL) is deleted by the next one built (shaped_links.Namespaces does all of that).
+a machine whose network card (not the path between two machines) is what binds. The rendezvous
+store is rank 0's, over the same shaped links (heartbeats are a few bytes a second). Namespaces
+are named `gch<pid>n<serial>p<rank>` and `...h` for the hub; leaving (or SIGTERM, Ctrl-C,
+interpreter exit) deletes them with every process inside, and a network of this kind whose
+process is gone (SIGKILL) is deleted by the next one built (shaped_links.Namespaces does all of
+that).
 
 `run_ranks(hub, fn, args)` is `gossipcomp.allreduce.launch.spawn` for ranks in namespaces:
 fn(session, *args) in each rank's namespace (the child enters it with setns(2) before it opens
