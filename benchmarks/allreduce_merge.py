@@ -28,10 +28,10 @@ all-reduce's own 32 a backward of 5-7 ms was barely two collectives' fixed cost,
 of 512 and 206 examples alternated; the loopback default stays 32). The run then measures, per
 compressor, comm_over_backward = the communication a step of the single group waits for / the
 backward pass timed inside the ranks; network_bound is true only when that is at least 1 for
-every compressor, and the script exits 1 (after writing the
-JSON) when it is not: a run that does not bind proves nothing about overlap. Per compressor it
-writes planned_vs_single, planned_groups and predicted_over_measured (the planner's predicted
-step time over the measured one) for `--planner` and, under "planners", for each planner.
+every compressor, and the script exits 1 (after writing the JSON) when it is not: a run that
+does not bind proves nothing about overlap. Per compressor it writes planned_vs_single,
+planned_groups and predicted_over_measured (the planner's predicted step time over the
+measured one) for `--planner` and, under "planners", for each planner.
 """
 
 from __future__ import annotations
@@ -52,9 +52,8 @@ from shaped_hub import NamespacesUnavailable, ShapedHub, run_ranks
 
 from gossipcomp.allreduce.launch import Session, spawn
 from gossipcomp.allreduce.settings import parse_gather_pieces
-from gossipcomp.allreduce.train import MODELS, AllreduceConfig
+from gossipcomp.allreduce.train import MODELS, AllreduceConfig, shard_sizes
 from gossipcomp.compress import parse_spec
-from gossipcomp.workload.data import load_split, parse_partition, partition_indices
 
 COMPRESSORS = ("sign", "topk:ratio=0.01")
 SHAPED_COMPRESSORS = ("identity", "sign", "topk:ratio=0.01")
@@ -253,11 +252,7 @@ def backward_seconds(
 def rank_batch(config: AllreduceConfig, nproc: int) -> int:
     """Examples in a rank's step: the batch size, or the smallest rank's whole shard where the
     batch is larger (BatchStream cuts each epoch of a shard into batches)."""
-    split = load_split(config.dataset, config.seed)
-    parts = partition_indices(
-        split.y_train.numpy(), nproc, parse_partition(config.partition), config.seed
-    )
-    return min(config.batch_size, *(len(part) for part in parts))
+    return min(config.batch_size, *shard_sizes(config, nproc))
 
 
 def link_bytes_per_step(spec: str, numel: int, nproc: int) -> float:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -184,14 +185,22 @@ class RankResult:
         return asdict(self)
 
 
+def shard_sizes(config: AllreduceConfig, world: int) -> list[int]:
+    """Training examples each of `world` ranks holds under `config` (rank order)."""
+    split = load_split(config.dataset, config.seed)
+    return [len(part) for part in _shards(config, split.y_train, world)]
+
+
+def _shards(config: AllreduceConfig, labels: torch.Tensor, world: int) -> list[np.ndarray]:
+    """Each rank's training indices: one dealing for training and for `shard_sizes`."""
+    return partition_indices(labels.numpy(), world, parse_partition(config.partition), config.seed)
+
+
 def _data(
     config: AllreduceConfig, rank: int, world: int
 ) -> tuple[BatchStream, torch.Tensor, torch.Tensor]:
     split = load_split(config.dataset, config.seed)
-    parts = partition_indices(
-        split.y_train.numpy(), world, parse_partition(config.partition), config.seed
-    )
-    index = torch.from_numpy(parts[rank])
+    index = torch.from_numpy(_shards(config, split.y_train, world)[rank])
     stream = BatchStream(
         split.x_train[index], split.y_train[index], config.batch_size, config.seed, rank
     )
