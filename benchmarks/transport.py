@@ -10,6 +10,9 @@ acknowledges, two ways: as a training round runs it (`exchange`: the receiver an
 with a one-float payload; a payload for one neighbour is chunked while gRPC streams it) and as a
 bare `send` (the receiver's rounds are opened by the same answering exchanges). A bare grpcio byte stream (no parsing or
 validation; chunks made before timing) is timed alongside as the ceiling of the library itself.
+Each trial also charges each end the CPU seconds its process spent (user and system, every
+thread), so a run shows what bounds it: on a machine whose cores both ends share, the paths are
+CPU-bound and the ratio is their CPU per envelope against the socket's.
 Goal: grpc_vs_socket_ratio (the exchange) >= 0.6.
 """
 
@@ -21,6 +24,7 @@ import multiprocessing
 import os
 import platform
 import random
+import resource
 import socket
 import statistics
 import threading
@@ -45,6 +49,15 @@ from gossipcomp.transport.grpc_transport import GrpcOptions, GrpcTransport
 PHASE = "bench"
 MODES = ("exchange", "send")  # how the sender moves the envelope (see grpc_trial, send_trial)
 ROUND_TIMEOUT = 60.0  # seconds a round may take: far above any trial, so only a failure waits
+
+
+CPU_QUERY = "cpu"  # the sender asks the receiver for its CPU seconds so far
+
+
+def cpu_seconds() -> float:
+    """CPU seconds this process has spent so far, user and system, every thread."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _payload(mib: int) -> torch.Tensor:
@@ -143,7 +156,8 @@ def receiver(mib: int, chunk_sizes: list[int], rounds: int, pipe: Connection) ->
     ]
     for peer in peers:
         peer.start()
-    pipe.recv()  # until the sender is done
+    while pipe.recv() == CPU_QUERY:  # until the sender is done
+        pipe.send(cpu_seconds())
     for peer in peers:
         peer.join(timeout=ROUND_TIMEOUT)
     for transport in transports.values():
@@ -160,8 +174,8 @@ def socket_trial(address, data: memoryview) -> float:
         return time.perf_counter() - start
 
 
-def raw_grpc_trial(drain, data: memoryview, chunk: int) -> float:
-    pieces = [bytes(data[i : i + chunk]) for i in range(0, len(data), chunk)]  # made before timing
+def raw_grpc_trial(drain, pieces: list[bytes]) -> float:
+    """The bare grpcio stream of ready-made pieces (see run)."""
     start = time.perf_counter()
     drain(iter(pieces), timeout=120)
     return time.perf_counter() - start
@@ -211,13 +225,19 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
     raw_channel = grpc.insecure_channel(addresses["raw"], options=GrpcOptions().channel_options())
     drain = raw_channel.stream_unary("/bench.Raw/Drain")
     default_chunk = GrpcOptions().chunk_bytes
+    # the bare stream's pieces, made once before any timing (so neither its time nor its CPU
+    # counts a copy)
+    pieces = [bytes(data[i : i + default_chunk]) for i in range(0, len(data), default_chunk)]
     results: dict[str, list[float]] = {"socket": [], "grpc_raw_ceiling": []}
     results.update({path: [] for path in senders})
+    cpu: dict[str, dict[str, list[float]]] = {
+        path: {"sender": [], "receiver": []} for path in results
+    }
     orders: list[list[str]] = []  # each timed trial's order of paths (the same every run)
     try:
         timed: dict[str, Callable[[int], float]] = {
             "socket": lambda _: socket_trial(tuple(addresses["socket"]), data),
-            "grpc_raw_ceiling": lambda _: raw_grpc_trial(drain, data, default_chunk),
+            "grpc_raw_ceiling": lambda _: raw_grpc_trial(drain, pieces),
         }
         for path, sender in senders.items():
             trial_of = send_trial if modes[path] == "send" else grpc_trial
@@ -227,11 +247,19 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
             # a fresh order every trial: a path timed after another big transfer ran
             # measurably faster or slower than one timed first, whichever path it was
             random.Random(trial).shuffle(order)
-            times = {path: timed[path](trial) for path in order}
+            for path in order:
+                ours.send(CPU_QUERY)
+                receiver_before, sender_before = ours.recv(), cpu_seconds()
+                elapsed = timed[path](trial)
+                sender_spent = cpu_seconds() - sender_before
+                ours.send(CPU_QUERY)
+                receiver_spent = ours.recv() - receiver_before
+                if trial:
+                    results[path].append(elapsed)
+                    cpu[path]["sender"].append(sender_spent)
+                    cpu[path]["receiver"].append(receiver_spent)
             if trial:
                 orders.append(list(order))
-                for key, elapsed in times.items():
-                    results[key].append(elapsed)
     finally:
         ours.send("done")  # the receiver finishes its rounds and closes first
         process.join(timeout=30)
@@ -243,6 +271,11 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
     nbytes = len(data)
     medians = {k: statistics.median(v) for k, v in results.items()}
     throughput = {k: nbytes / t / 1e9 for k, t in medians.items()}
+    cpu_ms = {
+        path: {end: 1e3 * statistics.median(spent) for end, spent in ends.items()}
+        for path, ends in cpu.items()
+    }
+    socket_cpu = sum(cpu_ms["socket"].values())
     default_key, send_key = (_path(mode, default_chunk) for mode in MODES)
     return {
         "envelope_bytes": nbytes,
@@ -257,6 +290,11 @@ def run(mib: int, trials: int, chunk_sizes: list[int]) -> dict:
         "read_chunk_gain": throughput[default_key] / throughput[GRPC_OWN_READS],
         "default_chunk_bytes": default_chunk,
         "trial_orders": orders,
+        # CPU milliseconds per envelope on each end (medians over trials), both ends together
+        # over the socket's, and the cores a path kept busy (both ends' CPU over its time)
+        "cpu_ms_per_envelope": cpu_ms,
+        "cpu_over_socket": {k: sum(ends.values()) / socket_cpu for k, ends in cpu_ms.items()},
+        "cores_busy": {k: sum(cpu_ms[k].values()) / 1e3 / medians[k] for k in medians},
     }
 
 
@@ -291,16 +329,21 @@ def main() -> None:
     result["load_average_1min"] = [load_before, os.getloadavg()[0]]  # others on the machine
     result["machine"] = machine_settings()
     table = Table(title=f"{args.mib} MiB envelope, loopback, median of {args.trials}")
-    for column in ("path", "median s", "GB/s", "x socket"):
+    columns = ("path", "median s", "GB/s", "x socket", "CPU ms send", "CPU ms recv", "cores")
+    for column in columns:
         table.add_column(column, justify="right")
     for key, seconds in result["median_seconds"].items():
+        cpu_ms = result["cpu_ms_per_envelope"][key]
         table.add_row(
             key,
             f"{seconds:.4f}",
             f"{result['throughput_gb_per_s'][key]:.2f}",
             f"{result['ratio_to_socket'][key]:.2f}",
+            f"{cpu_ms['sender']:.1f}",
+            f"{cpu_ms['receiver']:.1f}",
+            f"{result['cores_busy'][key]:.2f}",
         )
-    Console().print(table)
+    Console(width=max(Console().width, 110)).print(table)
     print(f"grpc_vs_socket_ratio = {result['grpc_vs_socket_ratio']:.3f}")
     print(f"grpc_vs_raw_grpc_ratio = {result['grpc_vs_raw_grpc_ratio']:.3f}")
     print(f"send_vs_socket_ratio = {result['send_vs_socket_ratio']:.3f}")

@@ -68,6 +68,21 @@ def test_transport_benchmark_times_a_real_exchange_against_a_socket(tmp_path: Pa
     assert report["grpc_vs_raw_grpc_ratio"] == pytest.approx(
         report["median_seconds"]["grpc_raw_ceiling"] / report["median_seconds"]["grpc_1024KiB"]
     )
+    # each end is charged its process's CPU for every path; the socket's is the unit
+    cpu_ms = report["cpu_ms_per_envelope"]
+    assert set(cpu_ms) == paths and all(
+        set(ends) == {"sender", "receiver"} for ends in cpu_ms.values()
+    )
+    assert all(ms >= 0 for ends in cpu_ms.values() for ms in ends.values())
+    socket_cpu = sum(cpu_ms["socket"].values())
+    assert socket_cpu > 0 and report["cpu_over_socket"]["socket"] == pytest.approx(1.0)
+    for path in paths:
+        assert report["cpu_over_socket"][path] == pytest.approx(
+            sum(cpu_ms[path].values()) / socket_cpu
+        )
+        assert report["cores_busy"][path] == pytest.approx(
+            sum(cpu_ms[path].values()) / 1e3 / report["median_seconds"][path]
+        )
     machine = report["machine"]  # what moves the figure between machines, recorded with it
     assert set(machine) == {"transparent_hugepage", "libc", "heap_thresholds_set", "cores"}
     assert machine["cores"] == len(os.sched_getaffinity(0))
