@@ -252,7 +252,10 @@ def _command(*flags: str) -> argparse.Namespace:
         ("diloco:steps=99999999", "steps: expected an integer in [1, 1000000]"),
         ("diloco:steps=1e3", "got '1e3'"),
         ("diloco:steps=41", "diloco steps=41 exceeds --steps 40"),
-        ("diloco:outer=(nesterov:lr=1e9)", "outer optimizer lr: expected a finite number in (0, 10]"),
+        (
+            "diloco:outer=(nesterov:lr=1e9)",
+            "outer optimizer lr: expected a finite number in (0, 10]",
+        ),
         ("diloco:outer=(sgd:lr=nan)", "outer optimizer lr"),
         ("diloco:outer=(sgd:momentum=1)", "momentum: expected a finite number in [0, 1)"),
         ("diloco:outer=(adam)", "unknown outer optimizer 'adam'"),

@@ -168,5 +168,7 @@ def test_simulate_refuses_bad_arguments(arguments: dict, message: str) -> None:
 )
 def test_peer_costs_are_range_checked(field: str, value: object) -> None:
     arguments = {"compute_s": 0.01, "message_bytes": 10} | {field: value}
-    with pytest.raises(ValueError, match=f"^PeerCosts: {field}: expected an? (finite number|integer) in"):
+    with pytest.raises(
+        ValueError, match=f"^PeerCosts: {field}: expected an? (finite number|integer) in"
+    ):
         PeerCosts(**arguments)  # type: ignore[arg-type]
