@@ -161,14 +161,18 @@ def identity_address(rank: int) -> str:
     return str(IDENTITY_NET.network_address + rank + 1)
 
 
-def burst_bytes(mbit: float, frame_bytes: int = 4096) -> int:
+STANDARD_FRAME_BYTES = 4096  # a full-size (1500-byte MTU) Ethernet frame and its headers
+
+
+def burst_bytes(mbit: float, frame_bytes: int = STANDARD_FRAME_BYTES) -> int:
     """The bytes a shaped link lets through at line rate after a pause: 1 ms at `mbit`, and at
-    least `frame_bytes` (tbf drops a frame larger than its burst; 4 KiB holds a full-size
-    Ethernet frame)."""
+    least `frame_bytes` (tbf drops a frame larger than its burst)."""
     return max(frame_bytes, int(mbit * 1e6 / 8 / 1000))
 
 
-def _tbf(mbit: float, queue_bytes: int | None = None, frame_bytes: int = 4096) -> list[str]:
+def _tbf(
+    mbit: float, queue_bytes: int | None = None, frame_bytes: int = STANDARD_FRAME_BYTES
+) -> list[str]:
     """tbf parameters for `mbit`: a burst of `burst_bytes` and a queue of QUEUE_LATENCY_MS, or
     of `queue_bytes` when given."""
     burst = burst_bytes(mbit, frame_bytes)
