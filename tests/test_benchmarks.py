@@ -41,12 +41,21 @@ def _json(path: Path) -> Any:
 
 def test_transport_benchmark_times_a_real_exchange_against_a_socket(tmp_path: Path) -> None:
     out = tmp_path / "transport.json"
-    _run("transport.py", "--mib", "2", "--trials", "2", "--chunk-kib", "1024", "--json", str(out),
+    # 4 MiB: the smallest envelope the bulk lane carries, so the default paths take it
+    _run("transport.py", "--mib", "4", "--trials", "2", "--chunk-kib", "1024", "--json", str(out),
          timeout=120)  # fmt: skip
     report = _json(out)
-    assert report["envelope_bytes"] == 2 << 20 and report["trials"] == 2
+    assert report["envelope_bytes"] == 4 << 20 and report["trials"] == 2
     assert report["default_chunk_bytes"] == 1 << 20 and len(report["load_average_1min"]) == 2
-    paths = {"socket", "grpc_raw_ceiling", "grpc_1024KiB", "grpc_send_1024KiB", "grpc_own_reads"}
+    paths = {
+        "socket",
+        "grpc_raw_ceiling",
+        "grpc_exchange",
+        "grpc_send",
+        "grpc_1024KiB",
+        "grpc_send_1024KiB",
+        "grpc_own_reads",
+    }
     assert set(report["median_seconds"]) == paths
     # every timed trial times every path once, in an order of its own
     assert len(report["trial_orders"]) == 2
@@ -54,19 +63,21 @@ def test_transport_benchmark_times_a_real_exchange_against_a_socket(tmp_path: Pa
     for path in paths:
         seconds = report["median_seconds"][path]
         assert seconds > 0
-        assert report["throughput_gb_per_s"][path] == pytest.approx(2 * 2**20 / seconds / 1e9)
+        assert report["throughput_gb_per_s"][path] == pytest.approx(4 * 2**20 / seconds / 1e9)
     assert report["ratio_to_socket"]["socket"] == 1.0
+    assert report["on_bulk_lane"] is True
     assert report["grpc_vs_socket_ratio"] == pytest.approx(
-        report["ratio_to_socket"]["grpc_1024KiB"]
+        report["ratio_to_socket"]["grpc_exchange"]
+    )
+    assert report["lane_over_stream"] == pytest.approx(
+        report["ratio_to_socket"]["grpc_exchange"] / report["ratio_to_socket"]["grpc_1024KiB"]
     )
     assert report["read_chunk_gain"] == pytest.approx(
         report["ratio_to_socket"]["grpc_1024KiB"] / report["ratio_to_socket"]["grpc_own_reads"]
     )
-    assert report["send_vs_socket_ratio"] == pytest.approx(
-        report["ratio_to_socket"]["grpc_send_1024KiB"]
-    )
+    assert report["send_vs_socket_ratio"] == pytest.approx(report["ratio_to_socket"]["grpc_send"])
     assert report["grpc_vs_raw_grpc_ratio"] == pytest.approx(
-        report["median_seconds"]["grpc_raw_ceiling"] / report["median_seconds"]["grpc_1024KiB"]
+        report["median_seconds"]["grpc_raw_ceiling"] / report["median_seconds"]["grpc_exchange"]
     )
     # each end is charged its process's CPU for every path; the socket's is the unit
     cpu_ms = report["cpu_ms_per_envelope"]

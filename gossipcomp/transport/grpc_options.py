@@ -23,6 +23,10 @@ from gossipcomp.transport.serving import (
 )
 from gossipcomp.transport.wire import DEFAULT_CHUNK_BYTES
 
+# the smallest envelope data the bulk lane carries: below a few megabytes gRPC's copies cost
+# less than the lane's extra round trip and connection (docs/benchmarks.md, "Bulk lane")
+DEFAULT_BULK_LANE_BYTES = 4 << 20
+
 WHY_AUTHENTICATION_NEEDS_TLS = (
     "signatures prove who sent a message but hide nothing, and without TLS anyone on the path "
     "can read the models and capture messages to replay"
@@ -60,6 +64,11 @@ class GrpcOptions:
     # whole process (transport/allocator.py); False leaves the C library's defaults
     warm_heap: bool = True
     read_chunk_bytes: int = DEFAULT_READ_CHUNK_BYTES  # socket reads, both ends (0: gRPC's own)
+    # envelopes with at least this many data bytes go on the bulk lane (transport/
+    # bulk_lane.py) when peers are plaintext: the kernel's copies only, not grpcio's; 0: never.
+    # With TLS every envelope stays on gRPC (the lane has no TLS)
+    bulk_lane_bytes: int = DEFAULT_BULK_LANE_BYTES
+    max_lane_connections: int = 64  # bulk lane connections open at once, ticket or not
 
     def __post_init__(self) -> None:
         for name in ("hello_timeout", "first_chunk_timeout", "stream_timeout", "clock_tolerance"):
@@ -73,14 +82,25 @@ class GrpcOptions:
             "mailbox_window",
             "max_streams_per_caller",
             "max_streams_per_connection",
+            "max_lane_connections",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"GrpcOptions.{name}: expected >= 1, got {getattr(self, name)}")
         check_read_chunk(self.read_chunk_bytes, "GrpcOptions")
+        if self.bulk_lane_bytes < 0:
+            raise ValueError(
+                f"GrpcOptions.bulk_lane_bytes: expected >= 0 (0: no bulk lane), got "
+                f"{self.bulk_lane_bytes}"
+            )
         if self.receive_pool_bytes < 0:
             raise ValueError(
                 f"GrpcOptions.receive_pool_bytes: expected >= 0, got {self.receive_pool_bytes}"
             )
+
+    @property
+    def uses_bulk_lane(self) -> bool:
+        """Whether large envelopes go on the bulk lane: plaintext peers with it on."""
+        return self.tls is None and self.bulk_lane_bytes > 0
 
     def channel_options(self, rank: int = 0) -> list[tuple[str, int]]:
         """The options of a channel made by peer `rank`. Peers of one process share their

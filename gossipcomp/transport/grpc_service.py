@@ -1,8 +1,8 @@
 """The gRPC transport's server side: the Gossip service every peer serves to its neighbours.
 
 Hello (handshake and rejoin requests), Push and PushOne (one envelope, streamed or in one
-message), Link (an edge's small envelopes, one message each, on a stream that stays open) and
-Schedules, each checked before anything is used: a signed caller's proof first
+message), Link (an edge's small envelopes, one message each, on a stream that stays open), Bulk
+(a large envelope whose data comes on the bulk lane, bulk_lane.py) and Schedules, each checked before anything is used: a signed caller's proof first
 (when peers authenticate), then the handshake's identity and ranges, or the envelope's header
 before its data and its values before the Inbox stores it. Apart from grpc_transport.py (the
 client side: channels, handshakes and pushes) because the two share only the Inbox and the
@@ -32,6 +32,7 @@ from gossipcomp.transport.base import (
     no_rejoin,
 )
 from gossipcomp.transport.buffers import BufferPool
+from gossipcomp.transport.bulk_lane import LaneServer
 from gossipcomp.transport.edge_stream import refusal_reply
 from gossipcomp.transport.grpc_options import GrpcOptions
 from gossipcomp.transport.inbox import Inbox
@@ -44,6 +45,7 @@ SERVICE_NAME = "gossipcomp.v1.Gossip"
 # another), so no call, however busy, holds its connection's slot for good
 MAX_LINK_SECONDS = 600.0
 _STATUS = {code.name: code for code in grpc.StatusCode}
+NO_BULK_LANE = "bulk lane: this peer serves none (it uses TLS, or its lane is off)"
 
 
 class GossipService:
@@ -64,11 +66,14 @@ class GossipService:
         authenticator: Authenticator | None,
         options: GrpcOptions,
         callers_verified: bool,
+        lane: LaneServer | None = None,
     ) -> None:
+        """`lane`: where Bulk calls' data arrives (None: Bulk is refused as UNIMPLEMENTED)."""
         self._identity = identity
         self._inbox = inbox
         self._auth = authenticator
         self._options = options
+        self._lane = lane
         self._callers_verified = callers_verified
         # envelopes in flight per caller (a sender whose header was checked, on one connection)
         self._envelopes = CallerSlots(options.max_streams_per_caller, "envelopes")
@@ -205,6 +210,50 @@ class GossipService:
                 await self._refuse(context, refused)
         return pb.PushReply(received_bytes=wire_bytes)
 
+    async def Bulk(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        """An envelope whose header comes here and whose data comes on the bulk lane: the
+        header is checked as Push checks it and holds the same per-caller slot; then a ticket
+        is answered, and `done` once the data has arrived on the ticket's connection with
+        its values checked, all within Push's deadlines. Refused as Push is."""
+        if self._lane is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_BULK_LANE)
+        assert self._lane is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._options.stream_timeout
+        first = await self._next_chunk(
+            requests, context, min(deadline, loop.time() + self._options.first_chunk_timeout)
+        )
+        try:
+            reader = EnvelopeReader(
+                first, self._check_header, self._check_content(), self._buffers.take
+            )
+        except EnvelopeRejected as refused:
+            await self._refuse(context, refused)
+        async with self._envelopes.hold((reader.sender, context.peer()), context):
+            try:
+                if reader.missing:
+                    await self._await_lane(reader, context, deadline)
+                envelope, spec, wire_bytes = reader.finish()
+                self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
+            except EnvelopeRejected as refused:
+                await self._refuse(context, refused)
+        await context.write(pb.BulkReply(done=pb.PushReply(received_bytes=wire_bytes)))
+
+    async def _await_lane(
+        self, reader: EnvelopeReader, context: grpc.aio.ServicerContext, deadline: float
+    ) -> None:
+        """Issue a ticket for `reader`'s data and wait until it has come on the lane;
+        DEADLINE_EXCEEDED if it has not by `deadline` (the loop's clock)."""
+        assert self._lane is not None
+        with self._lane.expecting(reader) as (ticket, arrived):
+            answer = pb.BulkReply(ticket=pb.BulkTicket(ticket=ticket, port=self._lane.port))
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await context.write(answer)
+                    await arrived
+            except TimeoutError:
+                await self._abort_late(context)
+
     async def _next_chunk(
         self,
         chunks: AsyncIterator[bytes],
@@ -331,6 +380,13 @@ def handlers(service: GossipService, limits: ServingLimits) -> grpc.GenericRpcHa
                 "Link",
                 service.Link,
                 pb.LinkReply.SerializeToString,
+                streaming_request=True,
+                streaming_response=True,
+            ),
+            Method(
+                "Bulk",
+                service.Bulk,
+                pb.BulkReply.SerializeToString,
                 streaming_request=True,
                 streaming_response=True,
             ),

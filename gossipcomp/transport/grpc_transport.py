@@ -4,7 +4,10 @@ Each peer serves `Gossip.Hello` (handshake), `Gossip.Push` (receive one envelope
 `Gossip.Link` (an edge's small envelopes on one open stream) plus the standard gRPC health
 service (grpc_service.py, the server side), and pushes its own envelopes to its neighbours
 (this module, the client side: channels, handshakes, exchanges): an envelope of one chunk on
-the edge's link (edge_stream.py), a larger one as a stream of its own. Every call
+the edge's link (edge_stream.py), a larger one as a stream of its own, and, between plaintext
+peers, one of `bulk_lane_bytes` or more by a Bulk call whose data goes on the receiver's bulk
+lane (bulk_lane.py; a neighbour whose lane cannot be reached gets its envelopes by stream, and
+a warning says so once). Every call
 has a deadline; message size limits are set on both ends; every envelope is validated (header
 before data, values after) before it reaches the Inbox, so nothing invalid is ever handed to
 an algorithm. Options and their checks: grpc_options.py.
@@ -19,6 +22,7 @@ authentication without TLS is refused at start.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Coroutine, Iterable, Iterator, Mapping
@@ -52,6 +56,7 @@ from gossipcomp.transport.base import (
     PeerUnreachableError,
     RejectCode,
 )
+from gossipcomp.transport.bulk_lane import LaneServer, checked_ticket, connect_lane, send_on_lane
 from gossipcomp.transport.edge_stream import EdgeStream
 from gossipcomp.transport.grpc_options import (  # re-exported: the names' old home
     WHY_AUTHENTICATION_NEEDS_TLS,
@@ -64,7 +69,15 @@ from gossipcomp.transport.inbox import Inbox
 from gossipcomp.transport.mailbox import Mailbox
 from gossipcomp.transport.schedules import MAX_SHARED_SCHEDULES, ScheduleSource
 from gossipcomp.transport.serving import PROCESS_LOOP, AsyncServer
-from gossipcomp.transport.wire import content_sha256, envelope_chunks, header_of, with_header
+from gossipcomp.transport.wire import (
+    content_sha256,
+    envelope_chunks,
+    header_chunk,
+    header_of,
+    with_header,
+)
+
+log = logging.getLogger("gossipcomp.transport")
 
 __all__ = [
     "SERVICE_NAME",
@@ -178,8 +191,18 @@ class GrpcTransport:
         self.inbox = Inbox(
             self.rank, neighbours, self._options.max_envelope_bytes, self._options.mailbox_window
         )
+        self._lane = (
+            LaneServer(self._options.max_lane_connections, self._options.first_chunk_timeout)
+            if self._options.uses_bulk_lane
+            else None
+        )
         self._service = GossipService(
-            identity, self.inbox, self._auth, self._options, callers_verified=tls is not None
+            identity,
+            self.inbox,
+            self._auth,
+            self._options,
+            callers_verified=tls is not None,
+            lane=self._lane,
         )
         limits = serving_limits(self._options)
         self._server = AsyncServer(
@@ -191,6 +214,12 @@ class GrpcTransport:
             health_services=("", SERVICE_NAME),
         )
         self.address = self._server.address
+        if self._lane is not None:
+            try:
+                self._server.run(self._lane.start(_host(bind)))
+            except BaseException:
+                self._server.stop(grace=0)
+                raise
         # the client side runs on the same process-wide loop as the server: a push is a
         # coroutine there, not a thread (docs/benchmarks.md, "Engine, one process")
         self._loop = PROCESS_LOOP.lease()
@@ -201,6 +230,8 @@ class GrpcTransport:
         self._unnamed = set(self._neighbours) if address_source is not None else set()
         self._stubs: dict[int, pb_grpc.GossipStub] = {}
         self._pushers: dict[int, grpc.aio.StreamUnaryMultiCallable] = {}
+        self._bulkers: dict[int, grpc.aio.StreamStreamMultiCallable] = {}
+        self._without_lane: set[int] = set()  # neighbours whose lane could not be used
         self._links: dict[int, EdgeStream] = {}
         self._closed = False
 
@@ -306,6 +337,9 @@ class GrpcTransport:
             self._pushers[j] = channel.stream_unary(  # chunks arrive serialised already
                 f"/{SERVICE_NAME}/Push", response_deserializer=pb.PushReply.FromString
             )
+            self._bulkers[j] = channel.stream_stream(
+                f"/{SERVICE_NAME}/Bulk", response_deserializer=pb.BulkReply.FromString
+            )
             self._links[j] = EdgeStream(
                 j,
                 channel.stream_stream(  # chunks arrive serialised already
@@ -387,7 +421,72 @@ class GrpcTransport:
 
         Raises grpc.RpcError with the receiver's status when it refuses the envelope.
         """
-        return self._loop.run(self._stream_envelope(neighbour, envelope, deadline))
+        return self._loop.run(self._push_envelope(neighbour, envelope, deadline))
+
+    def sends_on_lane(self, neighbour: int, data_bytes: int) -> bool:
+        """Whether an envelope of `data_bytes` goes to `neighbour` on its bulk lane."""
+        return (
+            self._options.uses_bulk_lane
+            and neighbour not in self._without_lane
+            and data_bytes >= self._options.bulk_lane_bytes
+        )
+
+    def _on_lane(self, neighbour: int, payload: Payload) -> bool:
+        return self.sends_on_lane(neighbour, _data_bytes(payload))
+
+    async def _push_envelope(self, neighbour: int, envelope: Envelope, deadline: float) -> int:
+        """`envelope` to `neighbour` on its bulk lane, or as a stream of chunks."""
+        if self._on_lane(neighbour, envelope.tensors):
+            return await self._bulk_push(neighbour, envelope, deadline)
+        return await self._stream_envelope(neighbour, envelope, deadline)
+
+    async def _bulk_push(self, neighbour: int, envelope: Envelope, deadline: float) -> int:
+        """The header by a Bulk call, the data on the ticket's lane connection; the bytes
+        moved. A lane that cannot be reached (nothing listens, or a peer that serves no lane)
+        is not tried again: the envelope goes as a stream, and a warning says so once."""
+        first = header_chunk(envelope)
+        data = [memoryview(tensor.data).cast("B") for tensor in envelope.tensors]
+        timeout = max(0.001, deadline - time.monotonic())
+        call = self._bulkers[neighbour](iter((first,)), timeout=timeout)
+        try:
+            ticket = checked_ticket(await call.read(), neighbour)
+        except EnvelopeRejected:
+            call.cancel()
+            raise
+        except grpc.RpcError as error:
+            if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self._give_up_lane(neighbour, f"it serves none ({error.details()})")
+            return await self._stream_envelope(neighbour, envelope, deadline)
+        host = _host(self._channel_addresses[neighbour])
+        try:
+            lane = await connect_lane(host, ticket.port)
+        except OSError as error:
+            call.cancel()
+            self._give_up_lane(neighbour, f"{host}:{ticket.port} cannot be reached ({error})")
+            return await self._stream_envelope(neighbour, envelope, deadline)
+        with lane:
+            try:
+                await send_on_lane(lane, ticket.ticket, data)
+            except OSError:
+                pass  # the receiver closed the lane first: its answer says why
+        answer = await call.read()  # the receiver's refusal raises here
+        if not isinstance(answer, pb.BulkReply) or answer.WhichOneof("answer") != "done":
+            raise EnvelopeRejected(
+                RejectCode.INVALID_ARGUMENT,
+                f"bulk reply from peer {neighbour}: expected done after the data",
+            )
+        return len(first) + sum(len(view) for view in data)
+
+    def _give_up_lane(self, neighbour: int, why: str) -> None:
+        self._without_lane.add(neighbour)
+        log.warning(
+            "peer %d: the bulk lane to peer %d is not used: %s; its large envelopes go by "
+            "gRPC stream",
+            self.rank,
+            neighbour,
+            why,
+        )
 
     def _lazy_chunks(self, neighbour: int, envelope: Envelope) -> Iterator[bytes]:
         """The envelope's chunks for `neighbour`, each built as gRPC asks for it."""
@@ -436,6 +535,10 @@ class GrpcTransport:
         sizes: dict[int, int] = {}
         for j, payload in outgoing.items():
             notice = self.inbox.notice_for(j)
+            if self._on_lane(j, payload):
+                envelope = Envelope(self.rank, round, phase, payload, schedule_epoch, notice=notice)
+                pushes[j] = partial(self._bulk_push, j, envelope, deadline)
+                continue
             if receivers[id(payload)] == 1 and _data_bytes(payload) > self._options.chunk_bytes:
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch, notice=notice)
                 pushes[j] = partial(self._stream_envelope, j, envelope, deadline)
@@ -475,6 +578,8 @@ class GrpcTransport:
                 result.failed[j] = f"push not finished within {timeout:g} s"
             elif isinstance(outcome, grpc.RpcError):
                 result.failed[j] = f"push failed: {outcome.code().name}: {outcome.details()}"
+            elif isinstance(outcome, EnvelopeRejected):  # the receiver's answer made no sense
+                result.failed[j] = f"push failed: {outcome}"
             elif isinstance(outcome, BaseException):
                 raise outcome
             else:
@@ -490,6 +595,8 @@ class GrpcTransport:
         self.inbox.mailbox.shut()  # a thread waiting in exchange() goes on at once
         try:
             self._server.run(self._service.end_links())  # open links would hold the grace period
+            if self._lane is not None:
+                self._server.run(self._lane.close())
         finally:
             self._server.stop(grace=0.5)
             try:
@@ -502,6 +609,11 @@ class GrpcTransport:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _host(address: str) -> str:
+    """The host of a `host:port` address (an IPv6 one without its brackets)."""
+    return address.rsplit(":", 1)[0].strip("[]")
 
 
 def _data_bytes(payload: Payload) -> int:

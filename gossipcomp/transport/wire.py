@@ -28,6 +28,7 @@ from gossipcomp.transport.base import (
 from gossipcomp.transport.codec import FiniteScanner
 
 DEFAULT_CHUNK_BYTES = 1 << 20
+SCAN_STEP_BYTES = 1 << 20  # lane data gathered between two scans for NaN/Inf (EnvelopeReader)
 _HEADER_TAG = b"\x0a"  # EnvelopeChunk field 1 (header), length-delimited
 _DATA_TAG = b"\x12"  # EnvelopeChunk field 2 (data), length-delimited
 
@@ -113,6 +114,14 @@ def envelope_chunks(
                 serialised, pieces, size = None, [], 0
     if pieces or serialised is not None:
         yield _chunk(serialised, pieces, size)
+
+
+def header_chunk(envelope: Envelope, header: pb.EnvelopeHeader | None = None) -> bytes:
+    """An envelope's first chunk without data: its header alone (`header`: a signed copy),
+    what the bulk lane sends by gRPC ahead of the data."""
+    return _chunk(
+        (header if header is not None else header_of(envelope)).SerializeToString(), [], 0
+    )
 
 
 def with_header(first_chunk: bytes, header: pb.EnvelopeHeader) -> bytes:
@@ -226,6 +235,7 @@ class EnvelopeReader:
         # no memset: every byte is written before use
         self._buffer = (allocate or _fresh_buffer)(self._total)
         self._filled = 0
+        self._scanned = 0  # data bytes scanned for NaN/Inf so far
         self._digest = hashlib.sha256() if check_content is not None else None
         self.wire_bytes = len(first) if first is not None else 0
         self._take(data)
@@ -234,6 +244,29 @@ class EnvelopeReader:
     def sender(self) -> int:
         return self.header.sender
 
+    @property
+    def declared(self) -> int:
+        """Data bytes the header declared."""
+        return self._total
+
+    @property
+    def missing(self) -> int:
+        """Data bytes the header declared that have not arrived yet."""
+        return self._total - self._filled
+
+    def free_space(self) -> memoryview:
+        """Where the envelope's next data bytes go: a caller that receives them in place (the
+        bulk lane) writes at its start and reports how many with `received`."""
+        return self._buffer[self._filled : self._total]
+
+    def received(self, nbytes: int) -> None:
+        """`nbytes` more data bytes were written at the start of `free_space()` (unframed: each
+        counts as one wire byte)."""
+        if not 0 < nbytes <= self.missing:
+            raise ValueError(f"received: expected 1..{self.missing} bytes, got {nbytes}")
+        self.wire_bytes += nbytes
+        self._advance(nbytes, SCAN_STEP_BYTES)
+
     def _take(self, data: memoryview) -> None:
         if self._filled + len(data) > self._total:
             raise EnvelopeRejected(
@@ -241,10 +274,19 @@ class EnvelopeReader:
                 f"data bytes: header declared {self._total}, received more than that",
             )
         self._buffer[self._filled : self._filled + len(data)] = data
+        self._advance(len(data), 0)
+
+    def _advance(self, nbytes: int, scan_step: int) -> None:
+        """Count `nbytes` just written at `_filled`: hash them, and scan what arrived since the
+        last scan once `scan_step` bytes have gathered or the data is complete (every chunk is
+        scanned as it comes; a scan per socket read of a few kilobytes would cost more than
+        the reads)."""
         if self._digest is not None:
-            self._digest.update(data)
-        self._filled += len(data)
-        self._scanner.scan(self._buffer, self._filled)
+            self._digest.update(self._buffer[self._filled : self._filled + nbytes])
+        self._filled += nbytes
+        if self._filled == self._total or self._filled - self._scanned >= scan_step:
+            self._scanner.scan(self._buffer, self._filled)
+            self._scanned = self._filled
 
     def add(self, raw: bytes) -> None:
         """One more serialised chunk (data only: a second header is refused)."""

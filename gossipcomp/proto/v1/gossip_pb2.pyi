@@ -79,6 +79,22 @@ class PushReply(_message.Message):
     received_bytes: int
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
+class BulkTicket(_message.Message):
+    __slots__ = ("ticket", "port")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    port: int
+    def __init__(self, ticket: _Optional[bytes] = ..., port: _Optional[int] = ...) -> None: ...
+
+class BulkReply(_message.Message):
+    __slots__ = ("ticket", "done")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ticket: BulkTicket
+    done: PushReply
+    def __init__(self, ticket: _Optional[_Union[BulkTicket, _Mapping]] = ..., done: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
+
 class LinkReply(_message.Message):
     __slots__ = ("received_bytes", "status", "details")
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class GossipStub:
                 request_serializer=gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.SerializeToString,
                 response_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.LinkReply.FromString,
                 _registered_method=True)
+        self.Bulk = channel.stream_stream(
+                '/gossipcomp.v1.Gossip/Bulk',
+                request_serializer=gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.SerializeToString,
+                response_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.BulkReply.FromString,
+                _registered_method=True)
         self.Schedules = channel.unary_unary(
                 '/gossipcomp.v1.Gossip/Schedules',
                 request_serializer=gossipcomp_dot_v1_dot_gossip__pb2.HelloRequest.SerializeToString,
@@ -100,6 +105,17 @@ class GossipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Bulk(self, request_iterator, context):
+        """Delivers a large envelope's data outside gRPC (the bulk lane, plaintext peers only): the
+        request is the envelope's first chunk (its header, checked as Push checks it), the first
+        answer a BulkTicket, the second, once the data has come on the ticket's connection and been
+        checked, a BulkReply with done. Refused as Push is; FAILED_PRECONDITION when this peer has
+        no bulk lane (it serves TLS, or its lane is off).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Schedules(self, request, context):
         """The schedules this peer holds that are newer than the request's schedule_epoch. A peer that
         learns from a handshake that a neighbour holds a newer epoch asks that neighbour, at its
@@ -132,6 +148,11 @@ def add_GossipServicer_to_server(servicer, server):
                     servicer.Link,
                     request_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.FromString,
                     response_serializer=gossipcomp_dot_v1_dot_gossip__pb2.LinkReply.SerializeToString,
+            ),
+            'Bulk': grpc.stream_stream_rpc_method_handler(
+                    servicer.Bulk,
+                    request_deserializer=gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.FromString,
+                    response_serializer=gossipcomp_dot_v1_dot_gossip__pb2.BulkReply.SerializeToString,
             ),
             'Schedules': grpc.unary_unary_rpc_method_handler(
                     servicer.Schedules,
@@ -247,6 +268,33 @@ class Gossip:
             '/gossipcomp.v1.Gossip/Link',
             gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.SerializeToString,
             gossipcomp_dot_v1_dot_gossip__pb2.LinkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Bulk(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gossipcomp.v1.Gossip/Bulk',
+            gossipcomp_dot_v1_dot_gossip__pb2.EnvelopeChunk.SerializeToString,
+            gossipcomp_dot_v1_dot_gossip__pb2.BulkReply.FromString,
             options,
             channel_credentials,
             insecure,
