@@ -204,11 +204,13 @@ class _LaneConnection(asyncio.BufferedProtocol):
         try:
             expected.reader.received(nbytes)
         except EnvelopeRejected as refused:  # NaN or Inf: the rest is not read
-            expected.arrived.set_exception(refused)
+            if not expected.arrived.done():
+                expected.arrived.set_exception(refused)
             self._transport.abort()
             return
         if not expected.reader.missing:
-            expected.arrived.set_result(None)
+            if not expected.arrived.done():  # (done: its call ended, and with it the ticket)
+                expected.arrived.set_result(None)
             self._transport.close()  # nothing beyond the declared bytes is read
 
     def eof_received(self) -> bool:
