@@ -2,9 +2,10 @@
 
 Hello (handshake and rejoin requests), Push and PushOne (one envelope, streamed or in one
 message), Link (an edge's small envelopes, one message each, on a stream that stays open), Bulk
-(a large envelope whose data comes on the bulk lane, bulk_lane.py) and Schedules, each checked before anything is used: a signed caller's proof first
-(when peers authenticate), then the handshake's identity and ranges, or the envelope's header
-before its data and its values before the Inbox stores it. Apart from grpc_transport.py (the
+(a large envelope whose data comes on the bulk lane, bulk_lane.py) and Schedules, each checked
+before anything is used: a signed caller's proof first (when peers authenticate), then the
+handshake's identity and ranges, or the envelope's header before its data and its values
+before the Inbox stores it. Apart from grpc_transport.py (the
 client side: channels, handshakes and pushes) because the two share only the Inbox and the
 options, and a reader auditing what a stranger can make a peer do reads this file alone.
 """

@@ -7,10 +7,9 @@ service (grpc_service.py, the server side), and pushes its own envelopes to its 
 the edge's link (edge_stream.py), a larger one as a stream of its own, and, between plaintext
 peers, one of `bulk_lane_bytes` or more by a Bulk call whose data goes on the receiver's bulk
 lane (bulk_lane.py; a neighbour whose lane cannot be reached gets its envelopes by stream, and
-a warning says so once). Every call
-has a deadline; message size limits are set on both ends; every envelope is validated (header
-before data, values after) before it reaches the Inbox, so nothing invalid is ever handed to
-an algorithm. Options and their checks: grpc_options.py.
+a warning says so once). Every call has a deadline; message size limits are set on both ends;
+every envelope is validated (header before data, values after) before it reaches the Inbox, so
+nothing invalid is ever handed to an algorithm. Options and their checks: grpc_options.py.
 
 With `GrpcOptions.tls` set, the server and every channel use mutual TLS (gossipcomp.security):
 only peers holding a certificate from the network's CA can connect. Plaintext is the default.
@@ -456,7 +455,7 @@ class GrpcTransport:
         except grpc.RpcError as error:
             if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
                 raise
-            self._give_up_lane(neighbour, f"it serves none ({error.details()})")
+            self._give_up_lane(neighbour, "it serves none (it answered UNIMPLEMENTED)")
             return await self._stream_envelope(neighbour, envelope, deadline)
         host = _host(self._channel_addresses[neighbour])
         try:
