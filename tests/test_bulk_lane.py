@@ -6,6 +6,7 @@ that cannot be reached (the sender falls back to gRPC streams and says so)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import socket
@@ -19,7 +20,12 @@ from conftest import run_in_threads
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
 from gossipcomp.transport.base import Envelope, EnvelopeRejected, Identity, Payload
-from gossipcomp.transport.bulk_lane import TICKET_BYTES, checked_ticket
+from gossipcomp.transport.bulk_lane import (
+    TICKET_ACCEPTED,
+    TICKET_BYTES,
+    LaneServer,
+    checked_ticket,
+)
 from gossipcomp.transport.codec import encode_raw, tensor_spec
 from gossipcomp.transport.grpc_options import DEFAULT_BULK_LANE_BYTES
 from gossipcomp.transport.grpc_transport import SERVICE_NAME, GrpcOptions, GrpcTransport
@@ -151,8 +157,25 @@ class _Caller:
         port = port or self.receiver._lane.port
         return socket.create_connection(("127.0.0.1", port), timeout=5)
 
+    def show(self, ticket: pb.BulkTicket) -> socket.socket:
+        """A lane connection that showed `ticket` and was told it may send its data."""
+        lane = self.lane(ticket.port)
+        lane.sendall(ticket.ticket)
+        assert _read_exactly(lane, len(TICKET_ACCEPTED)) == TICKET_ACCEPTED
+        return lane
+
     def close(self) -> None:
         self.channel.close()
+
+
+def _read_exactly(sock: socket.socket, count: int) -> bytes:
+    got = b""
+    while len(got) < count:
+        more = sock.recv(count - len(got))
+        if not more:
+            break
+        got += more
+    return got
 
 
 @pytest.fixture
@@ -190,8 +213,7 @@ def test_a_ticket_delivers_once_and_an_unknown_or_used_one_is_cut_off_unread(cal
     payload, tensors = _payload()
     call = me.call(payload)
     ticket = checked_ticket(next(call), 1)
-    with me.lane(ticket.port) as lane:
-        lane.sendall(ticket.ticket)
+    with me.show(ticket) as lane:
         for wire in payload:
             lane.sendall(wire.data)
         assert _closed_by_peer(lane)  # closed once the data is complete
@@ -216,7 +238,7 @@ def test_a_connection_that_never_shows_a_ticket_is_closed_in_time(caller):
         assert time.monotonic() - started < QUICK.first_chunk_timeout + 2.0
 
 
-def test_connections_beyond_the_limit_are_closed_at_once(caller):
+def test_beyond_the_limit_the_oldest_silent_connection_makes_room(caller):
     me, b = caller(QUICK)
     held = [me.lane() for _ in range(QUICK.max_lane_connections)]
     try:
@@ -224,10 +246,26 @@ def test_connections_beyond_the_limit_are_closed_at_once(caller):
         while b._lane.open_connections < len(held) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert b._lane.open_connections == len(held)
-        with me.lane() as extra:
-            assert _closed_by_peer(extra, within=0.4)  # long before the ticket deadline
+        with me.lane():
+            assert _closed_by_peer(held[0], within=0.4)  # long before the ticket deadline
+            assert not _closed_by_peer(held[1], within=0.1)
+            assert b._lane.open_connections == len(held)
     finally:
         for lane in held:
+            lane.close()
+
+
+def test_when_every_lane_connection_carries_data_a_new_one_is_refused(caller):
+    me, b = caller(QUICK)
+    payload, _ = _payload()
+    calls = [me.call(payload) for _ in range(QUICK.max_lane_connections)]
+    lanes = [me.show(checked_ticket(next(call), 1)) for call in calls]
+    try:
+        with me.lane() as extra:
+            assert _closed_by_peer(extra, within=0.4)
+        assert all(not _closed_by_peer(lane, within=0.01) for lane in lanes)
+    finally:
+        for lane in lanes:
             lane.close()
 
 
@@ -236,8 +274,7 @@ def test_a_nan_in_lane_data_refuses_the_envelope_and_stores_nothing(caller):
     payload, _ = _payload(value=float("nan"))
     call = me.call(payload)
     ticket = checked_ticket(next(call), 1)
-    with me.lane(ticket.port) as lane:
-        lane.sendall(ticket.ticket)
+    with me.show(ticket) as lane:
         try:
             for wire in payload:
                 lane.sendall(wire.data)
@@ -255,8 +292,8 @@ def test_data_cut_short_refuses_the_envelope_naming_the_bytes(caller):
     payload, _ = _payload()
     call = me.call(payload)
     ticket = checked_ticket(next(call), 1)
-    with me.lane(ticket.port) as lane:
-        lane.sendall(ticket.ticket + bytes(payload[0].data)[:1000])
+    with me.show(ticket) as lane:
+        lane.sendall(bytes(payload[0].data)[:1000])
     with pytest.raises(grpc.RpcError) as refused:
         next(call)
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
@@ -265,7 +302,7 @@ def test_data_cut_short_refuses_the_envelope_naming_the_bytes(caller):
     assert not _delivered(b)
 
 
-def test_data_that_never_comes_ends_the_call_at_its_deadline_and_voids_the_ticket(caller):
+def test_a_ticket_never_shown_ends_its_call_after_the_ticket_timeout_and_dies_with_it(caller):
     me, b = caller(QUICK)
     payload, _ = _payload()
     call = me.call(payload)
@@ -274,11 +311,58 @@ def test_data_that_never_comes_ends_the_call_at_its_deadline_and_voids_the_ticke
     with pytest.raises(grpc.RpcError) as late:
         next(call)
     assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - started < QUICK.stream_timeout + 2.0
+    assert "ticket was not shown within 0.5 s" in late.value.details()
+    assert time.monotonic() - started < QUICK.first_chunk_timeout + 1.5  # not the 2 s stream
     with me.lane(ticket.port) as lane:  # the ticket died with its call
         lane.sendall(ticket.ticket)
         assert _closed_by_peer(lane)
     assert not _delivered(b)
+
+
+def test_data_that_never_comes_ends_the_call_at_its_deadline(caller):
+    me, b = caller(QUICK)
+    payload, _ = _payload()
+    call = me.call(payload)
+    ticket = checked_ticket(next(call), 1)
+    started = time.monotonic()
+    with me.show(ticket) as lane:
+        with pytest.raises(grpc.RpcError) as late:
+            next(call)
+        assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < QUICK.stream_timeout + 2.0
+        assert _closed_by_peer(lane)
+    assert not _delivered(b)
+
+
+def test_a_bulk_call_with_more_than_the_header_is_refused(caller):
+    me, b = caller()
+    payload, _ = _payload()
+    first = header_chunk(Envelope(0, 0, PHASE, payload))
+    with pytest.raises(grpc.RpcError) as refused:
+        next(me.bulk(iter((first, first)), timeout=10))
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "first chunk alone" in refused.value.details()
+
+
+def test_connections_held_silent_cannot_keep_an_honest_sender_off_the_lane(pair, caplog):
+    a, b = pair(options=QUICK)
+    payload, tensors = _payload()
+    held = [socket.create_connection(("127.0.0.1", b._lane.port)) for _ in range(4)]
+    try:
+        deadline = time.monotonic() + 5
+        while b._lane.open_connections < len(held) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with caplog.at_level(logging.WARNING, logger="gossipcomp.transport"):
+            at_a, at_b = _exchange(a, b, 0, payload)
+        assert not at_a.failed and not at_b.failed
+        assert bytes(at_b.received[0].tensors[0].data) == tensors[0].numpy().tobytes()
+        lane_bytes = len(header_chunk(Envelope(0, 0, PHASE, payload))) + _data_bytes(payload)
+        assert at_a.bytes_sent[1] == lane_bytes  # on the lane, not a stream
+        assert _closed_by_peer(held[0], within=1.0)  # the oldest silent one made room
+        assert any("bulk lane full (4 connections)" in r.getMessage() for r in caplog.records)
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def test_a_header_refused_gets_no_ticket(caller):
@@ -319,8 +403,60 @@ def test_a_lane_that_cannot_be_reached_falls_back_to_streams_and_says_so_once(pa
             assert bytes(at_b.received[0].tensors[0].data) == tensors[0].numpy().tobytes()
             assert at_a.bytes_sent[1] == envelope_wire_bytes(Envelope(0, round_, PHASE, payload))
     warnings = [r.getMessage() for r in caplog.records if "bulk lane" in r.getMessage()]
-    assert len(warnings) == 1 and f"127.0.0.1:{dead_port} cannot be reached" in warnings[0]
+    assert len(warnings) == 1 and f"127.0.0.1:{dead_port} cannot be opened" in warnings[0]
     assert not a.sends_on_lane(1, _data_bytes(payload))
+
+
+def test_a_lane_port_that_never_accepts_the_ticket_gets_no_data_and_a_stream_instead(pair, caplog):
+    a, b = pair(options=GrpcOptions(hello_timeout=0.5))
+    payload, tensors = _payload()
+    with socket.create_server(("127.0.0.1", 0)) as unrelated:  # accepts, never answers
+        b._lane.port = unrelated.getsockname()[1]
+        with caplog.at_level(logging.WARNING, logger="gossipcomp.transport"):
+            at_a, at_b = _exchange(a, b, 0, payload)
+        assert not at_a.failed and not at_b.failed
+        assert bytes(at_b.received[0].tensors[0].data) == tensors[0].numpy().tobytes()
+        connection, _ = unrelated.accept()
+        with connection:
+            connection.settimeout(1)
+            received = b""
+            while more := connection.recv(1 << 20):
+                received += more
+        assert len(received) == TICKET_BYTES  # the ticket, never the model
+    assert any("cannot be opened (no answer)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_lane_on_every_interface_serves_both_address_families():
+    async def serve() -> list[bool]:
+        lane = LaneServer("peer 0", 4, 1.0)
+        port = await lane.start("0.0.0.0")
+        reached = []
+        try:
+            for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+                if family == socket.AF_INET6 and not socket.has_ipv6:
+                    continue
+                try:
+                    _, writer = await asyncio.open_connection(host, port)
+                except OSError:
+                    reached.append(family == socket.AF_INET6 and not _ipv6_loopback())
+                    continue
+                writer.close()
+                reached.append(True)
+        finally:
+            await lane.close()
+        return reached
+
+    assert all(asyncio.run(serve()))
+
+
+def _ipv6_loopback() -> bool:
+    """Whether this machine has an IPv6 loopback at all."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
 
 
 def test_a_peer_without_a_lane_gets_large_envelopes_as_streams(grpc_pair, caplog):

@@ -24,7 +24,7 @@ from gossipcomp.transport.base import (
 )
 from gossipcomp.transport.codec import DTYPES, decode_raw, encode_raw, tensor_spec
 from gossipcomp.transport.grpc_transport import SERVICE_NAME, GrpcOptions, GrpcTransport
-from gossipcomp.transport.wire import envelope_chunks
+from gossipcomp.transport.wire import envelope_chunks, header_chunk
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -68,8 +68,9 @@ def test_every_dtype_round_trips_bit_exact(grpc_pair):
             assert torch.equal(got.view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), n
 
 
-def test_64_mib_envelope_arrives_intact_and_bytes_are_counted(grpc_pair):
-    a, b = grpc_pair()
+@pytest.mark.parametrize("on_lane", [True, False], ids=["bulk lane", "stream"])
+def test_64_mib_envelope_arrives_intact_and_bytes_are_counted(grpc_pair, on_lane):
+    a, b = grpc_pair(options=GrpcOptions() if on_lane else GrpcOptions(bulk_lane_bytes=0))
     big = torch.randn(16 << 20, generator=torch.Generator().manual_seed(3))
     spec = (tensor_spec("big", big),)
     a.inbox.expect("big", spec)
@@ -79,9 +80,13 @@ def test_64_mib_envelope_arrives_intact_and_bytes_are_counted(grpc_pair):
     ra, rb = _exchange_both(a, b, 0, "big", envelope_a, envelope_b, timeout=60)
     assert torch.equal(decode_raw(rb.received[0].tensor("big")), big)
     assert torch.equal(decode_raw(ra.received[1].tensor("big")), -big)
-    expected = sum(len(c) for c in envelope_chunks(Envelope(0, 0, "big", envelope_a)))
+    envelope = Envelope(0, 0, "big", envelope_a)
+    if on_lane:  # the header chunk by gRPC, then the data unframed
+        expected = len(header_chunk(envelope)) + (64 << 20)
+    else:
+        expected = sum(len(c) for c in envelope_chunks(envelope))
+        assert expected > 64 << 20  # data plus per-chunk framing, never a formula
     assert ra.bytes_sent[1] == expected == rb.bytes_received[0]
-    assert expected > 64 << 20  # data plus per-chunk framing, never a formula
 
 
 @pytest.mark.parametrize(

@@ -221,9 +221,13 @@ class GossipService:
         assert self._lane is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._options.stream_timeout
-        first = await self._next_chunk(
-            requests, context, min(deadline, loop.time() + self._options.first_chunk_timeout)
-        )
+        header_deadline = min(deadline, loop.time() + self._options.first_chunk_timeout)
+        first = await self._next_chunk(requests, context, header_deadline)
+        if await self._next_chunk(requests, context, header_deadline) is not None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "Bulk: expected the envelope's first chunk alone, then the end of the requests",
+            )
         try:
             reader = EnvelopeReader(
                 first, self._check_header, self._check_content(), self._buffers.take
@@ -243,15 +247,27 @@ class GossipService:
     async def _await_lane(
         self, reader: EnvelopeReader, context: grpc.aio.ServicerContext, deadline: float
     ) -> None:
-        """Issue a ticket for `reader`'s data and wait until it has come on the lane;
-        DEADLINE_EXCEEDED if it has not by `deadline` (the loop's clock)."""
+        """Issue a ticket for `reader`'s data and wait until it has come on the lane: the
+        ticket must be shown within the lane's ticket timeout, the data be in by `deadline`
+        (the loop's clock), else DEADLINE_EXCEEDED."""
         assert self._lane is not None
-        with self._lane.expecting(reader) as (ticket, arrived):
-            answer = pb.BulkReply(ticket=pb.BulkTicket(ticket=ticket, port=self._lane.port))
+        loop = asyncio.get_running_loop()
+        with self._lane.expecting(reader) as ticket:
+            answer = pb.BulkReply(ticket=pb.BulkTicket(ticket=ticket.ticket, port=self._lane.port))
+            try:
+                async with asyncio.timeout_at(
+                    min(deadline, loop.time() + self._lane.ticket_timeout)
+                ):
+                    await context.write(answer)
+                    await ticket.claimed
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"bulk lane: the ticket was not shown within {self._lane.ticket_timeout:g} s",
+                )
             try:
                 async with asyncio.timeout_at(deadline):
-                    await context.write(answer)
-                    await arrived
+                    await ticket.arrived
             except TimeoutError:
                 await self._abort_late(context)
 

@@ -55,7 +55,7 @@ from gossipcomp.transport.base import (
     PeerUnreachableError,
     RejectCode,
 )
-from gossipcomp.transport.bulk_lane import LaneServer, checked_ticket, connect_lane, send_on_lane
+from gossipcomp.transport.bulk_lane import LaneServer, checked_ticket, open_lane, send_on_lane
 from gossipcomp.transport.edge_stream import EdgeStream
 from gossipcomp.transport.grpc_options import (  # re-exported: the names' old home
     WHY_AUTHENTICATION_NEEDS_TLS,
@@ -77,6 +77,7 @@ from gossipcomp.transport.wire import (
 )
 
 log = logging.getLogger("gossipcomp.transport")
+LANE_RETRY_SECONDS = 60.0  # a neighbour's lane that could not be opened is tried again after
 
 __all__ = [
     "SERVICE_NAME",
@@ -191,7 +192,11 @@ class GrpcTransport:
             self.rank, neighbours, self._options.max_envelope_bytes, self._options.mailbox_window
         )
         self._lane = (
-            LaneServer(self._options.max_lane_connections, self._options.first_chunk_timeout)
+            LaneServer(
+                f"peer {self.rank}",
+                self._options.max_lane_connections,
+                self._options.first_chunk_timeout,
+            )
             if self._options.uses_bulk_lane
             else None
         )
@@ -230,7 +235,8 @@ class GrpcTransport:
         self._stubs: dict[int, pb_grpc.GossipStub] = {}
         self._pushers: dict[int, grpc.aio.StreamUnaryMultiCallable] = {}
         self._bulkers: dict[int, grpc.aio.StreamStreamMultiCallable] = {}
-        self._without_lane: set[int] = set()  # neighbours whose lane could not be used
+        # neighbour -> until when (time.monotonic) its lane is not tried: it could not be used
+        self._lane_off_until: dict[int, float] = {}
         self._links: dict[int, EdgeStream] = {}
         self._closed = False
 
@@ -412,6 +418,7 @@ class GrpcTransport:
         if address is None or address == self._channel_addresses.get(neighbour):
             return
         old = self._channels.pop(neighbour)
+        self._lane_off_until.pop(neighbour, None)  # a new address: its lane may work
         self._loop.run(self._open_channels({neighbour: address}))
         self._loop.run(_close_channels([old]))
 
@@ -426,8 +433,8 @@ class GrpcTransport:
         """Whether an envelope of `data_bytes` goes to `neighbour` on its bulk lane."""
         return (
             self._options.uses_bulk_lane
-            and neighbour not in self._without_lane
             and data_bytes >= self._options.bulk_lane_bytes
+            and time.monotonic() >= self._lane_off_until.get(neighbour, 0.0)
         )
 
     def _on_lane(self, neighbour: int, payload: Payload) -> bool:
@@ -441,8 +448,9 @@ class GrpcTransport:
 
     async def _bulk_push(self, neighbour: int, envelope: Envelope, deadline: float) -> int:
         """The header by a Bulk call, the data on the ticket's lane connection; the bytes
-        moved. A lane that cannot be reached (nothing listens, or a peer that serves no lane)
-        is not tried again: the envelope goes as a stream, and a warning says so once."""
+        moved. A lane that cannot be opened within the handshake timeout (nothing listens,
+        the ticket is not accepted, a peer that serves no lane) is not tried again for
+        LANE_RETRY_SECONDS, and a warning says so: the envelope goes as a stream instead."""
         first = header_chunk(envelope)
         data = [memoryview(tensor.data).cast("B") for tensor in envelope.tensors]
         timeout = max(0.001, deadline - time.monotonic())
@@ -458,15 +466,17 @@ class GrpcTransport:
             self._give_up_lane(neighbour, "it serves none (it answered UNIMPLEMENTED)")
             return await self._stream_envelope(neighbour, envelope, deadline)
         host = _host(self._channel_addresses[neighbour])
+        within = min(self._options.hello_timeout, max(0.001, deadline - time.monotonic()))
         try:
-            lane = await connect_lane(host, ticket.port)
+            lane = await open_lane(host, ticket.port, ticket.ticket, within)
         except OSError as error:
             call.cancel()
-            self._give_up_lane(neighbour, f"{host}:{ticket.port} cannot be reached ({error})")
+            why = "no answer" if isinstance(error, TimeoutError) else str(error)
+            self._give_up_lane(neighbour, f"{host}:{ticket.port} cannot be opened ({why})")
             return await self._stream_envelope(neighbour, envelope, deadline)
         with lane:
             try:
-                await send_on_lane(lane, ticket.ticket, data)
+                await send_on_lane(lane, data)
             except OSError:
                 pass  # the receiver closed the lane first: its answer says why
         answer = await call.read()  # the receiver's refusal raises here
@@ -478,12 +488,13 @@ class GrpcTransport:
         return len(first) + sum(len(view) for view in data)
 
     def _give_up_lane(self, neighbour: int, why: str) -> None:
-        self._without_lane.add(neighbour)
+        self._lane_off_until[neighbour] = time.monotonic() + LANE_RETRY_SECONDS
         log.warning(
-            "peer %d: the bulk lane to peer %d is not used: %s; its large envelopes go by "
-            "gRPC stream",
+            "peer %d: the bulk lane to peer %d is not used for %g s: %s; its large envelopes "
+            "go by gRPC stream",
             self.rank,
             neighbour,
+            LANE_RETRY_SECONDS,
             why,
         )
 
