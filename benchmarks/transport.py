@@ -4,16 +4,20 @@ Run: python benchmarks/transport.py --json docs/transport.json
 The receiving peer lives in its own process, as real peers do (so the two sides do not share a
 GIL). Both paths are timed in the same run, interleaved trial by trial in an order
 drawn afresh for each trial (this machine is noisy, and a path's place in a trial moved it),
-and compared as a throughput ratio. The gRPC path is the real transport: chunking, streaming,
-header validation, reassembly, the finite-values check and the mailbox, timed until the receiver
-acknowledges, two ways: as a training round runs it (`exchange`: the receiver answers every round
-with a one-float payload; a payload for one neighbour is chunked while gRPC streams it) and as a
-bare `send` (the receiver's rounds are opened by the same answering exchanges). A bare grpcio byte stream (no parsing or
-validation; chunks made before timing) is timed alongside as the ceiling of the library itself.
+and compared as a throughput ratio. The gRPC paths are the real transport: header validation,
+the finite-values check and the mailbox, timed until the receiver acknowledges, two ways: as a
+training round runs it (`exchange`: the receiver answers every round with a one-float payload)
+and as a bare `send` (the receiver's rounds are opened by the same answering exchanges). At
+the transport's defaults (`grpc_exchange`, `grpc_send`) the envelope goes on the bulk lane
+(header by gRPC, data on a connection of the transport's own: transport/bulk_lane.py); the
+stream paths (`grpc_<chunk>KiB`, `grpc_send_<chunk>KiB`, `grpc_own_reads`) are the same with
+the lane off, chunked and streamed through gRPC, as envelopes below the lane's size or under
+TLS go. A bare grpcio byte stream (no parsing or validation; chunks made before timing) is
+timed alongside as the ceiling of the library itself.
 Each trial also charges each end the CPU seconds its process spent (user and system, every
 thread), so a run shows what bounds it: on a machine whose cores both ends share, the paths are
 CPU-bound and the ratio is their CPU per envelope against the socket's.
-Goal: grpc_vs_socket_ratio (the exchange) >= 0.6.
+Goal: grpc_vs_socket_ratio (the default exchange) >= 0.6.
 """
 
 from __future__ import annotations

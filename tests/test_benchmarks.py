@@ -41,11 +41,11 @@ def _json(path: Path) -> Any:
 
 def test_transport_benchmark_times_a_real_exchange_against_a_socket(tmp_path: Path) -> None:
     out = tmp_path / "transport.json"
-    # 4 MiB: the smallest envelope the bulk lane carries, so the default paths take it
-    _run("transport.py", "--mib", "4", "--trials", "2", "--chunk-kib", "1024", "--json", str(out),
+    # 8 MiB: the smallest envelope the bulk lane carries, so the default paths take it
+    _run("transport.py", "--mib", "8", "--trials", "2", "--chunk-kib", "1024", "--json", str(out),
          timeout=120)  # fmt: skip
     report = _json(out)
-    assert report["envelope_bytes"] == 4 << 20 and report["trials"] == 2
+    assert report["envelope_bytes"] == 8 << 20 and report["trials"] == 2
     assert report["default_chunk_bytes"] == 1 << 20 and len(report["load_average_1min"]) == 2
     paths = {
         "socket",
@@ -63,7 +63,7 @@ def test_transport_benchmark_times_a_real_exchange_against_a_socket(tmp_path: Pa
     for path in paths:
         seconds = report["median_seconds"][path]
         assert seconds > 0
-        assert report["throughput_gb_per_s"][path] == pytest.approx(4 * 2**20 / seconds / 1e9)
+        assert report["throughput_gb_per_s"][path] == pytest.approx(8 * 2**20 / seconds / 1e9)
     assert report["ratio_to_socket"]["socket"] == 1.0
     assert report["on_bulk_lane"] is True
     assert report["grpc_vs_socket_ratio"] == pytest.approx(

@@ -23,9 +23,10 @@ from gossipcomp.transport.serving import (
 )
 from gossipcomp.transport.wire import DEFAULT_CHUNK_BYTES
 
-# the smallest envelope data the bulk lane carries: below a few megabytes gRPC's copies cost
-# less than the lane's extra round trip and connection (docs/benchmarks.md, "Bulk lane")
-DEFAULT_BULK_LANE_BYTES = 4 << 20
+# the smallest envelope data the bulk lane carries: its extra round trips and connection cost
+# as much as gRPC's copies at 4 MiB; from 8 MiB it is faster, between processes and within one
+# (docs/benchmarks.md, "the bulk lane")
+DEFAULT_BULK_LANE_BYTES = 8 << 20
 
 WHY_AUTHENTICATION_NEEDS_TLS = (
     "signatures prove who sent a message but hide nothing, and without TLS anyone on the path "
