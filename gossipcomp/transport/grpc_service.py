@@ -13,7 +13,8 @@ options, and a reader auditing what a stranger can make a peer do reads this fil
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 
 import grpc
 
@@ -196,20 +197,9 @@ class GossipService:
             context,
             min(deadline, loop.time() + self._options.first_chunk_timeout),
         )
-        try:
-            reader = EnvelopeReader(
-                first, self._check_header, self._check_content(), self._buffers.take
-            )
-        except EnvelopeRejected as refused:
-            await self._refuse(context, refused)
-        async with self._envelopes.hold((reader.sender, context.peer()), context):
-            try:
-                await self._read_rest(request_iterator, reader, context, deadline)
-                envelope, spec, wire_bytes = reader.finish()
-                self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
-            except EnvelopeRejected as refused:
-                await self._refuse(context, refused)
-        return pb.PushReply(received_bytes=wire_bytes)
+        reader = await self._open(first, context)
+        rest = partial(self._read_rest, request_iterator, reader, context, deadline)
+        return pb.PushReply(received_bytes=await self._deliver(reader, context, rest))
 
     async def Bulk(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         """An envelope whose header comes here and whose data comes on the bulk lane: the
@@ -228,29 +218,51 @@ class GossipService:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "Bulk: expected the envelope's first chunk alone, then the end of the requests",
             )
+        reader = await self._open(first, context)
+        wire_bytes = await self._deliver(
+            reader, context, partial(self._await_lane, reader, context, deadline)
+        )
+        await context.write(pb.BulkReply(done=pb.PushReply(received_bytes=wire_bytes)))
+
+    async def _open(self, first: bytes | None, context: grpc.aio.ServicerContext) -> EnvelopeReader:
+        """A reader for the envelope whose first chunk is `first`, its header checked; the
+        call is refused when it is not valid (Push and Bulk)."""
         try:
-            reader = EnvelopeReader(
+            return EnvelopeReader(
                 first, self._check_header, self._check_content(), self._buffers.take
             )
         except EnvelopeRejected as refused:
             await self._refuse(context, refused)
+            raise  # abort raises; this keeps type checkers aware
+
+    async def _deliver(
+        self,
+        reader: EnvelopeReader,
+        context: grpc.aio.ServicerContext,
+        data: Callable[[], Awaitable[None]],
+    ) -> int:
+        """Holding one of the sender's envelope slots, await `data` (the rest of the
+        envelope's bytes into `reader`), then check and store the envelope; its wire bytes.
+        The call is refused when it is not valid (Push and Bulk)."""
         async with self._envelopes.hold((reader.sender, context.peer()), context):
             try:
-                if reader.missing:
-                    await self._await_lane(reader, context, deadline)
+                await data()
                 envelope, spec, wire_bytes = reader.finish()
                 self._inbox.accept(envelope, spec, wire_bytes, values_checked=True)
+                return wire_bytes
             except EnvelopeRejected as refused:
                 await self._refuse(context, refused)
-        await context.write(pb.BulkReply(done=pb.PushReply(received_bytes=wire_bytes)))
+                raise  # abort raises; this keeps type checkers aware
 
     async def _await_lane(
         self, reader: EnvelopeReader, context: grpc.aio.ServicerContext, deadline: float
     ) -> None:
-        """Issue a ticket for `reader`'s data and wait until it has come on the lane: the
-        ticket must be shown within the lane's ticket timeout, the data be in by `deadline`
-        (the loop's clock), else DEADLINE_EXCEEDED."""
+        """Issue a ticket for `reader`'s missing data and wait until it has come on the lane:
+        the ticket must be shown within the lane's ticket timeout, the data be in by
+        `deadline` (the loop's clock), else DEADLINE_EXCEEDED."""
         assert self._lane is not None
+        if not reader.missing:  # the first chunk held it all
+            return
         loop = asyncio.get_running_loop()
         with self._lane.expecting(reader) as ticket:
             answer = pb.BulkReply(ticket=pb.BulkTicket(ticket=ticket.ticket, port=self._lane.port))
