@@ -19,7 +19,13 @@ import torch
 from conftest import run_in_threads
 
 from gossipcomp.proto.v1 import gossip_pb2 as pb
-from gossipcomp.transport.base import Envelope, EnvelopeRejected, Identity, Payload
+from gossipcomp.transport.base import (
+    DEFAULT_BULK_LANE_BYTES,
+    Envelope,
+    EnvelopeRejected,
+    Identity,
+    Payload,
+)
 from gossipcomp.transport.bulk_lane import (
     TICKET_ACCEPTED,
     TICKET_BYTES,
@@ -27,7 +33,6 @@ from gossipcomp.transport.bulk_lane import (
     checked_ticket,
 )
 from gossipcomp.transport.codec import encode_raw, tensor_spec
-from gossipcomp.transport.grpc_options import DEFAULT_BULK_LANE_BYTES
 from gossipcomp.transport.grpc_transport import SERVICE_NAME, GrpcOptions, GrpcTransport
 from gossipcomp.transport.wire import envelope_wire_bytes, header_chunk
 
@@ -478,3 +483,22 @@ def test_a_peer_without_a_lane_gets_large_envelopes_as_streams(grpc_pair, caplog
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize(
+    "flag, expected", [([], DEFAULT_BULK_LANE_BYTES), (["0"], 0), (["16"], 16 << 20)]
+)
+def test_the_peer_command_sets_the_lane_size_it_is_given(monkeypatch, flag, expected):
+    import gossipcomp.experiment.simulation as simulation
+    from gossipcomp import cli
+
+    given: dict[str, object] = {}
+
+    def run_peer(*args: object, **kwargs: object) -> None:
+        given.update(kwargs)
+        raise KeyboardInterrupt  # stop before any training
+
+    monkeypatch.setattr(simulation, "run_peer", run_peer)
+    argv = ["peer", "--topology", "ring4", "--rank", "0", "--rounds", "1", "--quiet"]
+    assert cli.main([*argv, *(["--bulk-lane-mib", *flag] if flag else [])]) != 0  # stopped
+    assert given["bulk_lane_bytes"] == expected

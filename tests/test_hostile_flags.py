@@ -112,6 +112,8 @@ def test_out_of_range_flag_values_are_refused_as_parsed(argv, flag, expected, ca
         (["--rank", "-1"], ("--rank", ">= 0")),
         (["--rank", "7"], ("--rank 7", "ranks 0 to 3")),
         (["--low-rank", "100000"], ("--low-rank 100000", "expected 1 to 256")),
+        (["--bulk-lane-mib", "-1"], ("--bulk-lane-mib", "in [0, 1024]")),
+        (["--bulk-lane-mib", "4096"], ("--bulk-lane-mib", "in [0, 1024]")),
     ],
 )
 def test_peer_flags_are_refused_before_any_server_starts(argv, fragments, capsys):

@@ -18,12 +18,14 @@ from gossipcomp.cli.training_flags import add_training_flags
 from gossipcomp.inputs.arguments import HelpWithDefaults, integer, number
 from gossipcomp.inputs.text import quoted
 from gossipcomp.topology import Topology
+from gossipcomp.transport.base import DEFAULT_BULK_LANE_BYTES
 
 if TYPE_CHECKING:  # the training stack and torch.distributed: loaded by a run, not by --help
     from gossipcomp.experiment.simulation import PeerLevels
     from gossipcomp.rendezvous import Launch
 
 MAX_STARTUP_TIMEOUT = 86400.0  # seconds: waiting a day for neighbours is a typing mistake
+MAX_BULK_LANE_MIB = 1024  # an envelope's whole limit (GrpcOptions.max_envelope_bytes)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,6 +74,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds to wait for neighbours to come up before giving up",
     )
     add_tls_flags(peer, "peer")
+    peer.add_argument(
+        "--bulk-lane-mib",
+        type=integer("bulk lane size (MiB)", 0, MAX_BULK_LANE_MIB),
+        default=DEFAULT_BULK_LANE_BYTES >> 20,
+        help="plaintext peers send envelopes of at least this many MiB of data on the "
+        "receiver's bulk lane, a second port it listens on (any free port of its --bind host), "
+        "where the kernel's copies are the only ones; 0: never, for networks where only the "
+        "gRPC port can be reached. With TLS every envelope goes by gRPC",
+    )
     peer.add_argument(
         "--coordinator",
         metavar="HOST:PORT",
@@ -130,6 +141,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         tls=tls,
         signing_key=args.key,
         insecure=args.insecure,
+        bulk_lane_bytes=args.bulk_lane_mib << 20,
         coordinator=args.coordinator,
         peer_levels=_peer_levels(args),
         joining=args.join,

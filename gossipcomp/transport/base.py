@@ -17,6 +17,11 @@ PROTOCOL_VERSION = 2
 RAW_CODEC = "raw"
 MAX_WIRE_ROUND = 2**53  # rounds on the wire lie in [0, MAX_WIRE_ROUND): exact in a float too
 MAX_SCHEDULE_EPOCH = 2**31 - 1  # schedule versions on the wire lie in [0, MAX_SCHEDULE_EPOCH]
+# the smallest envelope data the gRPC transport sends on its bulk lane (transport/bulk_lane.py):
+# its extra round trips and connection cost as much as gRPC's copies at 4 MiB; from 8 MiB it is
+# faster, between processes and within one (docs/benchmarks.md, "the bulk lane"). Here, not
+# with the transport's options, so that a command line can name it without loading gRPC
+DEFAULT_BULK_LANE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,13 @@ from dataclasses import dataclass
 from gossipcomp.security.signing_keys import PeerKeys
 from gossipcomp.security.tls import TlsFiles
 from gossipcomp.transport.authentication import DEFAULT_CLOCK_TOLERANCE
+from gossipcomp.transport.base import DEFAULT_BULK_LANE_BYTES
 from gossipcomp.transport.serving import (
     DEFAULT_READ_CHUNK_BYTES,
     check_read_chunk,
     read_chunk_options,
 )
 from gossipcomp.transport.wire import DEFAULT_CHUNK_BYTES
-
-# the smallest envelope data the bulk lane carries: its extra round trips and connection cost
-# as much as gRPC's copies at 4 MiB; from 8 MiB it is faster, between processes and within one
-# (docs/benchmarks.md, "the bulk lane")
-DEFAULT_BULK_LANE_BYTES = 8 << 20
 
 WHY_AUTHENTICATION_NEEDS_TLS = (
     "signatures prove who sent a message but hide nothing, and without TLS anyone on the path "

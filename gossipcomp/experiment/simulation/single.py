@@ -27,6 +27,7 @@ from gossipcomp.peer import Peer
 from gossipcomp.security import TlsFiles
 from gossipcomp.security.signing_keys import PeerKeys, load_signing_key
 from gossipcomp.topology import Topology
+from gossipcomp.transport.base import DEFAULT_BULK_LANE_BYTES
 from gossipcomp.transport.grpc_transport import WHY_AUTHENTICATION_NEEDS_TLS, GrpcOptions
 
 
@@ -59,6 +60,7 @@ def run_peer(
     tls: TlsFiles | None = None,
     signing_key: Path | None = None,
     insecure: bool = False,
+    bulk_lane_bytes: int = DEFAULT_BULK_LANE_BYTES,
     coordinator: str | None = None,
     report_every: int = 10,
     peer_levels: PeerLevels | None = None,
@@ -70,7 +72,8 @@ def run_peer(
     `tls`, it talks to its neighbours over mutual TLS only; with `signing_key` (required when
     the topology lists public keys, and only with `tls`), it signs every message and accepts
     only messages signed by its neighbours' keys. Without `tls` it serves only on loopback
-    unless `insecure` (GrpcOptions.insecure: plaintext trusts whoever reaches the port). With
+    unless `insecure` (GrpcOptions.insecure: plaintext trusts whoever reaches the port), and
+    sends envelopes of `bulk_lane_bytes` or more on its neighbours' bulk lanes (0: never). With
     `coordinator` (HOST:PORT), it reports there every `report_every` rounds (over `tls` when
     given) and takes the schedules published there; with `peer_levels` instead, it sets its
     links' levels with its neighbours (each must do the same). `joining`: it (re)joins a live
@@ -91,7 +94,7 @@ def run_peer(
         rank,
         build_algorithm(config, topology, rank),
         bind=bind,
-        options=GrpcOptions(tls=tls, keys=keys, insecure=insecure),
+        options=GrpcOptions(tls=tls, keys=keys, insecure=insecure, bulk_lane_bytes=bulk_lane_bytes),
         round_timeout=config.round_timeout,
         ready=checkpoints is None,
         gossip_buffers=config.gossip_buffers,
