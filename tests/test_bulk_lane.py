@@ -502,3 +502,27 @@ def test_the_peer_command_sets_the_lane_size_it_is_given(monkeypatch, flag, expe
     argv = ["peer", "--topology", "ring4", "--rank", "0", "--rounds", "1", "--quiet"]
     assert cli.main([*argv, *(["--bulk-lane-mib", *flag] if flag else [])]) != 0  # stopped
     assert given["bulk_lane_bytes"] == expected
+
+
+def test_an_address_the_machine_lacks_is_left_out_of_the_lane():
+    """A wildcard bind on a machine without IPv6 (or an address not assigned here) must not
+    stop the lane from serving the addresses that exist."""
+    tcp = (socket.SOCK_STREAM, socket.IPPROTO_TCP, "")
+
+    async def serve() -> tuple[int, int]:
+        lane = LaneServer("peer 0", 4, 1.0)
+        try:
+            servers = await lane._bind_all(
+                [
+                    (socket.AF_INET6, *tcp, ("2001:db8::1", 0, 0, 0)),  # documentation prefix
+                    (socket.AF_INET, *tcp, ("127.0.0.1", 0)),
+                ]
+            )
+            _, writer = await asyncio.open_connection("127.0.0.1", lane.port)
+            writer.close()
+            return len(servers), lane.port
+        finally:
+            await lane.close()
+
+    count, port = asyncio.run(serve())
+    assert count == 1 and port > 0

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import secrets
 import socket
@@ -53,6 +54,8 @@ MAX_PORT = 65535
 MAX_BIND_ATTEMPTS = 8  # ports tried for a host of several addresses (LaneServer.start)
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})  # every interface: both families are served
 LOG_EVERY = 60.0  # seconds between two warnings about turned-away connections
+# a socket family this machine lacks (IPv6 turned off): its addresses are left out
+_FAMILY_MISSING = frozenset({errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT})
 
 log = logging.getLogger("gossipcomp.transport")
 
@@ -112,19 +115,29 @@ class LaneServer:
         raise OSError(f"bulk lane: no port free at every address of {host!r}")
 
     async def _bind_all(self, addresses: list[tuple]) -> list[asyncio.Server]:
+        """A server at each address, all on one port (the first one's, picked by the kernel);
+        an address of a family this machine lacks (IPv6 turned off) is left out."""
         loop = asyncio.get_running_loop()
         servers: list[asyncio.Server] = []
         self._servers = servers
         for family, kind, proto, _, address in addresses:
-            sock = socket.socket(family, kind, proto)
+            port = self.port if servers else 0
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError as error:
+                if error.errno in _FAMILY_MISSING:
+                    continue
+                raise
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 if family == socket.AF_INET6:
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.bind((address[0], self.port, *address[2:]) if servers else address)
-            except OSError:
+                sock.bind((address[0], port, *address[2:]))
+            except OSError as error:
                 sock.close()
-                raise
+                if error.errno in _FAMILY_MISSING:
+                    continue
+                raise  # the port is taken at this address: start() tries another
             servers.append(
                 await loop.create_server(
                     lambda: _LaneConnection(self), sock=sock, backlog=self._max_connections
@@ -132,6 +145,8 @@ class LaneServer:
             )
             if len(servers) == 1:
                 self.port = sock.getsockname()[1]
+        if not servers:
+            raise OSError("bulk lane: no address of the host could be listened on")
         return servers
 
     @property
