@@ -100,19 +100,23 @@ class LaneServer:
         interface of both, and a sender may reach any of them); return the port. Raises
         OSError when no port is free at all of them."""
         loop = asyncio.get_running_loop()
-        addresses = await loop.getaddrinfo(
+        found = await loop.getaddrinfo(
             None if host in WILDCARD_HOSTS else host,
             0,
             type=socket.SOCK_STREAM,
             flags=socket.AI_PASSIVE,
         )
+        addresses = list(dict.fromkeys(found))  # a resolver may name one address twice
         for _ in range(MAX_BIND_ATTEMPTS):
             try:
                 self._servers = await self._bind_all(addresses)
                 return self.port
-            except OSError:  # the port taken at another address: try another one
+            except OSError as error:
                 await self._stop_listening()
-        raise OSError(f"bulk lane: no port free at every address of {host!r}")
+                if error.errno != errno.EADDRINUSE:
+                    raise
+                taken = error  # the port is taken at another of the addresses: another port
+        raise OSError(f"bulk lane: no port free at every address of {host!r}") from taken
 
     async def _bind_all(self, addresses: list[tuple]) -> list[asyncio.Server]:
         """A server at each address, all on one port (the first one's, picked by the kernel);
@@ -138,11 +142,14 @@ class LaneServer:
                 if error.errno in _FAMILY_MISSING:
                     continue
                 raise  # the port is taken at this address: start() tries another
-            servers.append(
-                await loop.create_server(
+            try:
+                server = await loop.create_server(
                     lambda: _LaneConnection(self), sock=sock, backlog=self._max_connections
                 )
-            )
+            except BaseException:
+                sock.close()
+                raise
+            servers.append(server)
             if len(servers) == 1:
                 self.port = sock.getsockname()[1]
         if not servers:
@@ -152,6 +159,11 @@ class LaneServer:
     @property
     def open_connections(self) -> int:
         return len(self._connections)
+
+    @property
+    def closing(self) -> bool:
+        """Whether `close` has begun (Bulk calls are refused from then on)."""
+        return self._closing
 
     @contextlib.contextmanager
     def expecting(self, reader: EnvelopeReader) -> Iterator[LaneTicket]:
@@ -178,6 +190,8 @@ class LaneServer:
         for connection in list(self._connections):
             connection.close()
         await self._stop_listening()
+        if self._turned_away:  # the count since the last warning, not to be lost
+            self._warn_turned_away()
 
     async def _stop_listening(self) -> None:
         servers, self._servers, self.port = self._servers, [], 0
@@ -204,16 +218,18 @@ class LaneServer:
 
     def _note_turned_away(self) -> None:
         self._turned_away += 1
-        now = time.monotonic()
-        if now - self._warned_at >= LOG_EVERY:
-            log.warning(
-                "%s: bulk lane full (%d connections): %d turned away or evicted without a "
-                "ticket since the last warning",
-                self._owner,
-                self._max_connections,
-                self._turned_away,
-            )
-            self._warned_at, self._turned_away = now, 0
+        if time.monotonic() - self._warned_at >= LOG_EVERY:
+            self._warn_turned_away()
+
+    def _warn_turned_away(self) -> None:
+        log.warning(
+            "%s: bulk lane full (%d connections): %d turned away or evicted without a ticket "
+            "since the last warning",
+            self._owner,
+            self._max_connections,
+            self._turned_away,
+        )
+        self._warned_at, self._turned_away = time.monotonic(), 0
 
     def _claim(self, ticket: bytes, connection: _LaneConnection) -> LaneTicket | None:
         """The envelope `ticket` was issued for, now bound to `connection` (None: no such
@@ -356,7 +372,11 @@ async def _connect(host: str, port: int) -> socket.socket:
     for family, kind, proto, _, address in await loop.getaddrinfo(
         host, port, type=socket.SOCK_STREAM
     ):
-        sock = socket.socket(family, kind, proto)
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as failed:  # a family this machine lacks (IPv6 off): the next address
+            error = failed
+            continue
         sock.setblocking(False)
         try:
             await loop.sock_connect(sock, address)

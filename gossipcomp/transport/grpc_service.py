@@ -209,6 +209,8 @@ class GossipService:
         if self._lane is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_BULK_LANE)
         assert self._lane is not None
+        if self._lane.closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "bulk lane: this peer is closing")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._options.stream_timeout
         header_deadline = min(deadline, loop.time() + self._options.first_chunk_timeout)
@@ -219,6 +221,12 @@ class GossipService:
                 "Bulk: expected the envelope's first chunk alone, then the end of the requests",
             )
         reader = await self._open(first, context)
+        if not reader.missing:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "Bulk: expected data to come on the lane; an envelope whose first chunk holds "
+                "all its data goes by Push",
+            )
         wire_bytes = await self._deliver(
             reader, context, partial(self._await_lane, reader, context, deadline)
         )
@@ -261,8 +269,6 @@ class GossipService:
         the ticket must be shown within the lane's ticket timeout, the data be in by
         `deadline` (the loop's clock), else DEADLINE_EXCEEDED."""
         assert self._lane is not None
-        if not reader.missing:  # the first chunk held it all
-            return
         loop = asyncio.get_running_loop()
         with self._lane.expecting(reader) as ticket:
             answer = pb.BulkReply(ticket=pb.BulkTicket(ticket=ticket.ticket, port=self._lane.port))
@@ -275,7 +281,8 @@ class GossipService:
             except TimeoutError:
                 await context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"bulk lane: the ticket was not shown within {self._lane.ticket_timeout:g} s",
+                    "bulk lane: the ticket was not shown in time (within "
+                    f"{self._lane.ticket_timeout:g} s, and the call's deadline)",
                 )
             try:
                 async with asyncio.timeout_at(deadline):

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Coroutine, Iterable, Iterator, Mapping
@@ -423,9 +425,12 @@ class GrpcTransport:
         self._loop.run(_close_channels([old]))
 
     def send(self, neighbour: int, envelope: Envelope, deadline: float) -> int:
-        """Stream one envelope to a neighbour before `deadline` (time.monotonic); return its bytes.
+        """Send one envelope to a neighbour before `deadline` (time.monotonic), as a stream or
+        on its bulk lane; return its bytes.
 
-        Raises grpc.RpcError with the receiver's status when it refuses the envelope.
+        Raises grpc.RpcError with the receiver's status when it refuses the envelope or the
+        call's deadline passes, TimeoutError when a bulk push runs past `deadline`, and
+        EnvelopeRejected when the receiver's Bulk answers make no sense.
         """
         return self._loop.run(self._push_envelope(neighbour, envelope, deadline))
 
@@ -447,39 +452,39 @@ class GrpcTransport:
         return await self._stream_envelope(neighbour, envelope, deadline)
 
     async def _bulk_push(self, neighbour: int, envelope: Envelope, deadline: float) -> int:
-        """The header by a Bulk call, the data on the ticket's lane connection; the bytes
-        moved. A lane that cannot be opened within the handshake timeout (nothing listens,
-        the ticket is not accepted, a peer that serves no lane) is not tried again for
-        LANE_RETRY_SECONDS, and a warning says so: the envelope goes as a stream instead."""
+        """The header by a Bulk call, the data on the ticket's lane connection, all before
+        `deadline` (TimeoutError after it); the bytes moved. A lane that cannot be opened
+        within the handshake timeout (nothing listens, the ticket is not accepted) is not
+        tried again for LANE_RETRY_SECONDS, one whose peer serves none until its address
+        changes; a warning says so, and the envelope goes as a stream instead."""
         first = header_chunk(envelope)
         data = [memoryview(tensor.data).cast("B") for tensor in envelope.tensors]
-        timeout = max(0.001, deadline - time.monotonic())
-        call = self._bulkers[neighbour](iter((first,)), timeout=timeout)
+        call = self._bulkers[neighbour](
+            iter((first,)), timeout=max(0.001, deadline - time.monotonic())
+        )
+        finished = False
         try:
-            ticket = checked_ticket(await call.read(), neighbour)
-        except EnvelopeRejected:
-            call.cancel()
-            raise
-        except grpc.RpcError as error:
-            if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            self._give_up_lane(neighbour, "it serves none (it answered UNIMPLEMENTED)")
-            return await self._stream_envelope(neighbour, envelope, deadline)
-        host = _host(self._channel_addresses[neighbour])
-        within = min(self._options.hello_timeout, max(0.001, deadline - time.monotonic()))
-        try:
-            lane = await open_lane(host, ticket.port, ticket.ticket, within)
-        except OSError as error:
-            call.cancel()
-            why = "no answer" if isinstance(error, TimeoutError) else str(error)
-            self._give_up_lane(neighbour, f"{host}:{ticket.port} cannot be opened ({why})")
-            return await self._stream_envelope(neighbour, envelope, deadline)
-        with lane:
-            try:
-                await send_on_lane(lane, data)
-            except OSError:
-                pass  # the receiver closed the lane first: its answer says why
-        answer = await call.read()  # the receiver's refusal raises here
+            async with asyncio.timeout_at(deadline):  # the loop's clock is time.monotonic
+                try:
+                    ticket = checked_ticket(await call.read(), neighbour)
+                except grpc.RpcError as error:
+                    if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    self._give_up_lane(neighbour, "it serves none", math.inf)
+                    return await self._stream_envelope(neighbour, envelope, deadline)
+                lane = await self._open_lane(neighbour, ticket, deadline)
+                if lane is None:
+                    return await self._stream_envelope(neighbour, envelope, deadline)
+                with lane:
+                    try:
+                        await send_on_lane(lane, data)
+                    except OSError:
+                        pass  # the receiver closed the lane first: its answer says why
+                answer = await call.read()  # the receiver's refusal raises here
+                finished = True
+        finally:
+            if not finished:
+                call.cancel()  # a call left open would hold the receiver's slot
         if not isinstance(answer, pb.BulkReply) or answer.WhichOneof("answer") != "done":
             raise EnvelopeRejected(
                 RejectCode.INVALID_ARGUMENT,
@@ -487,14 +492,35 @@ class GrpcTransport:
             )
         return len(first) + sum(len(view) for view in data)
 
-    def _give_up_lane(self, neighbour: int, why: str) -> None:
-        self._lane_off_until[neighbour] = time.monotonic() + LANE_RETRY_SECONDS
+    async def _open_lane(
+        self, neighbour: int, ticket: pb.BulkTicket, deadline: float
+    ) -> socket.socket | None:
+        """The lane connection `ticket` names, its ticket accepted; None when it cannot be
+        opened within the handshake timeout (the lane is given up for a while). When the
+        exchange's own deadline comes first, TimeoutError: the push is late, not the lane."""
+        host = _host(self._channel_addresses[neighbour])
+        left = deadline - time.monotonic()
+        within = min(self._options.hello_timeout, left)
+        try:
+            return await open_lane(host, ticket.port, ticket.ticket, max(0.001, within))
+        except OSError as error:
+            if isinstance(error, TimeoutError) and within >= left:
+                raise
+            why = "no answer" if isinstance(error, TimeoutError) else str(error)
+            self._give_up_lane(
+                neighbour, f"{host}:{ticket.port} cannot be opened ({why})", LANE_RETRY_SECONDS
+            )
+            return None
+
+    def _give_up_lane(self, neighbour: int, why: str, seconds: float) -> None:
+        self._lane_off_until[neighbour] = time.monotonic() + seconds
+        until = f"for {seconds:g} s" if math.isfinite(seconds) else "until its address changes"
         log.warning(
-            "peer %d: the bulk lane to peer %d is not used for %g s: %s; its large envelopes "
-            "go by gRPC stream",
+            "peer %d: the bulk lane to peer %d is not used %s: %s; its large envelopes go by "
+            "gRPC stream",
             self.rank,
             neighbour,
-            LANE_RETRY_SECONDS,
+            until,
             why,
         )
 
@@ -545,9 +571,9 @@ class GrpcTransport:
         sizes: dict[int, int] = {}
         for j, payload in outgoing.items():
             notice = self.inbox.notice_for(j)
-            if self._on_lane(j, payload):
+            if self._on_lane(j, payload):  # each attempt decides again (the lane may be off)
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch, notice=notice)
-                pushes[j] = partial(self._bulk_push, j, envelope, deadline)
+                pushes[j] = partial(self._push_envelope, j, envelope, deadline)
                 continue
             if receivers[id(payload)] == 1 and _data_bytes(payload) > self._options.chunk_bytes:
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch, notice=notice)
@@ -590,6 +616,8 @@ class GrpcTransport:
                 result.failed[j] = f"push failed: {outcome.code().name}: {outcome.details()}"
             elif isinstance(outcome, EnvelopeRejected):  # the receiver's answer made no sense
                 result.failed[j] = f"push failed: {outcome}"
+            elif isinstance(outcome, TimeoutError):  # a bulk push that ran out of time
+                result.failed[j] = f"push not finished within {timeout:g} s"
             elif isinstance(outcome, BaseException):
                 raise outcome
             else:
@@ -605,11 +633,11 @@ class GrpcTransport:
         self.inbox.mailbox.shut()  # a thread waiting in exchange() goes on at once
         try:
             self._server.run(self._service.end_links())  # open links would hold the grace period
-            if self._lane is not None:
-                self._server.run(self._lane.close())
         finally:
-            self._server.stop(grace=0.5)
+            self._server.stop(grace=0.5)  # bulk data in flight may land within the grace
             try:
+                if self._lane is not None:
+                    self._loop.run(self._lane.close())
                 self._loop.run(_close_channels(list(self._channels.values())))
             finally:
                 self._loop.close()

@@ -116,12 +116,10 @@ def envelope_chunks(
         yield _chunk(serialised, pieces, size)
 
 
-def header_chunk(envelope: Envelope, header: pb.EnvelopeHeader | None = None) -> bytes:
-    """An envelope's first chunk without data: its header alone (`header`: a signed copy),
-    what the bulk lane sends by gRPC ahead of the data."""
-    return _chunk(
-        (header if header is not None else header_of(envelope)).SerializeToString(), [], 0
-    )
+def header_chunk(envelope: Envelope) -> bytes:
+    """An envelope's first chunk without data: its header alone, what the bulk lane sends by
+    gRPC ahead of the data."""
+    return _chunk(header_of(envelope).SerializeToString(), [], 0)
 
 
 def with_header(first_chunk: bytes, header: pb.EnvelopeHeader) -> bytes:
@@ -235,7 +233,7 @@ class EnvelopeReader:
         # no memset: every byte is written before use
         self._buffer = (allocate or _fresh_buffer)(self._total)
         self._filled = 0
-        self._scanned = 0  # data bytes scanned for NaN/Inf so far
+        self._scanned = 0  # how far the data had arrived at the last scan for NaN/Inf
         self._digest = hashlib.sha256() if check_content is not None else None
         self.wire_bytes = len(first) if first is not None else 0
         self._take(data)
