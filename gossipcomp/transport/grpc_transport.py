@@ -7,7 +7,7 @@ service (grpc_service.py, the server side), and pushes its own envelopes to its 
 the edge's link (edge_stream.py), a larger one as a stream of its own, and, between plaintext
 peers, one of `bulk_lane_bytes` or more by a Bulk call whose data goes on the receiver's bulk
 lane (bulk_lane.py; a neighbour whose lane cannot be reached gets its envelopes by stream, and
-a warning says so once). Every call has a deadline; message size limits are set on both ends;
+a warning says so). Every call has a deadline; message size limits are set on both ends;
 every envelope is validated (header before data, values after) before it reaches the Inbox, so
 nothing invalid is ever handed to an algorithm. Options and their checks: grpc_options.py.
 
