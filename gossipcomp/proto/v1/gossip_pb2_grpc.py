@@ -109,8 +109,9 @@ class GossipServicer:
         """Delivers a large envelope's data outside gRPC (the bulk lane, plaintext peers only): the
         request is the envelope's first chunk (its header, checked as Push checks it), the first
         answer a BulkTicket, the second, once the data has come on the ticket's connection and been
-        checked, a BulkReply with done. Refused as Push is; FAILED_PRECONDITION when this peer has
-        no bulk lane (it serves TLS, or its lane is off).
+        checked, a BulkReply with done. Refused as Push is; INVALID_ARGUMENT when the first chunk
+        holds all the data (Push carries that); UNIMPLEMENTED when this peer has no bulk lane (it
+        serves TLS, or its lane is off), UNAVAILABLE while it closes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
