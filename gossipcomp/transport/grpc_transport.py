@@ -442,12 +442,9 @@ class GrpcTransport:
             and time.monotonic() >= self._lane_off_until.get(neighbour, 0.0)
         )
 
-    def _on_lane(self, neighbour: int, payload: Payload) -> bool:
-        return self.sends_on_lane(neighbour, _data_bytes(payload))
-
     async def _push_envelope(self, neighbour: int, envelope: Envelope, deadline: float) -> int:
         """`envelope` to `neighbour` on its bulk lane, or as a stream of chunks."""
-        if self._on_lane(neighbour, envelope.tensors):
+        if self.sends_on_lane(neighbour, _data_bytes(envelope.tensors)):
             return await self._bulk_push(neighbour, envelope, deadline)
         return await self._stream_envelope(neighbour, envelope, deadline)
 
@@ -571,11 +568,12 @@ class GrpcTransport:
         sizes: dict[int, int] = {}
         for j, payload in outgoing.items():
             notice = self.inbox.notice_for(j)
-            if self._on_lane(j, payload):  # each attempt decides again (the lane may be off)
+            data_bytes = _data_bytes(payload)
+            if self.sends_on_lane(j, data_bytes):  # each attempt decides again (lane may be off)
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch, notice=notice)
                 pushes[j] = partial(self._push_envelope, j, envelope, deadline)
                 continue
-            if receivers[id(payload)] == 1 and _data_bytes(payload) > self._options.chunk_bytes:
+            if receivers[id(payload)] == 1 and data_bytes > self._options.chunk_bytes:
                 envelope = Envelope(self.rank, round, phase, payload, schedule_epoch, notice=notice)
                 pushes[j] = partial(self._stream_envelope, j, envelope, deadline)
                 continue

@@ -276,9 +276,9 @@ class EnvelopeReader:
 
     def _advance(self, nbytes: int, scan_step: int) -> None:
         """Count `nbytes` just written at `_filled`: hash them, and scan what arrived since the
-        last scan once `scan_step` bytes have gathered or the data is complete (every chunk is
-        scanned as it comes; a scan per socket read of a few kilobytes would cost more than
-        the reads)."""
+        last scan once `scan_step` bytes have gathered or the data is complete. A gRPC chunk
+        (about 1 MiB) is scanned as it comes (step 0); lane data every SCAN_STEP_BYTES, since a
+        scan per socket read of a few kilobytes would cost more than the reads."""
         if self._digest is not None:
             self._digest.update(self._buffer[self._filled : self._filled + nbytes])
         self._filled += nbytes
